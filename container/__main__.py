@@ -1,0 +1,5 @@
+import sys
+
+from container.cli import main
+
+sys.exit(main())

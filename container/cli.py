@@ -1,0 +1,76 @@
+"""The ``sagelmi`` command.
+
+    sagelmi serve  [--model-dir DIR] [--port N]   run the server (what the image runs)
+    sagelmi config [--model-dir DIR] [--json]     print the resolved settings and their sources
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+from container.settings import (DEFAULT_MODEL_DIR, SettingsError, describe_settings, reference_table,
+                                resolve_settings)
+from handlers import logs
+
+log = logging.getLogger("sagelmi")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sagelmi", description="SageMaker-compatible LLM serving")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = sub.add_parser("serve", help="run the model server (the container's command)")
+    serve.add_argument("--model-dir", default=DEFAULT_MODEL_DIR,
+                       help=f"model directory with serving.properties / model.py (default {DEFAULT_MODEL_DIR})")
+    serve.add_argument("--port", type=int, default=None,
+                       help="HTTP port (default: SAGEMAKER_BIND_TO_PORT, else 8080)")
+
+    config = sub.add_parser("config", help="print the resolved settings and where each value came from")
+    config.add_argument("--model-dir", default=DEFAULT_MODEL_DIR, help="model directory to read")
+    config.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    config.add_argument("--reference", action="store_true",
+                        help="print the reference of every setting (Markdown) instead")
+    return parser
+
+
+def _print_config(settings, as_json: bool) -> None:
+    rows = describe_settings(settings)
+    if as_json:
+        print(json.dumps({key: {"value": value, "source": source} for key, value, source in rows}, indent=2))
+        return
+    width = max(len(key) for key, _, _ in rows)
+    vwidth = min(40, max(len(value) for _, value, _ in rows))
+    print(f"{'setting':<{width}}  {'value':<{vwidth}}  source")
+    for key, value, source in rows:
+        print(f"{key:<{width}}  {value:<{vwidth}}  {source}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logs.configure("serve")
+    if getattr(args, "reference", False):
+        print(reference_table())
+        return 0
+    try:
+        settings = resolve_settings(os.environ, args.model_dir, port=getattr(args, "port", None))
+    except SettingsError as exc:
+        log.error("%s", exc)
+        return 2
+    if args.command == "config":
+        _print_config(settings, args.json)
+        return 0
+    logs.configure("serve", settings.log_level)
+    for key, value, source in describe_settings(settings):
+        if source != "default":
+            log.info("setting %s=%s (%s)", key, value, source)
+    from container.supervisor import serve  # keeps `sagelmi config` light
+
+    return serve(settings)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,196 @@
+"""The Flask app: SageMaker's ``/ping`` and ``/invocations``, relayed to model
+workers through the ``Router``.
+
+Request path: read the body (413 past the limit, without reading it), admit
+(503 when the queue is full or the server is draining), pick a worker group,
+send, wait for the head (504 after ``predict_timeout``), then either return
+the body or stream it chunk by chunk (HTTP/1.1 chunked) as the worker produces
+it. A client that disconnects mid-stream cancels its request in the worker.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from typing import Iterator
+
+from flask import Flask, Response, g, request
+from werkzeug.exceptions import HTTPException
+
+from container.frontend.router import Router
+from container.frontend.spec import FrontendSpec
+from container.worker_client import PendingRequest, WorkerLink
+from handlers.errors import (GatewayTimeout, InputError, MethodNotAllowed, NotFound, PayloadTooLarge,
+                             ServingError, describe, envelope)
+from handlers.logs import request_id_var
+from handlers.protocol import Invoke
+
+log = logging.getLogger("sagelmi.frontend")
+
+INFERENCE_ID = "X-Amzn-SageMaker-Inference-Id"
+CUSTOM_ATTRIBUTES = "X-Amzn-SageMaker-Custom-Attributes"
+
+
+def _error_response(exc: BaseException) -> Response:
+    status, message, error = describe(exc)
+    return Response(json.dumps(envelope(status, message, error)), status=status, mimetype="application/json")
+
+
+def request_properties(request_id: str) -> dict[str, str]:
+    """Headers (lower-case names) plus the ``k=v`` pairs of the custom
+    attributes header, as the handler's ``Input`` properties."""
+    props: dict[str, str] = {}
+    for pair in request.headers.get(CUSTOM_ATTRIBUTES, "").split(";"):
+        key, sep, value = pair.partition("=")
+        if sep and key.strip():
+            props[key.strip()] = value.strip()
+    headers: dict[str, str] = {}
+    for name, value in request.headers.items():
+        key = name.lower()
+        headers[key] = f"{headers[key]}, {value}" if key in headers else value
+    props.update(headers)
+    props[INFERENCE_ID.lower()] = request_id
+    return props
+
+
+def _in_band_error(exc: ServingError, content_type: str) -> bytes:
+    """An error after a 200 stream began: sent as the stream's last item."""
+    status, message, error = describe(exc)
+    line = json.dumps(envelope(status, message, error))
+    return f"data: {line}\n\n".encode() if content_type.startswith("text/event-stream") else f"{line}\n".encode()
+
+
+class Invocation:
+    """One request in flight: owns its queue slot until the answer is sent."""
+
+    def __init__(self, router: Router, spec: FrontendSpec, request_id: str) -> None:
+        self.router = router
+        self.spec = spec
+        self.request_id = request_id
+        self.wire_id = uuid.uuid4().hex
+        self.link: WorkerLink | None = None
+        self.pending: PendingRequest | None = None
+        self._released = False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self.router.release()
+
+    def abandon(self) -> None:
+        if self.link is not None:
+            self.link.cancel(self.wire_id)
+
+    def run(self, body: bytes) -> Response:
+        self.router.admit()
+        streaming = False
+        try:
+            self.link = self.router.pick()
+            self.pending = self.link.submit(
+                Invoke(id=self.wire_id, properties=request_properties(self.request_id), body=body))
+            try:
+                head = self.pending.wait_head(self.spec.predict_timeout)
+                if head.stream:
+                    streaming = True
+                    return Response(self._relay(head.headers.get("content-type", "")), status=head.code,
+                                    headers=head.headers)
+                return Response(self._collect(), status=head.code, headers=head.headers)
+            except ServingError:
+                self.abandon()
+                raise
+        finally:
+            if not streaming:
+                self.release()
+
+    def _collect(self) -> bytes:
+        deadline = time.monotonic() + self.spec.predict_timeout
+        parts = []
+        while (data := self.pending.next_data(max(deadline - time.monotonic(), 0.0))) is not None:
+            parts.append(data)
+        return b"".join(parts)
+
+    def _relay(self, content_type: str) -> Iterator[bytes]:
+        request_id_var.set(self.request_id)
+        finished = False
+        try:
+            while (data := self.pending.next_data(self.spec.predict_timeout)) is not None:
+                yield data
+            finished = True
+        except ServingError as exc:
+            finished = True
+            if isinstance(exc, GatewayTimeout):
+                self.abandon()
+            log.warning("stream ended with an error: %s", exc)
+            yield _in_band_error(exc, content_type)
+        finally:
+            if not finished:
+                log.info("client went away during the stream; cancelling the request")
+                self.abandon()
+            self.release()
+
+
+def create_app(spec: FrontendSpec) -> Flask:
+    router = Router(spec)
+    router.start()
+    app = Flask("sagelmi")
+    app.config["MAX_CONTENT_LENGTH"] = spec.max_payload_bytes
+    app.extensions["sagelmi"] = router
+
+    @app.before_request
+    def _start() -> None:
+        g.request_id = request.headers.get(INFERENCE_ID) or uuid.uuid4().hex
+        g.started = time.monotonic()
+        request_id_var.set(g.request_id)
+
+    @app.after_request
+    def _finish(resp: Response) -> Response:
+        if request.path != "/ping":
+            resp.headers[INFERENCE_ID] = g.request_id
+            log.info("%s %s -> %s (%.1f ms to the first byte)", request.method, request.path, resp.status_code,
+                     (time.monotonic() - g.started) * 1000)
+        return resp
+
+    @app.teardown_request
+    def _forget(_exc) -> None:
+        request_id_var.set("-")
+
+    @app.errorhandler(ServingError)
+    def _serving_error(exc: ServingError) -> Response:
+        return _error_response(exc)
+
+    @app.errorhandler(HTTPException)
+    def _http_error(exc: HTTPException) -> Response:
+        mapped = {
+            404: NotFound(f"no route {request.method} {request.path}; the server answers GET /ping and "
+                          f"POST /invocations"),
+            405: MethodNotAllowed(f"{request.method} is not allowed on {request.path}"),
+            413: PayloadTooLarge(
+                f"the request body is {request.content_length or 'more than'} bytes; the limit is "
+                f"{spec.max_payload_bytes} bytes (max_payload_in_mb / SAGEMAKER_MAX_PAYLOAD_IN_MB)"),
+        }.get(exc.code, InputError(exc.description or exc.name) if (exc.code or 500) < 500 else ServingError())
+        return _error_response(mapped)
+
+    @app.errorhandler(Exception)
+    def _unexpected(exc: Exception) -> Response:
+        log.exception("unexpected error")
+        return _error_response(ServingError())
+
+    @app.get("/ping")
+    def ping() -> Response:
+        healthy, body = router.health()
+        return Response(json.dumps(body), status=200 if healthy else 503, mimetype="application/json")
+
+    @app.get("/execution-parameters")
+    def execution_parameters() -> Response:
+        body = {"MaxConcurrentTransforms": len(router.links), "BatchStrategy": "SINGLE_RECORD",
+                "MaxPayloadInMB": max(1, spec.max_payload_bytes // (1024 * 1024))}
+        return Response(json.dumps(body), mimetype="application/json")
+
+    @app.post("/invocations")
+    def invocations() -> Response:
+        body = request.get_data(cache=False)
+        return Invocation(router, spec, g.request_id).run(body)
+
+    return app

@@ -1,0 +1,114 @@
+"""Running the Flask app under gunicorn: ``python -m container.frontend.server SPEC``.
+
+One gunicorn worker process with a thread per request (gthread), so all
+requests share one ``Router`` (queue bound, least-in-flight routing, health).
+The listening socket is created by the supervisor before the model loads and
+passed in as a file descriptor.
+
+Shutdown: on SIGTERM the worker first drains: it keeps accepting connections
+but answers 503, lets the requests in flight finish (up to the grace period),
+and only then stops.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from gunicorn import glogging
+from gunicorn.app.base import BaseApplication
+from gunicorn.workers.gthread import ThreadWorker
+
+from container.frontend.app import create_app
+from container.frontend.spec import FrontendSpec, decode_spec
+from handlers import logs, proc
+
+log = logging.getLogger("sagelmi.frontend")
+
+# Threads beyond the queue bound, so /ping and rejections never wait for a thread.
+SPARE_THREADS = 32
+
+
+class GunicornLog(glogging.Logger):
+    """Gunicorn's own messages in sagelmi's log format; no access log (the app
+    logs each request with its id)."""
+
+    def setup(self, cfg) -> None:
+        self.error_log.handlers.clear()
+        self.error_log.propagate = True
+        self.error_log.setLevel(cfg.loglevel.upper())
+        self.access_log.handlers.clear()
+        self.access_log.propagate = False
+        self.access_log.disabled = True
+
+
+class DrainingWorker(ThreadWorker):
+    """A gthread worker that answers 503 while draining instead of refusing
+    connections, and stops once its requests are done."""
+
+    def init_process(self) -> None:
+        logs.configure("frontend", self.cfg.loglevel.upper())
+        proc.die_with_parent()
+        super().init_process()
+
+    def handle_exit(self, sig, frame) -> None:
+        router = self.wsgi.extensions["sagelmi"]
+        if router.draining:
+            return
+        router.begin_drain()
+        threading.Thread(target=self._stop_when_idle, args=(router,), name="drain", daemon=True).start()
+
+    def _stop_when_idle(self, router) -> None:
+        grace = router.spec.grace_period
+        log.info("draining: %d request(s) in flight, waiting up to %gs", router.in_flight, grace)
+        if router.wait_idle(grace):
+            log.info("drained")
+        else:
+            log.warning("grace period over with %d request(s) still in flight", router.in_flight)
+        router.close()
+        ThreadWorker.handle_exit(self, signal.SIGTERM, None)
+
+
+class FrontendServer(BaseApplication):
+    def __init__(self, spec: FrontendSpec) -> None:
+        self.spec = spec
+        super().__init__()
+
+    def load_config(self) -> None:
+        threads = self.spec.job_queue_size + SPARE_THREADS
+        settings = {
+            "bind": [f"fd://{self.spec.listen_fd}"],
+            "workers": 1,
+            "worker_class": f"{__name__}.DrainingWorker",
+            "threads": threads,
+            "worker_connections": threads + 256,
+            "keepalive": 75,  # longer than SageMaker's idle connection reuse
+            "timeout": 120,  # heartbeat of the worker's main loop, not a request limit
+            "graceful_timeout": int(self.spec.grace_period) + 5,
+            "loglevel": self.spec.log_level.lower(),
+            "accesslog": None,
+            "logger_class": f"{__name__}.GunicornLog",
+            "control_socket_disable": True,
+            "proc_name": "sagelmi-frontend",
+        }
+        for key, value in settings.items():
+            self.cfg.set(key, value)
+
+    def load(self):
+        return create_app(self.spec)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    spec = decode_spec(Path(args[0]).read_bytes())
+    logs.configure("frontend", spec.log_level)
+    proc.die_with_parent()
+    FrontendServer(spec).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,316 @@
+"""Settings: one typed object, built by one function from the environment,
+``<model-dir>/serving.properties`` and defaults. No other module reads
+``os.environ`` for settings.
+
+Names follow LMI. Precedence, weakest first:
+
+1. defaults;
+2. environment: ``OPTION_<NAME>`` (-> ``option.<name>``), ``SERVING_<KEY>``
+   (-> ``<key>``) and the aliases in ``KEYS`` (``HF_MODEL_ID``,
+   ``TENSOR_PARALLEL_DEGREE``, the TGI names ...). When several spellings of one
+   setting are set, the one listed first in ``KEYS`` wins (LMI's own name
+   beats a TGI alias) and a warning names the others;
+3. ``serving.properties`` in the model directory;
+4. SageMaker platform values (``SAGEMAKER_BIND_TO_PORT``, ...);
+5. the command line (``--port``).
+
+A value that does not fit stops start-up with ``SettingsError``, whose
+message names the key, the value, where it came from and what is allowed.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Literal, Mapping
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from container.properties import read_properties
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_DIR = "/opt/ml/model"
+
+
+class SettingsError(Exception):
+    """A setting has a value that cannot be used; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class Key:
+    """One setting: its ``serving.properties`` key and every other spelling."""
+
+    field: str                      # attribute of Settings
+    key: str                        # serving.properties key
+    env: tuple[str, ...]            # environment names, strongest first
+    allowed: str                    # what values are accepted, for error messages
+    doc: str
+    sagemaker: tuple[str, ...] = ()  # SageMaker platform overrides, strongest first
+
+
+KEYS: tuple[Key, ...] = (
+    # -- model
+    Key("model_id", "option.model_id", ("OPTION_MODEL_ID", "HF_MODEL_ID"), "a Hub model id, a local path or s3:// URI",
+        "The model: a Hugging Face Hub id, a local directory or an s3:// prefix. Unset: the model directory."),
+    Key("revision", "option.revision", ("OPTION_REVISION", "HF_REVISION"), "a Hub revision (branch, tag, commit)",
+        "Revision of a Hub model."),
+    Key("task", "option.task", ("OPTION_TASK", "HF_TASK"), "a task name such as text-generation",
+        "The model's task."),
+    Key("entry_point", "option.entryPoint", ("OPTION_ENTRYPOINT",), "a .py file in the model directory or a module name",
+        "The handler. Unset: model.py in the model directory."),
+    Key("trust_remote_code", "option.trust_remote_code",
+        ("OPTION_TRUST_REMOTE_CODE", "HF_TRUST_REMOTE_CODE", "HF_MODEL_TRUST_REMOTE_CODE"), "true or false",
+        "Allow model code from the Hub."),
+    Key("quantize", "option.quantize", ("OPTION_QUANTIZE", "HF_MODEL_QUANTIZE"), "a quantization method name",
+        "Quantization method (awq, gptq, fp8, ...)."),
+    # -- parallelism and workers
+    Key("engine", "engine", ("OPTION_ENGINE",), "Python or MPI",
+        "How workers start: Python (one process per worker group) or MPI (mpirun ranks)."),
+    Key("mpi_mode", "option.mpi_mode", ("OPTION_MPI_MODE",), "true or false",
+        "Run each worker group as MPI ranks (same as engine=MPI)."),
+    Key("tensor_parallel_degree", "option.tensor_parallel_degree",
+        ("OPTION_TENSOR_PARALLEL_DEGREE", "TENSOR_PARALLEL_DEGREE", "SM_NUM_GPUS"), "a whole number >= 1, or max",
+        "Accelerators per worker group; max uses all visible devices."),
+    Key("min_workers", "min_workers", ("SERVING_MIN_WORKERS",), "a whole number >= 1",
+        "Worker groups to start when there are no accelerators.",
+        ("SAGEMAKER_MODEL_SERVER_WORKERS", "SAGEMAKER_NUM_MODEL_WORKERS")),
+    Key("max_workers", "max_workers", ("SERVING_MAX_WORKERS",), "a whole number >= 1",
+        "Upper bound on worker groups (with accelerators: devices / tensor_parallel_degree).",
+        ("SAGEMAKER_MODEL_SERVER_WORKERS", "SAGEMAKER_NUM_MODEL_WORKERS")),
+    Key("sync_handler_threads", "option.sync_handler_threads", ("OPTION_SYNC_HANDLER_THREADS",),
+        "a whole number >= 1",
+        "How many calls of a synchronous handle() one worker runs at once (1: one at a time, as LMI)."),
+    # -- engine
+    Key("rolling_batch", "option.rolling_batch", ("OPTION_ROLLING_BATCH",), "auto, vllm, lmi-dist or disable",
+        "Continuous batching backend for the built-in handler."),
+    Key("max_rolling_batch_size", "option.max_rolling_batch_size", ("OPTION_MAX_ROLLING_BATCH_SIZE", "MAX_BATCH_SIZE"),
+        "a whole number >= 1", "Most sequences the engine runs at once."),
+    Key("max_rolling_batch_prefill_tokens", "option.max_rolling_batch_prefill_tokens",
+        ("OPTION_MAX_ROLLING_BATCH_PREFILL_TOKENS", "MAX_BATCH_PREFILL_TOKENS"), "a whole number >= 1",
+        "Most prompt tokens prefilled in one engine step."),
+    # -- server
+    Key("port", "port", ("SERVING_PORT",), "a port number 1-65535", "HTTP port.", ("SAGEMAKER_BIND_TO_PORT",)),
+    Key("job_queue_size", "job_queue_size", ("SERVING_JOB_QUEUE_SIZE", "MAX_CONCURRENT_REQUESTS"),
+        "a whole number >= 1", "Requests accepted at once (running or waiting); beyond it: 503."),
+    Key("max_payload_in_mb", "max_payload_in_mb", ("SERVING_MAX_PAYLOAD_IN_MB",), "a number of MiB > 0",
+        "Largest request body; larger bodies get 413.", ("SAGEMAKER_MAX_PAYLOAD_IN_MB",)),
+    Key("predict_timeout", "option.predict_timeout", ("OPTION_PREDICT_TIMEOUT",), "seconds > 0",
+        "Longest wait for an answer (for a stream: for its start and between chunks); then 504.",
+        ("SAGEMAKER_MODEL_SERVER_TIMEOUT_SECONDS", "SAGEMAKER_MODEL_SERVER_TIMEOUT")),
+    Key("model_loading_timeout", "option.model_loading_timeout", ("OPTION_MODEL_LOADING_TIMEOUT",), "seconds > 0",
+        "Longest model load before start-up fails.", ("SAGEMAKER_STARTUP_TIMEOUT",)),
+    Key("shutdown_grace_period", "shutdown_grace_period", ("SERVING_SHUTDOWN_GRACE_PERIOD",), "seconds >= 0",
+        "On SIGTERM, how long in-flight requests may take to finish."),
+    Key("log_level", "log_level", ("SERVING_LOG_LEVEL",), "DEBUG, INFO, WARNING or ERROR", "Log level."),
+)
+
+KEY_BY_NAME = {k.key: k for k in KEYS}
+KEY_BY_FIELD = {k.field: k for k in KEYS}
+
+
+class Settings(BaseModel):
+    """The resolved settings of one server. Immutable."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model_dir: str = DEFAULT_MODEL_DIR
+    model_id: str | None = None
+    revision: str | None = None
+    task: str | None = None
+    entry_point: str | None = None
+    trust_remote_code: bool = False
+    quantize: str | None = None
+    engine: Literal["Python", "MPI"] = "Python"
+    mpi_mode: bool = False
+    tensor_parallel_degree: Annotated[int, Field(ge=1)] | Literal["max"] = 1
+    min_workers: int | None = Field(None, ge=1)
+    max_workers: int | None = Field(None, ge=1)
+    sync_handler_threads: int = Field(1, ge=1)
+    rolling_batch: str = "auto"
+    max_rolling_batch_size: int = Field(256, ge=1)
+    max_rolling_batch_prefill_tokens: int | None = Field(None, ge=1)
+    port: int = Field(8080, ge=1, le=65535)
+    job_queue_size: int = Field(1000, ge=1)
+    max_payload_in_mb: float = Field(6.0, gt=0)
+    predict_timeout: float = Field(120.0, gt=0)
+    model_loading_timeout: float = Field(1800.0, gt=0)
+    shutdown_grace_period: float = Field(25.0, ge=0)
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+    cuda_visible_devices: str | None = None
+    """``CUDA_VISIBLE_DEVICES`` as the server found it (None: unset)."""
+    options: dict[str, str] = Field(default_factory=dict)
+    """Every ``option.*`` as given (name without the prefix), for the handler."""
+    sources: dict[str, str] = Field(default_factory=dict)
+    """Where each value came from, by ``serving.properties`` key."""
+
+    @field_validator("engine", mode="before")
+    @classmethod
+    def _engine_case(cls, value):
+        if isinstance(value, str):
+            return {"python": "Python", "mpi": "MPI"}.get(value.strip().lower(), value)
+        return value
+
+    @field_validator("tensor_parallel_degree", "log_level", mode="before")
+    @classmethod
+    def _words_case(cls, value):
+        if isinstance(value, str):
+            word = value.strip()
+            return word.lower() if word.lower() == "max" else word.upper() if word.isalpha() else word
+        return value
+
+    @model_validator(mode="after")
+    def _workers_order(self):
+        if self.min_workers and self.max_workers and self.min_workers > self.max_workers:
+            raise ValueError(
+                f"min_workers={self.min_workers} ({self.sources.get('min_workers')}) is larger than "
+                f"max_workers={self.max_workers} ({self.sources.get('max_workers')})")
+        return self
+
+    @property
+    def use_mpi(self) -> bool:
+        return self.engine == "MPI" or self.mpi_mode
+
+    @property
+    def max_payload_bytes(self) -> int:
+        return int(self.max_payload_in_mb * 1024 * 1024)
+
+    def handler_properties(self) -> dict[str, str]:
+        """What a handler's initialisation call receives (LMI: options + model_dir)."""
+        return {**self.options, "model_dir": self.model_dir}
+
+
+def _option_key(name: str) -> str:
+    """``model_id`` -> ``option.model_id``; LMI spells one option in camel case."""
+    name = name.lower()
+    return "option.entryPoint" if name == "entrypoint" else f"option.{name}"
+
+
+def _canonical(key: str) -> str:
+    return _option_key(key[len("option."):]) if key.lower().startswith("option.") else key
+
+
+def _nearest(name: str, candidates) -> str:
+    close = difflib.get_close_matches(name, list(candidates), n=2, cutoff=0.6)
+    return f" (did you mean {' or '.join(close)}?)" if close else ""
+
+
+class _Layers:
+    """Raw values by key with their source; later layers overwrite earlier ones."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, tuple[str, str]] = {}
+
+    def set(self, key: str, value: str, source: str) -> None:
+        self.values[key] = (value, source)
+
+
+def _read_env(env: Mapping[str, str], layers: _Layers) -> None:
+    spelled = set()
+    for k in KEYS:
+        found = [(name, env[name]) for name in k.env if env.get(name, "") != ""]
+        spelled.update(k.env)
+        if not found:
+            continue
+        name, value = found[0]
+        layers.set(k.key, value, f"env {name}")
+        for other, other_value in found[1:]:
+            if other_value != value:
+                log.warning("%s=%s is ignored: %s=%s sets %s", other, other_value, name, value, k.key)
+    for name, value in env.items():
+        if name in spelled or value == "":
+            continue
+        if name.startswith("OPTION_") and len(name) > len("OPTION_"):
+            layers.set(_option_key(name[len("OPTION_"):]), value, f"env {name}")
+        elif name.startswith("SERVING_") and len(name) > len("SERVING_"):
+            known = [n for k in KEYS for n in k.env if n.startswith("SERVING_")]
+            log.warning("environment variable %s is not a sagelmi setting and is ignored%s",
+                        name, _nearest(name, known))
+
+
+def _read_file(model_dir: Path, layers: _Layers) -> None:
+    for raw_key, (value, line) in read_properties(model_dir / "serving.properties").items():
+        key = _canonical(raw_key)
+        source = f"serving.properties line {line}"
+        if key.startswith("option.") or key in KEY_BY_NAME:
+            layers.set(key, value, source)
+        else:
+            log.warning("%s=%s (%s) is not a sagelmi setting and is ignored%s", raw_key, value, source,
+                        _nearest(raw_key, [k.key for k in KEYS if not k.key.startswith("option.")]))
+
+
+def _read_sagemaker(env: Mapping[str, str], layers: _Layers) -> None:
+    for k in KEYS:
+        for name in k.sagemaker:
+            if env.get(name, "") != "":
+                layers.set(k.key, env[name], f"SageMaker {name}")
+                break
+
+
+def _explain(exc: ValidationError, layers: _Layers) -> SettingsError:
+    err = exc.errors()[0]
+    loc = err.get("loc") or ()
+    field = str(loc[0]) if loc else ""
+    spec = KEY_BY_FIELD.get(field)
+    if spec is None:  # a cross-field check: its message names the values
+        return SettingsError(f"invalid settings: {err['msg'].removeprefix('Value error, ')}")
+    value, source = layers.values.get(spec.key, (None, "default"))
+    return SettingsError(f"invalid setting {spec.key}={value!r} (from {source}): {err['msg']}. "
+                         f"Allowed: {spec.allowed}.")
+
+
+def resolve_settings(env: Mapping[str, str], model_dir: str | Path = DEFAULT_MODEL_DIR,
+                     port: int | None = None) -> Settings:
+    """Build the settings from ``env``, ``<model_dir>/serving.properties``,
+    SageMaker's variables and an optional command-line ``port``.
+
+    Raises ``SettingsError`` for a value that does not fit."""
+    model_dir = Path(model_dir).absolute()
+    layers = _Layers()
+    _read_env(env, layers)
+    _read_file(model_dir, layers)
+    _read_sagemaker(env, layers)
+    if port is not None:
+        layers.set("port", str(port), "command line --port")
+
+    typed = {KEY_BY_NAME[key].field: value for key, (value, _) in layers.values.items() if key in KEY_BY_NAME}
+    options = {key[len("option."):]: value for key, (value, _) in layers.values.items()
+               if key.startswith("option.")}
+    sources = {k.key: layers.values.get(k.key, (None, "default"))[1] for k in KEYS}
+    sources.update({key: source for key, (_, source) in layers.values.items()})
+    try:
+        return Settings(model_dir=str(model_dir), cuda_visible_devices=env.get("CUDA_VISIBLE_DEVICES"),
+                        options=options, sources=sources, **typed)
+    except ValidationError as exc:
+        raise _explain(exc, layers) from None
+
+
+def describe_settings(settings: Settings) -> list[tuple[str, str, str]]:
+    """Rows of ``(key, value, source)`` for every setting and passthrough option."""
+    rows = []
+    for k in KEYS:
+        value = getattr(settings, k.field)
+        rows.append((k.key, "" if value is None else str(value), settings.sources.get(k.key, "default")))
+    typed = {k.key for k in KEYS}
+    for name, value in sorted(settings.options.items()):
+        key = f"option.{name}"
+        if key not in typed:
+            rows.append((key, value, settings.sources.get(key, "?") + " (passed to the handler)"))
+    return rows
+
+
+def reference_table() -> str:
+    """The configuration reference as a Markdown table (the README embeds it)."""
+    lines = ["| setting | environment | SageMaker override | default | allowed | meaning |",
+             "|---|---|---|---|---|---|"]
+    defaults = Settings()
+    for k in KEYS:
+        default = getattr(defaults, k.field)
+        env = ", ".join(f"`{n}`" for n in k.env)
+        sagemaker = ", ".join(f"`{n}`" for n in k.sagemaker)
+        lines.append(f"| `{k.key}` | {env} | {sagemaker} | {'' if default is None else f'`{default}`'} | "
+                     f"{k.allowed} | {k.doc} |")
+    return "\n".join(lines)

@@ -1,0 +1,232 @@
+"""The client side of the worker protocol: one connection to one model worker,
+shared by many request threads.
+
+``WorkerLink`` owns a background thread that (re)connects to the worker's Unix
+socket and reads every message from it. Status messages update ``state``;
+answers are handed to the ``PendingRequest`` of their request id. Request
+threads write under a lock and wait on their own ``PendingRequest``, which
+merges the chunks that arrive while its reader is busy, so a slow client never
+makes a queue grow one entry per token.
+
+When the connection drops, every request in flight on it fails at once with
+503 and the link keeps trying to reconnect (a restarted worker binds the same
+path).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+
+from handlers.errors import GatewayTimeout, ServiceUnavailable, ServingError
+from handlers.protocol import Cancel, Chunk, End, Fail, Head, Invoke, ProtocolError, Status, encode, read_message
+
+log = logging.getLogger("sagelmi.link")
+
+RECONNECT_INTERVAL = 0.1
+
+
+class WorkerFailed(ServingError):
+    """An error the worker reported for one request; carries the worker's status."""
+
+    def __init__(self, fail: Fail) -> None:
+        super().__init__(fail.error)
+        self.status = fail.code
+        self.message = fail.message
+
+
+class PendingRequest:
+    """The answer to one request, filled in by the link's reader thread."""
+
+    def __init__(self, request_id: str) -> None:
+        self.id = request_id
+        self._cond = threading.Condition()
+        self._head: Head | None = None
+        self._chunks: list[bytes] = []
+        self._finished = False
+        self._error: ServingError | None = None
+
+    # -- reader thread side
+    def deliver(self, message) -> None:
+        with self._cond:
+            if isinstance(message, Head):
+                self._head = message
+            elif isinstance(message, Chunk):
+                self._chunks.append(message.data)
+            elif isinstance(message, End):
+                self._finished = True
+            elif isinstance(message, Fail):
+                self._error = WorkerFailed(message)
+            self._cond.notify_all()
+
+    def fail(self, error: ServingError) -> None:
+        with self._cond:
+            if not self._finished and self._error is None:
+                self._error = error
+            self._cond.notify_all()
+
+    @property
+    def done(self) -> bool:
+        return self._finished or self._error is not None
+
+    # -- request thread side
+    def wait_head(self, timeout: float) -> Head:
+        """Block until the worker answered with a Head; raise its error instead
+        if it failed, ``GatewayTimeout`` after ``timeout`` seconds."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._head is not None or self._error is not None, timeout):
+                raise GatewayTimeout(f"no answer from the model within {timeout:g}s (option.predict_timeout)")
+            if self._head is None:
+                raise self._error
+            return self._head
+
+    def next_data(self, timeout: float) -> bytes | None:
+        """Everything received since the last call, as one piece; ``None`` once
+        the answer is complete. Raises the request's error, or
+        ``GatewayTimeout`` when nothing arrives for ``timeout`` seconds."""
+        with self._cond:
+            ready = self._cond.wait_for(lambda: self._chunks or self._finished or self._error is not None, timeout)
+            if self._chunks:
+                data = self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
+                self._chunks.clear()
+                return data
+            if self._error is not None:
+                raise self._error
+            if self._finished:
+                return None
+            assert not ready
+            raise GatewayTimeout(f"the model sent nothing for {timeout:g}s (option.predict_timeout)")
+
+
+class WorkerLink:
+    """A connection to one model worker, re-established whenever it drops."""
+
+    def __init__(self, name: str, socket_path: str) -> None:
+        self.name = name
+        self.socket_path = socket_path
+        self.state = "starting"  # starting | loading | ready | failed | down
+        self.detail = ""
+        self.worker_pid = 0
+        self._sock: socket.socket | None = None
+        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._pending: dict[str, PendingRequest] = {}
+        self._stopped = threading.Event()
+        self._changed = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name=f"link-{name}", daemon=True)
+
+    def start(self) -> "WorkerLink":
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stopped.set()
+        sock = self._sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._pending)
+
+    def wait_for_state(self, states: set[str], timeout: float) -> bool:
+        with self._changed:
+            return self._changed.wait_for(lambda: self.state in states, timeout)
+
+    # -- requests
+    def submit(self, invoke: Invoke) -> PendingRequest:
+        """Send ``invoke``; raises ``ServiceUnavailable`` if the worker is not ready."""
+        pending = PendingRequest(invoke.id)
+        with self._lock:
+            if self.state != "ready" or self._sock is None:
+                raise ServiceUnavailable(f"model worker {self.name} is {self.state}")
+            self._pending[invoke.id] = pending
+            sock = self._sock
+        try:
+            self._send(sock, encode(invoke))
+        except OSError:
+            self._pending.pop(invoke.id, None)
+            raise ServiceUnavailable(f"model worker {self.name} went away before the request was sent") from None
+        return pending
+
+    def cancel(self, request_id: str) -> None:
+        """Abandon a request: the worker cancels it; late answers are dropped."""
+        pending = self._pending.pop(request_id, None)
+        sock = self._sock
+        if pending is None or pending.done or sock is None:
+            return
+        try:
+            self._send(sock, encode(Cancel(id=request_id)))
+        except OSError:
+            pass
+
+    def _send(self, sock: socket.socket, frame: bytes) -> None:
+        with self._send_lock:
+            sock.sendall(frame)
+
+    # -- reader thread
+    def _set_state(self, state: str, detail: str = "") -> None:
+        with self._changed:
+            self.state, self.detail = state, detail
+            self._changed.notify_all()
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            sock = self._connect()
+            if sock is None:
+                return
+            try:
+                self._read(sock)
+            except (OSError, ProtocolError) as exc:
+                if not self._stopped.is_set():
+                    log.warning("connection to model worker %s broke: %s", self.name, exc)
+            finally:
+                self._lost(sock)
+
+    def _connect(self) -> socket.socket | None:
+        while not self._stopped.is_set():
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.connect(self.socket_path)
+            except OSError:
+                sock.close()
+                time.sleep(RECONNECT_INTERVAL)
+                continue
+            with self._lock:
+                self._sock = sock
+            return sock
+        return None
+
+    def _read(self, sock: socket.socket) -> None:
+        while (message := read_message(sock)) is not None:
+            if isinstance(message, Status):
+                self.worker_pid = message.pid
+                self._set_state(message.state, message.detail)
+                continue
+            pending = self._pending.get(message.id)
+            if pending is None:
+                continue  # cancelled or timed out: the answer is no longer wanted
+            pending.deliver(message)
+            if isinstance(message, (End, Fail)):
+                self._pending.pop(message.id, None)
+
+    def _lost(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._sock = None
+            orphans = list(self._pending.values())
+            self._pending.clear()
+        sock.close()
+        if self._stopped.is_set():
+            return
+        if self.state != "failed":
+            self._set_state("down", "the model worker process is not running")
+        if orphans:
+            log.error("model worker %s went away with %d request(s) in flight", self.name, len(orphans))
+        for pending in orphans:
+            pending.fail(ServiceUnavailable(
+                f"model worker {self.name} stopped while handling the request; it is being restarted, retry"))

@@ -1,0 +1,5 @@
+"""LMI import path ``djl_python.inputs``."""
+
+from handlers.api import Input
+
+__all__ = ["Input"]

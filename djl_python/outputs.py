@@ -1,0 +1,5 @@
+"""LMI import path ``djl_python.outputs``."""
+
+from handlers.api import Output
+
+__all__ = ["Output"]

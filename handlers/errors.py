@@ -1,0 +1,105 @@
+"""Every error a client can see: its exception type, its HTTP status, its envelope.
+
+Nothing else in the code base knows a status number for an error. Both
+processes use this module: the frontend for what it rejects itself (queue full,
+payload too large, ...), the worker for what a handler raised.
+
+The envelope is LMI's: ``{"code": <status>, "message": <summary>, "error":
+<detail>}``. Details never carry a traceback; absolute file-system paths are
+replaced with ``<path>`` before they leave the process.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+
+class ServingError(Exception):
+    """An error with a status and a message meant for the client."""
+
+    status = 500
+    message = "internal server error"
+
+    def __init__(self, detail: str = "") -> None:
+        super().__init__(detail or self.message)
+        self.detail = detail or self.message
+
+
+class InputError(ServingError, ValueError):
+    """The request body or a parameter is not acceptable (bad JSON, bad type)."""
+
+    status = 400
+    message = "invalid input"
+
+
+class InvalidJSON(InputError, json.JSONDecodeError):
+    """The body is not JSON although the handler asked for JSON."""
+
+    def __init__(self, err: json.JSONDecodeError) -> None:
+        json.JSONDecodeError.__init__(self, err.msg, err.doc, err.pos)
+        self.detail = f"request body is not valid JSON: {err.msg} (line {err.lineno}, column {err.colno})"
+        self.args = (self.detail,)
+
+    def __str__(self) -> str:
+        return self.detail
+
+
+class NotFound(ServingError):
+    status = 404
+    message = "not found"
+
+
+class MethodNotAllowed(ServingError):
+    status = 405
+    message = "method not allowed"
+
+
+class PayloadTooLarge(ServingError):
+    status = 413
+    message = "payload too large"
+
+
+class HandlerError(ServingError):
+    """The model's handler raised or returned an error (LMI's 424 contract)."""
+
+    status = 424
+    message = "prediction failure"
+
+
+class ServiceUnavailable(ServingError):
+    """Not ready, shutting down, queue full, or the worker went away."""
+
+    status = 503
+    message = "service unavailable"
+
+
+class GatewayTimeout(ServingError):
+    status = 504
+    message = "prediction timed out"
+
+
+# Exceptions raised inside a handler that are not ServingErrors: the ones that
+# mean "the client's input was unreadable" become 400, the rest 424.
+_HANDLER_INPUT_ERRORS: tuple[type[BaseException], ...] = (json.JSONDecodeError, UnicodeDecodeError)
+
+_PATH = re.compile(r"(?<![\w:/.~-])(?:/[\w.+@~-]+){2,}/?")
+
+
+def scrub(text: str) -> str:
+    """Replace absolute file-system paths in ``text`` with ``<path>``."""
+    return _PATH.sub("<path>", text)
+
+
+def describe(exc: BaseException) -> tuple[int, str, str]:
+    """Map an exception to ``(status, message, error)`` for the client."""
+    if isinstance(exc, ServingError):
+        return exc.status, exc.message, scrub(exc.detail)
+    if isinstance(exc, _HANDLER_INPUT_ERRORS):
+        return InputError.status, InputError.message, scrub(f"could not read the request: {exc}")
+    text = str(exc) or type(exc).__name__
+    return HandlerError.status, HandlerError.message, scrub(text)
+
+
+def envelope(status: int, message: str, error: str) -> dict:
+    return {"code": status, "message": message, "error": error}

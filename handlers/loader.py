@@ -1,0 +1,109 @@
+"""Finding and importing the handler a worker serves.
+
+The handler is ``model.py`` in the model directory, or what ``option.entryPoint``
+names: a ``.py`` file (relative to the model directory or absolute) or an
+importable module. It must define ``handle``. Anything else stops start-up
+with the reason: there is no silent fallback to another handler.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import logging
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+log = logging.getLogger(__name__)
+
+_MODULE_NAME = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
+
+
+class HandlerLoadError(Exception):
+    """The handler could not be found or imported; the message says why."""
+
+
+@dataclass(frozen=True)
+class Handler:
+    """A loaded ``handle`` function and what kind of callable it is."""
+
+    fn: Callable[..., Any]
+    origin: str
+    kind: str  # "sync", "async", "generator" or "async_generator"
+
+
+def _kind(fn: Callable[..., Any]) -> str:
+    if inspect.isasyncgenfunction(fn):
+        return "async_generator"
+    if inspect.iscoroutinefunction(fn):
+        return "async"
+    if inspect.isgeneratorfunction(fn):
+        return "generator"
+    return "sync"
+
+
+def _import_file(path: Path) -> Any:
+    name = path.stem
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise HandlerLoadError(f"cannot import {path.name}: not a Python source file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _locate(model_dir: Path, entry_point: str | None) -> tuple[str, Path | None]:
+    """Return ``(description, file)``; ``file`` is None for a module name."""
+    if entry_point is None:
+        candidate = model_dir / "model.py"
+        if candidate.is_file():
+            return "model.py", candidate
+        raise HandlerLoadError(
+            f"no handler: the model directory has no model.py and option.entryPoint is not set "
+            f"(files found: {', '.join(sorted(p.name for p in model_dir.iterdir())[:10]) or 'none'})")
+    if entry_point.endswith(".py"):
+        path = Path(entry_point)
+        path = path if path.is_absolute() else model_dir / path
+        if not path.is_file():
+            raise HandlerLoadError(f"option.entryPoint={entry_point}: no such file in the model directory")
+        return f"option.entryPoint={entry_point}", path
+    if not _MODULE_NAME.match(entry_point):
+        raise HandlerLoadError(
+            f"option.entryPoint={entry_point!r} is neither a .py file nor a Python module name")
+    return f"option.entryPoint={entry_point}", None
+
+
+def load_handler(model_dir: str, entry_point: str | None) -> Handler:
+    """Import the handler module and return its ``handle``.
+
+    Raises ``HandlerLoadError`` with a message a person can act on."""
+    root = Path(model_dir)
+    if not root.is_dir():
+        raise HandlerLoadError(f"model directory {model_dir} does not exist")
+    origin, path = _locate(root, entry_point)
+    # A model.py may import modules that sit next to it, as in LMI.
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    log.info("loading handler from %s", origin)
+    try:
+        module = _import_file(path) if path is not None else importlib.import_module(entry_point)
+    except HandlerLoadError:
+        raise
+    except BaseException as exc:  # SystemExit from a module is a failed import too
+        log.exception("importing the handler (%s) failed", origin)
+        raise HandlerLoadError(f"importing {origin} failed: {type(exc).__name__}: {exc}") from exc
+    fn = getattr(module, "handle", None)
+    if fn is None:
+        public = sorted(n for n in vars(module) if not n.startswith("_") and callable(getattr(module, n)))
+        raise HandlerLoadError(
+            f"{origin} defines no function 'handle' (callables found: {', '.join(public) or 'none'})")
+    if not callable(fn):
+        raise HandlerLoadError(f"{origin}: 'handle' is a {type(fn).__name__}, not a function")
+    handler = Handler(fn=fn, origin=origin, kind=_kind(fn))
+    log.info("handler %s loaded (%s handle)", origin, handler.kind.replace("_", " "))
+    return handler

@@ -1,0 +1,77 @@
+"""Streaming and cancellation with an async handler (tests/model_dirs/async_worker)."""
+
+import json
+import time
+import uuid
+
+import pytest
+import requests
+
+from tests.server import MODEL_DIRS, Server
+
+
+@pytest.fixture(scope="module")
+def server():
+    with Server(MODEL_DIRS / "async_worker", env={"OPTION_PREDICT_TIMEOUT": "2"}) as s:
+        yield s
+
+
+def _wait_for_file(path, timeout):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_text():
+            return path.read_text()
+        time.sleep(0.02)
+    return None
+
+
+def test_first_chunk_arrives_before_the_last_is_produced(server, tmp_path):
+    gate = tmp_path / "gate"
+    with server.invoke({"stream": ["a", "b", "c"], "gate": str(gate)}, stream=True, timeout=10) as r:
+        assert r.status_code == 200
+        assert r.headers["Transfer-Encoding"] == "chunked"
+        assert r.headers["content-type"] == "application/jsonlines"
+        lines = r.iter_lines()
+        assert json.loads(next(lines)) == {"item": "a"}
+        assert json.loads(next(lines)) == {"item": "b"}
+        gate.write_text("open")  # only now may the handler produce the last item
+        assert [json.loads(line) for line in lines] == [{"item": "c"}]
+
+
+def test_an_error_after_the_stream_began_is_the_last_line(server):
+    r = server.invoke({"stream_fail": "ran out of tokens"})
+    assert r.status_code == 200
+    lines = [json.loads(line) for line in r.text.splitlines()]
+    assert lines[0] == {"item": "first"}
+    assert lines[-1] == {"code": 424, "message": "prediction failure", "error": "ran out of tokens"}
+
+
+def test_timeout_cancels_the_handlers_work(server, tmp_path):
+    marker = tmp_path / "marker"
+    started = time.monotonic()
+    r = server.invoke({"sleep": 30, "marker": str(marker)})
+    assert r.status_code == 504
+    assert time.monotonic() - started < 4
+    assert _wait_for_file(marker, 2) == "cancelled"
+
+
+def test_client_disconnect_cancels_the_stream_in_the_worker(server, tmp_path):
+    marker = tmp_path / "marker"
+    with server.invoke({"stream_forever": str(marker)}, stream=True, timeout=10) as r:
+        lines = r.iter_lines()
+        for _ in range(3):
+            next(lines)
+    # the response is closed: the frontend notices at its next write and cancels
+    assert _wait_for_file(marker, 3) == "cancelled"
+    ping = requests.get(server.url("/ping"), timeout=2).json()
+    assert ping["workers"][0]["in_flight"] == 0
+
+
+def test_concurrent_requests_run_at_once_on_one_worker(server, tmp_path):
+    import concurrent.futures
+    started = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda _: server.invoke({"sleep": 1, "marker": str(tmp_path / uuid.uuid4().hex)}),
+                                range(8)))
+    assert [r.status_code for r in results] == [200] * 8
+    assert time.monotonic() - started < 3  # 8 one-second sleeps overlapped

@@ -1,0 +1,125 @@
+"""Start-up, worker death, shutdown and worker groups, with real processes."""
+
+import concurrent.futures
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import requests
+
+from tests.server import MODEL_DIRS, Server
+
+
+def test_ping_is_503_while_loading_then_200(tmp_path):
+    server = Server(MODEL_DIRS / "slow_init", env={"OPTION_INIT_SECONDS": "4"}).start(wait_ready=False)
+    try:
+        loading = server.wait_until(lambda r: r.status_code == 503, timeout=10)
+        assert loading.json()["status"] == "Loading"
+        assert server.invoke({"x": 1}).status_code == 503  # not ready: no worker to take it
+        slowest = 0.0
+        while True:
+            started = time.monotonic()
+            r = requests.get(server.url("/ping"), timeout=2)
+            slowest = max(slowest, time.monotonic() - started)
+            if r.status_code == 200:
+                break
+            assert r.status_code == 503
+            time.sleep(0.1)
+        assert slowest < 2
+        assert r.json()["status"] == "Healthy"
+        assert server.invoke({"x": 1}).json() == {"ready": True}
+    finally:
+        server.stop()
+
+
+def test_killed_worker_fails_its_requests_fast_and_is_restarted():
+    with Server(MODEL_DIRS / "lmi_echo", env={"OPTION_SYNC_HANDLER_THREADS": "4"}) as server:
+        first_pid = server.invoke({"inputs": "before"}).json()["pid"]
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            running = [pool.submit(server.invoke, {"sleep": 30}) for _ in range(3)]
+            server.wait_until(lambda r: r.json()["workers"][0]["in_flight"] == 3, timeout=5)
+            killed_at = time.monotonic()
+            os.kill(first_pid, signal.SIGKILL)
+            results = [f.result(timeout=10) for f in running]
+            assert time.monotonic() - killed_at < 5
+        for r in results:
+            assert r.status_code == 503
+            assert "stopped while handling the request" in r.json()["error"]
+        down = requests.get(server.url("/ping"), timeout=2)
+        assert down.status_code != 200
+        assert down.json()["workers"][0]["state"] in ("down", "starting", "loading")
+        server.wait_until(lambda r: r.status_code == 200, timeout=30)
+        after = server.invoke({"inputs": "after"})
+        assert after.status_code == 200
+        assert after.json()["pid"] != first_pid
+        assert "restarting it" in server.log()
+
+
+def test_sigterm_lets_a_slow_request_finish_and_exits_0():
+    server = Server(MODEL_DIRS / "lmi_echo").start()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            slow = pool.submit(server.invoke, {"sleep": 3})
+            server.wait_until(lambda r: r.json()["workers"][0]["in_flight"] == 1, timeout=5)
+            server.process.send_signal(signal.SIGTERM)
+            # while draining: new requests and /ping get 503
+            draining = server.wait_until(lambda r: r.status_code == 503, timeout=5)
+            assert draining.json()["status"] == "Draining"
+            rejected = server.invoke({"inputs": "late"})
+            assert rejected.status_code == 503 and "shutting down" in rejected.json()["error"]
+            assert slow.result(timeout=30).status_code == 200
+        assert server.wait_exit(30) == 0
+    finally:
+        server.stop()
+
+
+def test_handler_import_failure_stops_start_up_with_the_reason():
+    server = Server(MODEL_DIRS / "broken_import").start(wait_ready=False)
+    assert server.wait_exit(30) == 1
+    log = server.log()
+    assert "No module named 'a_module_that_does_not_exist'" in log
+    assert "start-up failed" in log
+
+
+def test_handler_without_handle_stops_start_up_with_the_reason():
+    server = Server(MODEL_DIRS / "no_handle").start(wait_ready=False)
+    assert server.wait_exit(30) == 1
+    assert "model.py defines no function 'handle' (callables found: predict)" in server.log()
+
+
+def test_model_directory_without_handler_stops_start_up(tmp_path):
+    (tmp_path / "weights.bin").write_bytes(b"")
+    server = Server(tmp_path).start(wait_ready=False)
+    assert server.wait_exit(30) == 1
+    assert "no model.py and option.entryPoint is not set" in server.log()
+
+
+def test_two_groups_get_their_device_slices():
+    with Server(MODEL_DIRS / "gpu_groups", env={"CUDA_VISIBLE_DEVICES": "0,1,2,3"}) as server:
+        workers = requests.get(server.url("/ping"), timeout=2).json()["workers"]
+        assert [w["devices"] for w in workers] == ["0,1", "2,3"]
+        seen = {server.invoke({"inputs": i}).json()["cuda_visible_devices"] for i in range(4)}
+        assert seen == {"0,1", "2,3"}
+
+
+def test_requirements_txt_is_installed_before_loading():
+    try:
+        with Server(MODEL_DIRS / "with_requirements") as server:
+            assert server.invoke({}).json() == {"message": "installed from requirements.txt"}
+            assert "requirements installed" in server.log()
+    finally:
+        subprocess.run([sys.executable, "-m", "pip", "uninstall", "-y", "-q", "sagelmi-reqcheck"],
+                       capture_output=True)
+
+
+def test_port_is_bound_before_the_model_loads():
+    server = Server(MODEL_DIRS / "slow_init", env={"OPTION_INIT_SECONDS": "3"}).start(wait_ready=False)
+    try:
+        first = server.wait_until(lambda r: True, timeout=5)
+        assert first.status_code == 503
+    finally:
+        server.stop()

@@ -1,0 +1,124 @@
+"""Requests against a real server running the LMI-style handler in tests/model_dirs/lmi_echo."""
+
+import concurrent.futures
+import time
+
+import pytest
+import requests
+
+from tests.server import MODEL_DIRS, Server
+
+
+@pytest.fixture(scope="module")
+def server():
+    with Server(MODEL_DIRS / "lmi_echo", env={
+        "SERVING_JOB_QUEUE_SIZE": "4",
+        "OPTION_PREDICT_TIMEOUT": "3",
+        "OPTION_SYNC_HANDLER_THREADS": "8",
+        "OPTION_CUSTOM_FLAG": "on",
+    }) as s:
+        yield s
+
+
+def test_lmi_handler_runs_unchanged_with_its_initialisation_call(server):
+    r = server.invoke({"inputs": "hello"})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["echo"] == {"inputs": "hello"}
+    assert body["model_properties"]["model_dir"] == str(MODEL_DIRS / "lmi_echo")
+    assert body["model_properties"]["custom_flag"] == "on"
+    assert r.headers["content-type"] == "application/json"
+
+
+def test_handler_exception_is_424_with_its_message_and_no_traceback(server):
+    r = server.invoke({"fail": "the model is unhappy"})
+    assert r.status_code == 424
+    assert r.json() == {"code": 424, "message": "prediction failure", "error": "the model is unhappy"}
+    assert "Traceback" not in r.text and "/model_dirs/" not in r.text
+
+
+def test_output_error_is_relayed(server):
+    r = server.invoke({"error_output": "bad prompt"})
+    assert r.status_code == 424
+    assert r.json()["error"] == "bad prompt"
+
+
+def test_malformed_json_is_400(server):
+    r = requests.post(server.url("/invocations"), data=b'{"inputs": ', timeout=10,
+                      headers={"Content-Type": "application/json"})
+    assert r.status_code == 400
+    assert r.json()["code"] == 400
+    assert "not valid JSON" in r.json()["error"]
+
+
+def test_8_mib_body_is_413_and_the_server_stays_healthy(server):
+    r = requests.post(server.url("/invocations"), data=b"x" * (8 * 1024 * 1024), timeout=30)
+    assert r.status_code == 413
+    assert r.json()["code"] == 413
+    assert "6291456 bytes" in r.json()["error"]
+    assert server.invoke({"inputs": "after"}).status_code == 200
+
+
+def test_custom_attributes_and_inference_id_reach_the_handler_and_come_back(server):
+    r = server.invoke({"attributes": "handler_says=hi"}, headers={
+        "X-Amzn-SageMaker-Custom-Attributes": "trace_id=abc; accept_eula=true",
+        "X-Amzn-SageMaker-Inference-Id": "req-12345"})
+    assert r.status_code == 200
+    props = r.json()["properties"]
+    assert props["trace_id"] == "abc" and props["accept_eula"] == "true"
+    assert props["x-amzn-sagemaker-custom-attributes"] == "trace_id=abc; accept_eula=true"
+    assert props["x-amzn-sagemaker-inference-id"] == "req-12345"
+    assert props["content-type"] == "application/json"
+    assert r.headers["X-Amzn-SageMaker-Inference-Id"] == "req-12345"
+    assert r.headers["X-Amzn-SageMaker-Custom-Attributes"] == "handler_says=hi"
+    log = server.log()
+    assert "frontend [req-12345]" in log
+
+
+def test_request_id_is_generated_when_absent_and_is_on_worker_log_lines(server):
+    r = server.invoke({"inputs": "x"})
+    rid = r.headers["X-Amzn-SageMaker-Inference-Id"]
+    assert len(rid) >= 16
+    assert r.json()["properties"]["x-amzn-sagemaker-inference-id"] == rid
+    server.invoke({"fail": "logged"}, headers={"X-Amzn-SageMaker-Inference-Id": "req-fail-1"})
+    assert any("worker-0 [req-fail-1]" in line and "handler failed" in line for line in server.log().splitlines())
+
+
+def test_unknown_route_and_wrong_method(server):
+    r = requests.get(server.url("/nowhere"), timeout=10)
+    assert r.status_code == 404 and r.json()["code"] == 404
+    r = requests.get(server.url("/invocations"), timeout=10)
+    assert r.status_code == 405 and r.json()["code"] == 405
+
+
+def test_full_queue_is_503_and_queued_requests_still_finish(server):
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        slow = [pool.submit(server.invoke, {"sleep": 1.5}) for _ in range(4)]
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:  # wait until all four are in flight
+            if sum(w["in_flight"] for w in requests.get(server.url("/ping"), timeout=2).json()["workers"]) == 4:
+                break
+            time.sleep(0.02)
+        started = time.monotonic()
+        rejected = server.invoke({"inputs": "one too many"})
+        assert time.monotonic() - started < 1
+        assert rejected.status_code == 503
+        assert "queue is full" in rejected.json()["error"]
+        ping = requests.get(server.url("/ping"), timeout=2)
+        assert ping.status_code == 200
+        assert [f.result().status_code for f in slow] == [200] * 4
+
+
+def test_predict_timeout_is_504_and_the_next_request_succeeds(server):
+    started = time.monotonic()
+    r = server.invoke({"sleep": 6})
+    elapsed = time.monotonic() - started
+    assert r.status_code == 504
+    assert r.json()["code"] == 504 and "predict_timeout" in r.json()["error"]
+    assert 2.9 < elapsed < 5
+    assert server.invoke({"inputs": "next"}).status_code == 200
+
+
+def test_execution_parameters(server):
+    body = requests.get(server.url("/execution-parameters"), timeout=5).json()
+    assert body == {"MaxConcurrentTransforms": 1, "BatchStrategy": "SINGLE_RECORD", "MaxPayloadInMB": 6}

@@ -1,0 +1,48 @@
+"""An LMI-style handler, written as for LMI's djl_python: it must run unchanged.
+
+Body fields drive the test cases: {"sleep": s} sleeps, {"fail": "msg"} raises,
+{"error_output": "msg"} answers with Output.error(), {"attributes": "k=v"} sets
+the response's custom attributes header.
+"""
+
+import logging
+import os
+import time
+
+from djl_python import Input, Output
+
+log = logging.getLogger(__name__)
+model = None
+
+
+def load_model(properties):
+    log.info("loading with %s", sorted(properties))
+    return {"properties": properties, "pid": os.getpid()}
+
+
+def handle(inputs: Input):
+    global model
+    if model is None:
+        model = load_model(inputs.get_properties())
+    if inputs.is_empty():
+        # Model server makes an empty call to warmup the model on startup
+        return None
+
+    data = inputs.get_as_json()
+    if "sleep" in data:
+        time.sleep(float(data["sleep"]))
+    if "fail" in data:
+        raise RuntimeError(data["fail"])
+    outputs = Output()
+    if "error_output" in data:
+        return outputs.error(data["error_output"])
+    if "attributes" in data:
+        outputs.add_property("X-Amzn-SageMaker-Custom-Attributes", data["attributes"])
+    outputs.add_as_json({
+        "echo": data,
+        "properties": inputs.get_properties(),
+        "model_properties": model["properties"],
+        "pid": model["pid"],
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+    })
+    return outputs

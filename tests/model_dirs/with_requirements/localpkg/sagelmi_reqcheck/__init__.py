@@ -1,0 +1,1 @@
+MESSAGE = "installed from requirements.txt"

@@ -1,0 +1,113 @@
+"""A real ``sagelmi serve`` process for tests: free port, captured log, always cleaned up."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import requests
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL_DIRS = Path(__file__).resolve().parent / "model_dirs"
+
+# Variables from the developer's shell that would change settings under test.
+_SETTING_PREFIXES = ("OPTION_", "SERVING_", "SAGEMAKER_", "HF_", "SM_")
+_SETTING_NAMES = {"TENSOR_PARALLEL_DEGREE", "MAX_CONCURRENT_REQUESTS", "MAX_BATCH_SIZE",
+                  "MAX_BATCH_PREFILL_TOKENS", "CUDA_VISIBLE_DEVICES"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(_SETTING_PREFIXES) and k not in _SETTING_NAMES}
+    env.update(extra or {})
+    return env
+
+
+class Server:
+    def __init__(self, model_dir: str | Path, env: dict[str, str] | None = None) -> None:
+        self.model_dir = Path(model_dir)
+        self.port = free_port()
+        self.env = clean_env(env)
+        self.log_file = tempfile.NamedTemporaryFile(prefix="sagelmi-test-", suffix=".log", delete=False)
+        self.process: subprocess.Popen | None = None
+
+    # -- lifecycle
+    def start(self, wait_ready: bool = True, timeout: float = 60) -> "Server":
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "container", "serve", "--model-dir", str(self.model_dir),
+             "--port", str(self.port)],
+            env=self.env, stdout=self.log_file, stderr=subprocess.STDOUT, cwd=REPO)
+        if wait_ready:
+            self.wait_until(lambda r: r.status_code == 200, timeout)
+        return self
+
+    def wait_until(self, condition, timeout: float) -> requests.Response:
+        """Poll /ping until ``condition(response)`` holds."""
+        deadline = time.monotonic() + timeout
+        last = None
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise AssertionError(f"server exited with {self.process.returncode}:\n{self.log()}")
+            try:
+                last = requests.get(self.url("/ping"), timeout=2)
+                if condition(last):
+                    return last
+            except requests.ConnectionError:
+                pass
+            time.sleep(0.05)
+        raise AssertionError(f"/ping never matched within {timeout}s (last: "
+                             f"{last.status_code if last is not None else 'no answer'}):\n{self.log()}")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+        if self.process is None:
+            return 0
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+                raise AssertionError(f"server did not stop within {timeout}s:\n{self.log()}")
+        return self.process.returncode
+
+    def wait_exit(self, timeout: float) -> int:
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"server still running after {timeout}s:\n{self.log()}") from None
+
+    def __enter__(self) -> "Server":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # -- helpers
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def invoke(self, body=None, **kwargs) -> requests.Response:
+        kwargs.setdefault("timeout", 60)
+        return requests.post(self.url("/invocations"), json=body, **kwargs)
+
+    def log(self) -> str:
+        return Path(self.log_file.name).read_text(errors="replace")
+
+    def worker_pids(self) -> list[int]:
+        """PIDs of the model worker processes (children of the server)."""
+        out = subprocess.run(["pgrep", "-P", str(self.process.pid), "-f", "handlers.worker"],
+                             capture_output=True, text=True).stdout
+        return [int(p) for p in out.split()]

@@ -1,0 +1,55 @@
+import pytest
+
+from container.devices import discover_devices, parse_visible_devices, plan_groups
+from container.settings import SettingsError, resolve_settings
+
+
+def settings(tmp_path, **env):
+    return resolve_settings({k: str(v) for k, v in env.items()}, tmp_path)
+
+
+def test_visible_devices_parsing():
+    assert parse_visible_devices("0,1, 2") == ["0", "1", "2"]
+    assert parse_visible_devices("") == []
+    assert parse_visible_devices("-1") == []
+    assert parse_visible_devices("GPU-abc,GPU-def") == ["GPU-abc", "GPU-def"]
+
+
+def test_cuda_visible_devices_is_honoured(tmp_path):
+    s = settings(tmp_path, CUDA_VISIBLE_DEVICES="0,1,2,3")
+    assert discover_devices(s, proc_dir=tmp_path / "absent") == ["0", "1", "2", "3"]
+
+
+def test_driver_proc_is_used_when_unset(tmp_path):
+    proc = tmp_path / "gpus"
+    for bus in ("0000:00:1e.0", "0000:00:1f.0"):
+        (proc / bus).mkdir(parents=True)
+    assert discover_devices(settings(tmp_path), proc_dir=proc) == ["0", "1"]
+
+
+def test_tensor_parallel_two_over_four_devices_gives_two_slices(tmp_path):
+    plans = plan_groups(settings(tmp_path, TENSOR_PARALLEL_DEGREE=2), ["0", "1", "2", "3"])
+    assert [p.cuda_visible_devices for p in plans] == ["0,1", "2,3"]
+
+
+def test_max_uses_every_device_in_one_group(tmp_path):
+    plans = plan_groups(settings(tmp_path, TENSOR_PARALLEL_DEGREE="max"), ["4", "5", "6"])
+    assert [p.cuda_visible_devices for p in plans] == ["4,5,6"]
+
+
+def test_max_workers_caps_groups_and_leftovers_stay_unused(tmp_path):
+    assert len(plan_groups(settings(tmp_path, SERVING_MAX_WORKERS=3), ["0"] * 8)) == 3
+    plans = plan_groups(settings(tmp_path, TENSOR_PARALLEL_DEGREE=2), ["0", "1", "2"])
+    assert [p.cuda_visible_devices for p in plans] == ["0,1"]
+
+
+def test_cpu_groups_follow_worker_settings(tmp_path):
+    assert [p.devices for p in plan_groups(settings(tmp_path), [])] == [()]
+    assert len(plan_groups(settings(tmp_path, SAGEMAKER_MODEL_SERVER_WORKERS=3), [])) == 3
+
+
+def test_impossible_plans_are_explained(tmp_path):
+    with pytest.raises(SettingsError, match="needs 4 accelerators, but only 2 are visible"):
+        plan_groups(settings(tmp_path, TENSOR_PARALLEL_DEGREE=4), ["0", "1"])
+    with pytest.raises(SettingsError, match="none are visible"):
+        plan_groups(settings(tmp_path, SM_NUM_GPUS=2), [])

@@ -1,0 +1,22 @@
+import json
+
+from handlers.errors import GatewayTimeout, PayloadTooLarge, ServiceUnavailable, describe, envelope, scrub
+
+
+def test_status_table():
+    assert describe(PayloadTooLarge("big"))[:2] == (413, "payload too large")
+    assert describe(ServiceUnavailable("full"))[0] == 503
+    assert describe(GatewayTimeout())[0] == 504
+    assert describe(RuntimeError("boom")) == (424, "prediction failure", "boom")
+    assert describe(json.JSONDecodeError("bad", "{", 0))[0] == 400
+    assert describe(KeyError())[2] == "KeyError"
+
+
+def test_paths_are_scrubbed_but_urls_are_not():
+    text = "No such file: '/opt/ml/model/weights.bin' see https://example.com/a/b and /usr/lib/python3/x.py"
+    assert scrub(text) == "No such file: '<path>' see https://example.com/a/b and <path>"
+    assert describe(FileNotFoundError(2, "No such file", "/root/secret/file"))[2].count("<path>") == 1
+
+
+def test_envelope_shape():
+    assert envelope(424, "prediction failure", "x") == {"code": 424, "message": "prediction failure", "error": "x"}

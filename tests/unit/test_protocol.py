@@ -1,0 +1,57 @@
+import socket
+
+import pytest
+
+from handlers.protocol import (FRAME_HEADER, Cancel, Chunk, End, Fail, Head, Invoke, ProtocolError, Status,
+                               WorkerSpec, decode, decode_spec, encode, encode_spec, read_message)
+
+MESSAGES = [
+    Invoke(id="r1", properties={"content-type": "application/json"}, body=b'{"a": 1}'),
+    Cancel(id="r1"),
+    Head(id="r1", code=200, headers={"content-type": "text/plain"}, stream=True),
+    Chunk(id="r1", data=b"\x00\xffbytes"),
+    End(id="r1"),
+    Fail(id="r1", code=424, message="prediction failure", error="boom"),
+    Status(state="ready", detail="", pid=42),
+]
+
+
+@pytest.mark.parametrize("message", MESSAGES, ids=lambda m: type(m).__name__)
+def test_each_message_round_trips_with_its_type(message):
+    frame = encode(message)
+    (length,) = FRAME_HEADER.unpack(frame[:4])
+    assert length == len(frame) - 4
+    assert decode(frame[4:]) == message
+
+
+def test_frames_are_read_back_in_order_from_a_socket():
+    a, b = socket.socketpair()
+    with a, b:
+        a.sendall(b"".join(encode(m) for m in MESSAGES))
+        a.shutdown(socket.SHUT_WR)
+        got = []
+        while (m := read_message(b)) is not None:
+            got.append(m)
+    assert got == MESSAGES
+
+
+def test_truncated_and_garbage_frames_are_protocol_errors():
+    a, b = socket.socketpair()
+    with a, b:
+        a.sendall(encode(End(id="x"))[:-1])
+        a.shutdown(socket.SHUT_WR)
+        with pytest.raises(ProtocolError):
+            read_message(b)
+    with pytest.raises(ProtocolError):
+        decode(b"\x93not a message")
+    a, b = socket.socketpair()
+    with a, b:
+        a.sendall(FRAME_HEADER.pack(2 ** 31))
+        with pytest.raises(ProtocolError, match="exceeds"):
+            read_message(b)
+
+
+def test_worker_spec_round_trips_as_json():
+    spec = WorkerSpec(group=1, socket_path="/tmp/s", model_dir="/m", entry_point=None,
+                      properties={"model_id": "x"}, sync_handler_threads=2, log_level="DEBUG")
+    assert decode_spec(encode_spec(spec)) == spec

@@ -1,0 +1,236 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from container.properties import parse_properties
+from container.settings import KEYS, SettingsError, describe_settings, resolve_settings
+from tests.server import REPO, clean_env
+
+
+def resolve(env=None, properties: str | None = None, tmp_path=None, **kwargs):
+    if properties is not None:
+        (tmp_path / "serving.properties").write_text(properties)
+    return resolve_settings(env or {}, tmp_path, **kwargs)
+
+
+# -- every alias resolves to its setting ------------------------------------------------
+
+ALIASES = [
+    ("HF_MODEL_ID", "org/model", "model_id", "org/model"),
+    ("OPTION_MODEL_ID", "org/model", "model_id", "org/model"),
+    ("HF_REVISION", "abc123", "revision", "abc123"),
+    ("HF_TASK", "text-generation", "task", "text-generation"),
+    ("TENSOR_PARALLEL_DEGREE", "4", "tensor_parallel_degree", 4),
+    ("TENSOR_PARALLEL_DEGREE", "max", "tensor_parallel_degree", "max"),
+    ("TENSOR_PARALLEL_DEGREE", "MAX", "tensor_parallel_degree", "max"),
+    ("SM_NUM_GPUS", "2", "tensor_parallel_degree", 2),
+    ("OPTION_ENTRYPOINT", "custom.py", "entry_point", "custom.py"),
+    ("OPTION_ENGINE", "MPI", "engine", "MPI"),
+    ("OPTION_ENGINE", "python", "engine", "Python"),
+    ("OPTION_MPI_MODE", "true", "mpi_mode", True),
+    ("HF_MODEL_QUANTIZE", "awq", "quantize", "awq"),
+    ("HF_MODEL_TRUST_REMOTE_CODE", "true", "trust_remote_code", True),
+    ("HF_TRUST_REMOTE_CODE", "TRUE", "trust_remote_code", True),
+    ("MAX_CONCURRENT_REQUESTS", "64", "job_queue_size", 64),
+    ("MAX_BATCH_SIZE", "32", "max_rolling_batch_size", 32),
+    ("MAX_BATCH_PREFILL_TOKENS", "4096", "max_rolling_batch_prefill_tokens", 4096),
+    ("SERVING_JOB_QUEUE_SIZE", "10", "job_queue_size", 10),
+    ("SERVING_MIN_WORKERS", "2", "min_workers", 2),
+    ("SERVING_MAX_WORKERS", "3", "max_workers", 3),
+    ("SERVING_MAX_PAYLOAD_IN_MB", "12", "max_payload_in_mb", 12),
+    ("SAGEMAKER_BIND_TO_PORT", "9090", "port", 9090),
+    ("SAGEMAKER_NUM_MODEL_WORKERS", "2", "min_workers", 2),
+    ("SAGEMAKER_MODEL_SERVER_WORKERS", "3", "max_workers", 3),
+    ("SAGEMAKER_MODEL_SERVER_TIMEOUT", "30", "predict_timeout", 30),
+    ("SAGEMAKER_MODEL_SERVER_TIMEOUT_SECONDS", "45", "predict_timeout", 45),
+    ("SAGEMAKER_STARTUP_TIMEOUT", "900", "model_loading_timeout", 900),
+    ("SAGEMAKER_MAX_PAYLOAD_IN_MB", "20", "max_payload_in_mb", 20),
+    ("OPTION_ROLLING_BATCH", "vllm", "rolling_batch", "vllm"),
+    ("OPTION_MAX_ROLLING_BATCH_SIZE", "8", "max_rolling_batch_size", 8),
+    ("OPTION_SYNC_HANDLER_THREADS", "4", "sync_handler_threads", 4),
+    ("OPTION_TASK", "fill-mask", "task", "fill-mask"),
+    ("OPTION_REVISION", "main", "revision", "main"),
+    ("OPTION_TRUST_REMOTE_CODE", "yes", "trust_remote_code", True),
+    ("OPTION_QUANTIZE", "fp8", "quantize", "fp8"),
+    ("OPTION_TENSOR_PARALLEL_DEGREE", "2", "tensor_parallel_degree", 2),
+    ("OPTION_MAX_ROLLING_BATCH_PREFILL_TOKENS", "512", "max_rolling_batch_prefill_tokens", 512),
+    ("OPTION_PREDICT_TIMEOUT", "5.5", "predict_timeout", 5.5),
+    ("OPTION_MODEL_LOADING_TIMEOUT", "60", "model_loading_timeout", 60),
+    ("SERVING_PORT", "8181", "port", 8181),
+    ("SERVING_SHUTDOWN_GRACE_PERIOD", "10", "shutdown_grace_period", 10),
+    ("SERVING_LOG_LEVEL", "debug", "log_level", "DEBUG"),
+]
+
+
+@pytest.mark.parametrize("name,value,field,expected", ALIASES)
+def test_alias_resolves(tmp_path, name, value, field, expected):
+    settings = resolve({name: value}, tmp_path=tmp_path)
+    assert getattr(settings, field) == expected
+    key = next(k.key for k in KEYS if k.field == field)
+    assert name in settings.sources[key]
+
+
+def test_every_spelling_in_the_table_is_tested():
+    tested = {name for name, *_ in ALIASES}
+    spelled = {name for k in KEYS for name in (*k.env, *k.sagemaker)}
+    assert spelled - tested == set()
+
+
+def test_generic_option_env_becomes_a_handler_property(tmp_path):
+    settings = resolve({"OPTION_MY_SETTING": "42"}, tmp_path=tmp_path)
+    assert settings.options["my_setting"] == "42"
+    assert settings.handler_properties()["my_setting"] == "42"
+    assert settings.handler_properties()["model_dir"] == str(tmp_path)
+
+
+def test_aliases_land_in_handler_properties_under_the_lmi_name(tmp_path):
+    props = resolve({"HF_MODEL_ID": "org/m", "SM_NUM_GPUS": "2"}, tmp_path=tmp_path).handler_properties()
+    assert props["model_id"] == "org/m"
+    assert props["tensor_parallel_degree"] == "2"
+
+
+def test_defaults(tmp_path):
+    settings = resolve(tmp_path=tmp_path)
+    assert settings.port == 8080
+    assert settings.job_queue_size == 1000
+    assert settings.max_payload_bytes == 6 * 1024 * 1024
+    assert settings.shutdown_grace_period == 25
+    assert settings.engine == "Python" and not settings.use_mpi
+    assert settings.sources["job_queue_size"] == "default"
+
+
+# -- precedence ------------------------------------------------------------------------
+
+def test_lmi_name_beats_tgi_alias(tmp_path):
+    settings = resolve({"SM_NUM_GPUS": "8", "TENSOR_PARALLEL_DEGREE": "2"}, tmp_path=tmp_path)
+    assert settings.tensor_parallel_degree == 2
+    assert settings.sources["option.tensor_parallel_degree"] == "env TENSOR_PARALLEL_DEGREE"
+    settings = resolve({"HF_MODEL_QUANTIZE": "gptq", "OPTION_QUANTIZE": "awq"}, tmp_path=tmp_path)
+    assert settings.quantize == "awq"
+    settings = resolve({"MAX_CONCURRENT_REQUESTS": "5", "SERVING_JOB_QUEUE_SIZE": "7"}, tmp_path=tmp_path)
+    assert settings.job_queue_size == 7
+
+
+def test_option_env_beats_hf_model_id(tmp_path):
+    settings = resolve({"HF_MODEL_ID": "a", "OPTION_MODEL_ID": "b"}, tmp_path=tmp_path)
+    assert settings.model_id == "b"
+
+
+def test_serving_properties_beats_environment(tmp_path):
+    settings = resolve({"HF_MODEL_ID": "env/model", "OPTION_ROLLING_BATCH": "vllm", "SERVING_JOB_QUEUE_SIZE": "5"},
+                       "option.model_id=file/model\noption.rolling_batch = disable\njob_queue_size: 9\n",
+                       tmp_path)
+    assert settings.model_id == "file/model"
+    assert settings.rolling_batch == "disable"
+    assert settings.job_queue_size == 9
+    assert settings.sources["option.model_id"] == "serving.properties line 1"
+    assert settings.sources["job_queue_size"] == "serving.properties line 3"
+
+
+def test_sagemaker_values_beat_file_and_environment(tmp_path):
+    settings = resolve({"SAGEMAKER_BIND_TO_PORT": "9000", "SERVING_PORT": "7000",
+                        "SAGEMAKER_MODEL_SERVER_TIMEOUT": "33", "OPTION_PREDICT_TIMEOUT": "10",
+                        "SAGEMAKER_MAX_PAYLOAD_IN_MB": "2", "SAGEMAKER_STARTUP_TIMEOUT": "100",
+                        "SAGEMAKER_MODEL_SERVER_WORKERS": "3"},
+                       "port=7500\noption.predict_timeout=20\nmax_payload_in_mb=50\n"
+                       "option.model_loading_timeout=60\nmin_workers=1\nmax_workers=1\n", tmp_path)
+    assert settings.port == 9000
+    assert settings.predict_timeout == 33
+    assert settings.max_payload_in_mb == 2
+    assert settings.model_loading_timeout == 100
+    assert settings.min_workers == settings.max_workers == 3
+    assert settings.sources["port"] == "SageMaker SAGEMAKER_BIND_TO_PORT"
+
+
+def test_command_line_port_beats_everything(tmp_path):
+    settings = resolve({"SAGEMAKER_BIND_TO_PORT": "9000"}, "port=7000\n", tmp_path, port=8123)
+    assert settings.port == 8123
+    assert settings.sources["port"] == "command line --port"
+
+
+def test_serving_properties_option_names_are_normalised(tmp_path):
+    settings = resolve(properties="option.entrypoint=handler.py\noption.Custom_Thing=1\n", tmp_path=tmp_path)
+    assert settings.entry_point == "handler.py"
+    assert settings.options["custom_thing"] == "1"
+
+
+def test_unknown_server_keys_are_ignored_with_a_warning(tmp_path, caplog):
+    settings = resolve({"SERVING_JOB_QUEUE_SIZ": "3"}, "job_queu_size=4\n", tmp_path)
+    assert settings.job_queue_size == 1000
+    assert "did you mean SERVING_JOB_QUEUE_SIZE" in caplog.text
+    assert "did you mean job_queue_size" in caplog.text
+
+
+def test_empty_variables_count_as_unset(tmp_path):
+    settings = resolve({"TENSOR_PARALLEL_DEGREE": "", "SM_NUM_GPUS": "2"}, tmp_path=tmp_path)
+    assert settings.tensor_parallel_degree == 2
+
+
+# -- bad values ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("env,properties,fragments", [
+    ({"SERVING_JOB_QUEUE_SIZE": "lots"}, None, ["job_queue_size='lots'", "env SERVING_JOB_QUEUE_SIZE", "whole number"]),
+    ({"OPTION_ENGINE": "Rust"}, None, ["engine='Rust'", "env OPTION_ENGINE", "Python or MPI"]),
+    (None, "job_queue_size=-4\n", ["job_queue_size='-4'", "serving.properties line 1", ">= 1"]),
+    ({"TENSOR_PARALLEL_DEGREE": "two"}, None, ["option.tensor_parallel_degree='two'", "or max"]),
+    ({"SAGEMAKER_BIND_TO_PORT": "99999"}, None, ["port='99999'", "SageMaker SAGEMAKER_BIND_TO_PORT", "1-65535"]),
+    ({"SAGEMAKER_MAX_PAYLOAD_IN_MB": "0"}, None, ["max_payload_in_mb='0'", "MiB > 0"]),
+    ({"OPTION_MPI_MODE": "perhaps"}, None, ["option.mpi_mode='perhaps'", "true or false"]),
+    ({"SERVING_MIN_WORKERS": "4", "SERVING_MAX_WORKERS": "2"}, None, ["min_workers=4", "max_workers=2"]),
+])
+def test_bad_values_name_key_value_source_and_allowed(tmp_path, env, properties, fragments):
+    with pytest.raises(SettingsError) as err:
+        resolve(env, properties, tmp_path)
+    for fragment in fragments:
+        assert fragment in str(err.value)
+
+
+def test_properties_syntax():
+    parsed = parse_properties(
+        "# comment\n! also comment\n\nengine=Python\noption.a : b\noption.c d\n"
+        "option.long=one \\\n   two\noption.empty=\nengine=MPI\n")
+    assert parsed["option.a"] == ("b", 5)
+    assert parsed["option.c"] == ("d", 6)
+    assert parsed["option.long"] == ("one two", 7)
+    assert parsed["option.empty"] == ("", 9)
+    assert parsed["engine"] == ("MPI", 10)
+
+
+def test_describe_lists_every_setting_and_passthrough(tmp_path):
+    rows = describe_settings(resolve({"OPTION_FOO": "bar"}, tmp_path=tmp_path))
+    keys = [key for key, _, _ in rows]
+    assert keys[:len(KEYS)] == [k.key for k in KEYS]
+    assert ("option.foo", "bar", "env OPTION_FOO (passed to the handler)") in rows
+
+
+# -- the command line ------------------------------------------------------------------
+
+def _cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "container", *args], capture_output=True, text=True,
+                          env=clean_env(env), cwd=REPO, timeout=60)
+
+
+def test_config_command_prints_values_and_sources(tmp_path):
+    (tmp_path / "serving.properties").write_text("option.rolling_batch=disable\n")
+    result = _cli("config", "--model-dir", str(tmp_path),
+                  env={"HF_MODEL_ID": "org/m", "SM_NUM_GPUS": "2", "SAGEMAKER_BIND_TO_PORT": "9001"})
+    assert result.returncode == 0, result.stderr
+    lines = {line.split()[0]: line for line in result.stdout.splitlines()[1:]}
+    assert "org/m" in lines["option.model_id"] and "env HF_MODEL_ID" in lines["option.model_id"]
+    assert "env SM_NUM_GPUS" in lines["option.tensor_parallel_degree"]
+    assert "serving.properties line 1" in lines["option.rolling_batch"]
+    assert "SageMaker SAGEMAKER_BIND_TO_PORT" in lines["port"]
+    assert "default" in lines["job_queue_size"]
+
+    as_json = json.loads(_cli("config", "--model-dir", str(tmp_path), "--json",
+                              env={"HF_MODEL_ID": "org/m"}).stdout)
+    assert as_json["option.model_id"] == {"value": "org/m", "source": "env HF_MODEL_ID"}
+
+
+def test_serve_with_a_bad_value_stops_with_the_message(tmp_path):
+    result = _cli("serve", "--model-dir", str(tmp_path), env={"SERVING_JOB_QUEUE_SIZE": "many"})
+    assert result.returncode == 2
+    assert "invalid setting job_queue_size='many' (from env SERVING_JOB_QUEUE_SIZE)" in result.stderr
+    assert "Traceback" not in result.stderr
