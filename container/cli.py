@@ -2,6 +2,7 @@
 
     sagelmi serve  [--model-dir DIR] [--port N]   run the server (what the image runs)
     sagelmi config [--model-dir DIR] [--json]     print the resolved settings and their sources
+    sagelmi tiny-model DIR                        write a tiny random Llama to try the engine offline
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ def _parser() -> argparse.ArgumentParser:
     config.add_argument("--json", action="store_true", help="print JSON instead of a table")
     config.add_argument("--reference", action="store_true",
                         help="print the reference of every setting (Markdown) instead")
+    tiny = sub.add_parser("tiny-model", help="write a tiny random-weight Llama (no download) to try the engine")
+    tiny.add_argument("directory", help="where to write it")
+    tiny.add_argument("--max-model-len", type=int, default=1024, help="context length (default 1024)")
     return parser
 
 
@@ -54,6 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     logs.configure("serve")
     if getattr(args, "reference", False):
         print(reference_table())
+        return 0
+    if args.command == "tiny-model":
+        from container.tiny_model import write_tiny_model
+
+        print(write_tiny_model(args.directory, args.max_model_len))
         return 0
     try:
         settings = resolve_settings(os.environ, args.model_dir, port=getattr(args, "port", None))

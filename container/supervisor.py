@@ -72,9 +72,12 @@ class ModelWorker:
         self.settings = settings
         self.socket_path = str(runtime / f"worker-{plan.index}.sock")
         self.spec_path = runtime / f"worker-{plan.index}.json"
+        properties = settings.handler_properties()
+        if settings.tensor_parallel_degree == "max":  # the handler gets the number: this group's devices
+            properties["tensor_parallel_degree"] = str(max(1, len(plan.devices)))
         self.spec_path.write_bytes(encode_spec(WorkerSpec(
             group=plan.index, socket_path=self.socket_path, model_dir=settings.model_dir,
-            entry_point=settings.entry_point, properties=settings.handler_properties(),
+            entry_point=settings.entry_point, properties=properties,
             sync_handler_threads=settings.sync_handler_threads, log_level=settings.log_level)))
         self.process: subprocess.Popen | None = None
         self.link = WorkerLink(f"group-{plan.index}", self.socket_path).start()

@@ -19,9 +19,11 @@ import logging
 import socket
 import threading
 import time
+import uuid
 
 from handlers.errors import GatewayTimeout, ServiceUnavailable, ServingError
-from handlers.protocol import Cancel, Chunk, End, Fail, Head, Invoke, ProtocolError, Status, encode, read_message
+from handlers.protocol import (METRICS_PATH, Cancel, Chunk, End, Fail, Head, Invoke, ProtocolError, Status, encode,
+                               read_message)
 
 log = logging.getLogger("sagelmi.link")
 
@@ -139,11 +141,12 @@ class WorkerLink:
             return self._changed.wait_for(lambda: self.state in states, timeout)
 
     # -- requests
-    def submit(self, invoke: Invoke) -> PendingRequest:
-        """Send ``invoke``; raises ``ServiceUnavailable`` if the worker is not ready."""
+    def submit(self, invoke: Invoke, require_ready: bool = True) -> PendingRequest:
+        """Send ``invoke``; raises ``ServiceUnavailable`` if the worker is not
+        ready (or, with ``require_ready=False``, not connected)."""
         pending = PendingRequest(invoke.id)
         with self._lock:
-            if self.state != "ready" or self._sock is None:
+            if (require_ready and self.state != "ready") or self._sock is None:
                 raise ServiceUnavailable(f"model worker {self.name} is {self.state}")
             self._pending[invoke.id] = pending
             sock = self._sock
@@ -153,6 +156,20 @@ class WorkerLink:
             self._pending.pop(invoke.id, None)
             raise ServiceUnavailable(f"model worker {self.name} went away before the request was sent") from None
         return pending
+
+    def fetch_metrics(self, timeout: float) -> str:
+        """The worker's Prometheus metrics (text format)."""
+        request_id = f"metrics-{uuid.uuid4().hex}"
+        pending = self.submit(Invoke(id=request_id, properties={}, body=b"", path=METRICS_PATH),
+                              require_ready=False)
+        try:
+            pending.wait_head(timeout)
+            parts = []
+            while (data := pending.next_data(timeout)) is not None:
+                parts.append(data)
+            return b"".join(parts).decode("utf-8")
+        finally:
+            self._pending.pop(request_id, None)
 
     def cancel(self, request_id: str) -> None:
         """Abandon a request: the worker cancels it; late answers are dropped."""

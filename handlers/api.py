@@ -64,11 +64,14 @@ class PairList:
 class Input:
     """One request (or the initialisation call) as a handler sees it."""
 
-    def __init__(self, properties: dict[str, str] | None = None, body: bytes | None = None) -> None:
+    def __init__(self, properties: dict[str, str] | None = None, body: bytes | None = None,
+                 request_path: str = "/invocations") -> None:
         self.function_name: str | None = None
+        #: The HTTP route the request came in on (``/invocations``, ``/v1/chat/completions``...).
+        self.request_path = request_path
         self.properties: dict[str, str] = dict(properties or {})
         self.content = PairList()
-        if body:
+        if body is not None:  # a request, even with an empty body, is never is_empty()
             self.content.add("data", bytes(body))
 
     def __str__(self) -> str:

@@ -11,7 +11,9 @@ replaced with ``<path>`` before they leave the process.
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 import re
 
 
@@ -86,9 +88,21 @@ _HANDLER_INPUT_ERRORS: tuple[type[BaseException], ...] = (json.JSONDecodeError, 
 _PATH = re.compile(r"(?<![\w:/.~-])(?:/[\w.+@~-]+){2,}/?")
 
 
+@functools.lru_cache(maxsize=256)
+def _is_local_root(name: str) -> bool:
+    return os.path.isdir("/" + name)
+
+
+def _scrub_one(match: re.Match) -> str:
+    path = match.group()
+    # Only file-system paths: their top directory exists here (/opt, /tmp, /home ...);
+    # a URL path such as /v1/chat/completions does not.
+    return "<path>" if _is_local_root(path.split("/")[1]) else path
+
+
 def scrub(text: str) -> str:
     """Replace absolute file-system paths in ``text`` with ``<path>``."""
-    return _PATH.sub("<path>", text)
+    return _PATH.sub(_scrub_one, text)
 
 
 def describe(exc: BaseException) -> tuple[int, str, str]:

@@ -27,6 +27,12 @@ class HandlerLoadError(Exception):
     """The handler could not be found or imported; the message says why."""
 
 
+BUILTIN_VLLM = "handlers.vllm_handler"
+# LMI's names for its built-in handlers, served here by the built-in vLLM handler.
+LMI_BUILTIN_NAMES = {"djl_python.huggingface", "djl_python.lmi_vllm.vllm_async_service",
+                     "djl_python.vllm", "djl_python.rolling_batch.vllm_rolling_batch"}
+
+
 @dataclass(frozen=True)
 class Handler:
     """A loaded ``handle`` function and what kind of callable it is."""
@@ -34,6 +40,7 @@ class Handler:
     fn: Callable[..., Any]
     origin: str
     kind: str  # "sync", "async", "generator" or "async_generator"
+    shutdown: Callable[[], Any] | None = None  # the module's optional shutdown(), called when the worker stops
 
 
 def _kind(fn: Callable[..., Any]) -> str:
@@ -57,41 +64,57 @@ def _import_file(path: Path) -> Any:
     return module
 
 
-def _locate(model_dir: Path, entry_point: str | None) -> tuple[str, Path | None]:
-    """Return ``(description, file)``; ``file`` is None for a module name."""
+def _builtin(model_dir: Path, properties: dict[str, str]) -> tuple[str, Path | None, str | None]:
+    rolling_batch = properties.get("rolling_batch", "auto").lower()
+    if rolling_batch in ("auto", "vllm"):
+        if not properties.get("model_id") and not (model_dir / "config.json").is_file():
+            raise HandlerLoadError(
+                "nothing to serve: the model directory has neither model.py nor a model (config.json), "
+                "and option.model_id (HF_MODEL_ID) is not set")
+        return f"the built-in vLLM handler (option.rolling_batch={rolling_batch})", None, BUILTIN_VLLM
+    if rolling_batch == "lmi-dist":
+        raise HandlerLoadError("option.rolling_batch=lmi-dist runs under MPI (engine=MPI), which this version "
+                               "does not support; use option.rolling_batch=vllm")
+    raise HandlerLoadError(f"option.rolling_batch={rolling_batch} is not available here: the built-in engine "
+                           f"is vLLM (auto or vllm); for anything else provide a model.py")
+
+
+def _locate(model_dir: Path, entry_point: str | None,
+            properties: dict[str, str]) -> tuple[str, Path | None, str | None]:
+    """Return ``(description, file, module)``: exactly one of file and module."""
+    if entry_point in LMI_BUILTIN_NAMES:
+        return _builtin(model_dir, properties)
     if entry_point is None:
         candidate = model_dir / "model.py"
         if candidate.is_file():
-            return "model.py", candidate
-        raise HandlerLoadError(
-            f"no handler: the model directory has no model.py and option.entryPoint is not set "
-            f"(files found: {', '.join(sorted(p.name for p in model_dir.iterdir())[:10]) or 'none'})")
+            return "model.py", candidate, None
+        return _builtin(model_dir, properties)
     if entry_point.endswith(".py"):
         path = Path(entry_point)
         path = path if path.is_absolute() else model_dir / path
         if not path.is_file():
             raise HandlerLoadError(f"option.entryPoint={entry_point}: no such file in the model directory")
-        return f"option.entryPoint={entry_point}", path
+        return f"option.entryPoint={entry_point}", path, None
     if not _MODULE_NAME.match(entry_point):
         raise HandlerLoadError(
             f"option.entryPoint={entry_point!r} is neither a .py file nor a Python module name")
-    return f"option.entryPoint={entry_point}", None
+    return f"option.entryPoint={entry_point}", None, entry_point
 
 
-def load_handler(model_dir: str, entry_point: str | None) -> Handler:
+def load_handler(model_dir: str, entry_point: str | None, properties: dict[str, str] | None = None) -> Handler:
     """Import the handler module and return its ``handle``.
 
     Raises ``HandlerLoadError`` with a message a person can act on."""
     root = Path(model_dir)
     if not root.is_dir():
         raise HandlerLoadError(f"model directory {model_dir} does not exist")
-    origin, path = _locate(root, entry_point)
+    origin, path, module_name = _locate(root, entry_point, properties or {})
     # A model.py may import modules that sit next to it, as in LMI.
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
     log.info("loading handler from %s", origin)
     try:
-        module = _import_file(path) if path is not None else importlib.import_module(entry_point)
+        module = _import_file(path) if path is not None else importlib.import_module(module_name)
     except HandlerLoadError:
         raise
     except BaseException as exc:  # SystemExit from a module is a failed import too
@@ -104,6 +127,7 @@ def load_handler(model_dir: str, entry_point: str | None) -> Handler:
             f"{origin} defines no function 'handle' (callables found: {', '.join(public) or 'none'})")
     if not callable(fn):
         raise HandlerLoadError(f"{origin}: 'handle' is a {type(fn).__name__}, not a function")
-    handler = Handler(fn=fn, origin=origin, kind=_kind(fn))
+    stop = getattr(module, "shutdown", None)
+    handler = Handler(fn=fn, origin=origin, kind=_kind(fn), shutdown=stop if callable(stop) else None)
     log.info("handler %s loaded (%s handle)", origin, handler.kind.replace("_", " "))
     return handler

@@ -15,6 +15,9 @@ Conversation, per request id:
                     or   Fail              the request failed (before or after Head)
     frontend -> worker   Cancel            abandon it (client gone, timeout)
 
+An ``Invoke`` for ``METRICS_PATH`` is answered by the worker itself (Head, Chunk,
+End) with the Prometheus text of its process, including the engine's metrics.
+
     worker -> frontend   Status            health: sent on connect and on every change
 
 ``WorkerSpec`` is the launch contract: the supervisor writes it as JSON and the
@@ -36,11 +39,16 @@ MAX_FRAME_BYTES = 1 << 30  # a frame larger than this means a corrupt stream
 # supervisor stops start-up instead of restarting the worker.
 EXIT_LOAD_FAILED = 3
 
+# An Invoke with this path asks the worker for its Prometheus metrics (text format)
+# instead of calling the handler.
+METRICS_PATH = "/metrics"
+
 
 class Invoke(msgspec.Struct, tag="invoke", frozen=True):
     id: str
     properties: dict[str, str]
     body: bytes
+    path: str = "/invocations"  # the HTTP route; METRICS_PATH is answered by the worker itself
 
 
 class Cancel(msgspec.Struct, tag="cancel", frozen=True):

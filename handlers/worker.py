@@ -28,16 +28,19 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, AsyncIterator
 
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
 from handlers import logs, proc
 from handlers.api import Input, Output
 from handlers.errors import ServiceUnavailable, describe
 from handlers.loader import Handler, HandlerLoadError, load_handler
-from handlers.protocol import (EXIT_LOAD_FAILED, FRAME_HEADER, Cancel, Chunk, End, Fail, Head, Invoke,
+from handlers.protocol import (EXIT_LOAD_FAILED, FRAME_HEADER, METRICS_PATH, Cancel, Chunk, End, Fail, Head, Invoke,
                                Message, ProtocolError, Status, WorkerSpec, decode, decode_spec, encode,
                                frame_length)
 
 log = logging.getLogger("sagelmi.worker")
 
+SHUTDOWN_TIMEOUT = 15.0
 _HOP_BY_HOP = {"content-length", "transfer-encoding", "connection", "keep-alive"}
 _DONE = object()
 
@@ -113,15 +116,28 @@ class Worker:
                 for task in link.tasks.values():
                     task.cancel()
                 link.writer.close()
+            await asyncio.sleep(0)  # let the cancelled requests unwind before the engine stops
+            await self._shutdown_handler()
             self.executor.shutdown(wait=False, cancel_futures=True)
             path.unlink(missing_ok=True)
         return code
+
+    async def _shutdown_handler(self) -> None:
+        stop = self.handler.shutdown if self.handler is not None else None
+        if stop is None:
+            return
+        try:
+            result = await asyncio.wait_for(asyncio.to_thread(stop), SHUTDOWN_TIMEOUT)
+            if asyncio.iscoroutine(result):
+                await asyncio.wait_for(result, SHUTDOWN_TIMEOUT)
+        except Exception:
+            log.exception("the handler's shutdown() failed")
 
     async def _load(self) -> bool:
         started = time.monotonic()
         try:
             # Import on the loop's thread: some libraries insist on the main thread.
-            self.handler = load_handler(self.spec.model_dir, self.spec.entry_point)
+            self.handler = load_handler(self.spec.model_dir, self.spec.entry_point, self.spec.properties)
             init = to_output(await self._call(Input(properties=dict(self.spec.properties))))
             if init.stream_content is not None:  # a generator handle(): run its body
                 async for _ in self._stream(init):
@@ -186,9 +202,12 @@ class Worker:
         rid = message.id
         head_sent = False
         try:
-            if self.status.state != "ready":
+            if message.path == METRICS_PATH:
+                output = Output().add_property("content-type", CONTENT_TYPE_LATEST).add(generate_latest())
+            elif self.status.state != "ready":
                 raise ServiceUnavailable("the model worker is not ready")
-            output = to_output(await self._call(Input(message.properties, message.body)))
+            else:
+                output = to_output(await self._call(Input(message.properties, message.body, message.path)))
             headers = {k: v for k, v in output.headers().items() if k.lower() not in _HOP_BY_HOP}
             streaming = output.stream_content is not None
             await link.send(Head(id=rid, code=output.code, headers=headers, stream=streaming))

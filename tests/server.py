@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import signal
 import socket
@@ -111,3 +113,28 @@ class Server:
         out = subprocess.run(["pgrep", "-P", str(self.process.pid), "-f", "handlers.worker"],
                              capture_output=True, text=True).stdout
         return [int(p) for p in out.split()]
+
+
+class RawStream:
+    """A streaming POST whose connection the test can really close (``requests``
+    keeps the socket open until garbage collection, which hides disconnects)."""
+
+    def __init__(self, port: int, path: str, body: dict) -> None:
+        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        self.conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+        self.response = self.conn.getresponse()
+        self._buffer = b""
+
+    def read_lines(self, count: int) -> list[bytes]:
+        while self._buffer.count(b"\n") < count:
+            chunk = self.response.read1(65536)
+            if not chunk:
+                break
+            self._buffer += chunk
+        lines = self._buffer.split(b"\n")
+        return [line for line in lines[:count] if line]
+
+    def close(self) -> None:
+        """Drop the connection, as a client that goes away does."""
+        self.conn.sock.close()
+        self.conn.close()

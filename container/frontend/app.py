@@ -17,8 +17,10 @@ import uuid
 from typing import Iterator
 
 from flask import Flask, Response, g, request
+from prometheus_client import CONTENT_TYPE_LATEST
 from werkzeug.exceptions import HTTPException
 
+from container.frontend.metrics import FrontendMetrics
 from container.frontend.router import Router
 from container.frontend.spec import FrontendSpec
 from container.worker_client import PendingRequest, WorkerLink
@@ -88,8 +90,8 @@ class Invocation:
         streaming = False
         try:
             self.link = self.router.pick()
-            self.pending = self.link.submit(
-                Invoke(id=self.wire_id, properties=request_properties(self.request_id), body=body))
+            self.pending = self.link.submit(Invoke(id=self.wire_id, properties=request_properties(self.request_id),
+                                                   body=body, path=request.path))
             try:
                 head = self.pending.wait_head(self.spec.predict_timeout)
                 if head.stream:
@@ -137,6 +139,7 @@ def create_app(spec: FrontendSpec) -> Flask:
     app = Flask("sagelmi")
     app.config["MAX_CONTENT_LENGTH"] = spec.max_payload_bytes
     app.extensions["sagelmi"] = router
+    metrics = FrontendMetrics()
 
     @app.before_request
     def _start() -> None:
@@ -146,10 +149,12 @@ def create_app(spec: FrontendSpec) -> Flask:
 
     @app.after_request
     def _finish(resp: Response) -> Response:
-        if request.path != "/ping":
+        if request.path not in ("/ping", "/metrics"):
+            elapsed = time.monotonic() - g.started
             resp.headers[INFERENCE_ID] = g.request_id
+            metrics.observe(request.url_rule.rule if request.url_rule else "unmatched", resp.status_code, elapsed)
             log.info("%s %s -> %s (%.1f ms to the first byte)", request.method, request.path, resp.status_code,
-                     (time.monotonic() - g.started) * 1000)
+                     elapsed * 1000)
         return resp
 
     @app.teardown_request
@@ -163,8 +168,8 @@ def create_app(spec: FrontendSpec) -> Flask:
     @app.errorhandler(HTTPException)
     def _http_error(exc: HTTPException) -> Response:
         mapped = {
-            404: NotFound(f"no route {request.method} {request.path}; the server answers GET /ping and "
-                          f"POST /invocations"),
+            404: NotFound(f"no route {request.method} {request.path}; the server answers GET /ping, "
+                          f"POST /invocations, POST /v1/chat/completions, POST /v1/completions, GET /v1/models"),
             405: MethodNotAllowed(f"{request.method} is not allowed on {request.path}"),
             413: PayloadTooLarge(
                 f"the request body is {request.content_length or 'more than'} bytes; the limit is "
@@ -182,13 +187,29 @@ def create_app(spec: FrontendSpec) -> Flask:
         healthy, body = router.health()
         return Response(json.dumps(body), status=200 if healthy else 503, mimetype="application/json")
 
+    @app.get("/metrics")
+    def prometheus_metrics() -> Response:
+        metrics.in_flight.set(router.in_flight)
+        texts = {}
+        for link, group in zip(router.links, spec.groups):
+            metrics.worker_ready.labels(str(group.index)).set(1 if link.state == "ready" else 0)
+            try:
+                texts[str(group.index)] = link.fetch_metrics(timeout=5)
+            except ServingError as exc:
+                log.warning("no metrics from %s: %s", link.name, exc)
+        return Response(metrics.render(texts), mimetype=CONTENT_TYPE_LATEST)
+
     @app.get("/execution-parameters")
     def execution_parameters() -> Response:
         body = {"MaxConcurrentTransforms": len(router.links), "BatchStrategy": "SINGLE_RECORD",
                 "MaxPayloadInMB": max(1, spec.max_payload_bytes // (1024 * 1024))}
         return Response(json.dumps(body), mimetype="application/json")
 
+    # The handler answers these: SageMaker's entry and the OpenAI-compatible routes.
     @app.post("/invocations")
+    @app.post("/v1/chat/completions")
+    @app.post("/v1/completions")
+    @app.get("/v1/models")
     def invocations() -> Response:
         body = request.get_data(cache=False)
         return Invocation(router, spec, g.request_id).run(body)

@@ -7,7 +7,7 @@ import uuid
 import pytest
 import requests
 
-from tests.server import MODEL_DIRS, Server
+from tests.server import MODEL_DIRS, RawStream, Server
 
 
 @pytest.fixture(scope="module")
@@ -57,12 +57,10 @@ def test_timeout_cancels_the_handlers_work(server, tmp_path):
 
 def test_client_disconnect_cancels_the_stream_in_the_worker(server, tmp_path):
     marker = tmp_path / "marker"
-    with server.invoke({"stream_forever": str(marker)}, stream=True, timeout=10) as r:
-        lines = r.iter_lines()
-        for _ in range(3):
-            next(lines)
-    # the response is closed: the frontend notices at its next write and cancels
-    assert _wait_for_file(marker, 3) == "cancelled"
+    stream = RawStream(server.port, "/invocations", {"stream_forever": str(marker)})
+    assert len(stream.read_lines(3)) == 3
+    stream.close()  # the frontend notices at its next write and cancels
+    assert _wait_for_file(marker, 1) == "cancelled"
     ping = requests.get(server.url("/ping"), timeout=2).json()
     assert ping["workers"][0]["in_flight"] == 0
 

@@ -95,7 +95,7 @@ def test_model_directory_without_handler_stops_start_up(tmp_path):
     (tmp_path / "weights.bin").write_bytes(b"")
     server = Server(tmp_path).start(wait_ready=False)
     assert server.wait_exit(30) == 1
-    assert "no model.py and option.entryPoint is not set" in server.log()
+    assert "nothing to serve: the model directory has neither model.py nor a model (config.json)" in server.log()
 
 
 def test_two_groups_get_their_device_slices():

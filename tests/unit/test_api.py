@@ -29,6 +29,7 @@ def test_input_accessors():
 
 
 def test_empty_input_is_the_initialisation_call():
+    assert not Input({}, b"").is_empty()  # a request with an empty body is still a request
     inp = Input({"model_dir": "/opt/ml/model"})
     assert inp.is_empty()
     assert inp.get_as_bytes() is None

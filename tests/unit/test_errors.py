@@ -13,8 +13,9 @@ def test_status_table():
 
 
 def test_paths_are_scrubbed_but_urls_are_not():
-    text = "No such file: '/opt/ml/model/weights.bin' see https://example.com/a/b and /usr/lib/python3/x.py"
-    assert scrub(text) == "No such file: '<path>' see https://example.com/a/b and <path>"
+    text = ("No such file: '/tmp/ml/model/weights.bin' see https://example.com/a/b and /usr/lib/python3/x.py "
+            "on route /v1/chat/completions")
+    assert scrub(text) == "No such file: '<path>' see https://example.com/a/b and <path> on route /v1/chat/completions"
     assert describe(FileNotFoundError(2, "No such file", "/root/secret/file"))[2].count("<path>") == 1
 
 

@@ -1,0 +1,89 @@
+"""``sagelmi tiny-model DIR``: write a tiny random-weight Llama with its own
+tokenizer and chat template, without any download.
+
+It exists to run the real engine anywhere (a laptop CPU, CI): two layers,
+hidden size 128, two attention heads of size 64 (the CPU attention kernels need
+64), one KV head, and a 512-token byte-level BPE tokenizer trained on a small
+built-in text. Weights are random from a fixed seed, so every machine writes the
+same model. It answers with gibberish, quickly.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+SEED = 1234
+VOCAB_SIZE = 512
+SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+_WORDS = (
+    "the a an of to in on for with and or but not is are was were be been being have has had do does did "
+    "model server request response token tokens stream batch worker engine queue prompt answer question "
+    "large language small tiny fast slow quick brown fox jumps over lazy dog sea sky river mountain city "
+    "one two three four five six seven eight nine ten hundred thousand first second last next "
+    "hello world please thank you yes no maybe always never today tomorrow yesterday morning evening "
+    "red green blue yellow black white light dark warm cold new old good bad big little long short "
+    "read write run serve send receive open close start stop begin end wait ready healthy error"
+).split()
+
+
+def _corpus(lines: int = 4000) -> list[str]:
+    """Deterministic pseudo-sentences covering the word list and punctuation."""
+    state = SEED
+    out = []
+    for _ in range(lines):
+        words = []
+        for _ in range(8 + state % 9):
+            state = (state * 1103515245 + 12345) % (1 << 31)
+            words.append(_WORDS[state % len(_WORDS)])
+        out.append(" ".join(words).capitalize() + ".,!?"[state % 4] + f" {state % 1000}")
+    return out
+
+
+def _tokenizer(directory: Path, max_model_len: int) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   model_max_length=max_model_len, chat_template=CHAT_TEMPLATE)
+    fast.save_pretrained(directory)
+
+
+def write_tiny_model(directory: str | Path, max_model_len: int = 1024) -> Path:
+    """Write the model and tokenizer into ``directory`` (created if needed)."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    _tokenizer(directory, max_model_len)
+    ids = {name: i for i, name in enumerate(SPECIAL_TOKENS)}
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=max_model_len,
+        bos_token_id=ids["<s>"], eos_token_id=ids["</s>"], pad_token_id=ids["<pad>"],
+        # Wider than the usual 0.02 so next-token scores are well separated and greedy
+        # decoding does not hinge on rounding differences between batch shapes.
+        initializer_range=0.1, tie_word_embeddings=False, torch_dtype="float32")
+    torch.manual_seed(SEED)
+    model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(directory, safe_serialization=True)
+    GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
+                     pad_token_id=config.pad_token_id).save_pretrained(directory)
+    # Written last: its presence means the model is complete.
+    (directory / "sagelmi-tiny-model.json").write_text(json.dumps({"seed": SEED, "max_model_len": max_model_len}))
+    return directory

@@ -1,0 +1,207 @@
+"""LMI's text-generation schema: ``{"inputs", "parameters", "stream"}`` in,
+``{"generated_text", "details"}`` out, as LMI documents it.
+
+Parsing turns a request into prompts and vLLM sampling arguments; formatting
+turns engine outputs into LMI's JSON, JSON lines or server-sent events (and the
+TGI-compatible forms). Nothing here talks to the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from handlers.errors import InputError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_NEW_TOKENS = 30  # LMI's default
+OUTPUT_FORMATTERS = ("json", "jsonlines", "sse")
+CONTENT_TYPES = {"json": "application/json", "jsonlines": "application/jsonlines", "sse": "text/event-stream"}
+
+
+class LmiParameters(BaseModel):
+    """The ``parameters`` object. Other vLLM ``SamplingParams`` names pass through."""
+
+    model_config = ConfigDict(extra="allow")
+
+    max_new_tokens: int = Field(DEFAULT_MAX_NEW_TOKENS, ge=1)
+    do_sample: bool | None = None
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = None
+    seed: int | None = None
+    stop_sequences: list[str] | str | None = None
+    repetition_penalty: float | None = Field(None, gt=0)
+    return_full_text: bool = False
+    details: bool | None = None
+    decoder_input_details: bool = False
+    top_n_tokens: int = Field(0, ge=0)
+    ignore_eos_token: bool = False
+
+
+@dataclass(frozen=True)
+class LmiRequest:
+    prompts: list[str]
+    batched: bool           # "inputs" was a list: answer with a list
+    stream: bool
+    parameters: LmiParameters
+    sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams arguments
+
+
+def _field_errors(exc: ValidationError, prefix: str) -> str:
+    parts = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in (prefix, *err["loc"]) if p != "")
+        parts.append(f"{where}: {err['msg']}")
+    return "; ".join(parts)
+
+
+def sampling_arguments(params: LmiParameters, known: set[str]) -> dict[str, Any]:
+    """vLLM ``SamplingParams`` keyword arguments for ``params``.
+
+    ``known`` is the set of SamplingParams field names: extra parameters with
+    those names pass through, others are ignored with a warning (as LMI does)."""
+    args: dict[str, Any] = {"max_tokens": params.max_new_tokens, "logprobs": params.top_n_tokens}
+    for name in ("temperature", "top_p", "top_k", "seed", "repetition_penalty"):
+        value = getattr(params, name)
+        if value is not None:
+            args[name] = value
+    if params.stop_sequences:
+        args["stop"] = [params.stop_sequences] if isinstance(params.stop_sequences, str) else params.stop_sequences
+    if params.ignore_eos_token:
+        args["ignore_eos"] = True
+    if params.decoder_input_details:
+        args["prompt_logprobs"] = 1
+    # Greedy unless sampling was asked for, explicitly or by giving a temperature.
+    if params.do_sample is False or (params.do_sample is None and params.temperature is None):
+        args["temperature"] = 0.0
+    for name, value in (params.model_extra or {}).items():
+        if name in known and name not in ("output_kind", "detokenize"):
+            args[name] = value
+        else:
+            log.warning("ignoring unknown generation parameter %r", name)
+    return args
+
+
+def parse_request(body: Any, known_sampling: set[str]) -> LmiRequest:
+    """Validate an LMI request body. Raises ``InputError`` naming the bad field."""
+    if not isinstance(body, dict):
+        raise InputError("the request body must be a JSON object with 'inputs'")
+    inputs = body.get("inputs")
+    if isinstance(inputs, str):
+        prompts, batched = [inputs], False
+    elif isinstance(inputs, list) and inputs and all(isinstance(p, str) for p in inputs):
+        prompts, batched = list(inputs), True
+    else:
+        raise InputError("'inputs' must be a non-empty string or a non-empty list of strings")
+    if any(not p for p in prompts):
+        raise InputError("'inputs' must not contain an empty prompt")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise InputError(f"'stream' must be true or false, not {stream!r}")
+    if stream and batched:
+        raise InputError("streaming takes one prompt: send 'inputs' as a string, or set 'stream' to false")
+    raw = body.get("parameters")
+    raw = {} if raw is None else raw
+    if not isinstance(raw, dict):
+        raise InputError("'parameters' must be a JSON object")
+    try:
+        params = LmiParameters.model_validate(raw)
+    except ValidationError as exc:
+        raise InputError(_field_errors(exc, "parameters")) from None
+    if int((params.model_extra or {}).get("n", 1) or 1) > 1:
+        raise InputError("parameters.n > 1 is not supported by the LMI schema; use /v1/completions")
+    return LmiRequest(prompts, batched, stream, params, sampling_arguments(params, known_sampling))
+
+
+# -- answers ---------------------------------------------------------------------------
+
+def finish_reason(reason: str | None, stop_reason: Any) -> str | None:
+    """vLLM's finish reason in LMI's words."""
+    if reason == "stop":
+        return "eos_token" if stop_reason is None else "stop_sequence"
+    return reason
+
+
+@dataclass
+class TokenInfo:
+    id: int
+    text: str
+    log_prob: float | None
+    top: list["TokenInfo"] = field(default_factory=list)
+
+    def as_dict(self, tgi: bool) -> dict:
+        return {"id": self.id, "text": self.text, ("logprob" if tgi else "log_prob"): self.log_prob}
+
+
+@dataclass
+class Generation:
+    """Everything known about one prompt's answer so far."""
+
+    prompt: str
+    text: str = ""
+    tokens: list[TokenInfo] = field(default_factory=list)
+    prefill: list[TokenInfo] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class Formatter:
+    """Builds LMI answers; ``tgi`` selects the TGI-compatible forms."""
+
+    def __init__(self, output_formatter: str, tgi: bool) -> None:
+        if output_formatter not in OUTPUT_FORMATTERS:
+            raise ValueError(f"option.output_formatter={output_formatter!r} is not one of {', '.join(OUTPUT_FORMATTERS)}")
+        self.tgi = tgi
+        self.stream_format = "sse" if tgi and output_formatter != "jsonlines" else output_formatter
+        if self.stream_format == "json":
+            self.stream_format = "jsonlines"
+
+    @property
+    def stream_content_type(self) -> str:
+        return CONTENT_TYPES[self.stream_format]
+
+    def wants_details(self, params: LmiParameters) -> bool:
+        return params.details if params.details is not None else self.tgi
+
+    def _generated_text(self, gen: Generation, params: LmiParameters) -> str:
+        return gen.prompt + gen.text if params.return_full_text else gen.text
+
+    def _details(self, gen: Generation, params: LmiParameters, with_tokens: bool) -> dict:
+        details: dict[str, Any] = {"finish_reason": gen.finish_reason, "generated_tokens": len(gen.tokens),
+                                   "inputs": gen.prompt}
+        if with_tokens:
+            details["tokens"] = [t.as_dict(self.tgi) for t in gen.tokens]
+        if params.top_n_tokens:
+            details["top_tokens"] = [[c.as_dict(self.tgi) for c in t.top] for t in gen.tokens]
+        if params.decoder_input_details:
+            details["prefill"] = [t.as_dict(self.tgi) for t in gen.prefill]
+        return details
+
+    def answer(self, gen: Generation, params: LmiParameters) -> dict:
+        out: dict[str, Any] = {"generated_text": self._generated_text(gen, params)}
+        if self.wants_details(params):
+            out["details"] = self._details(gen, params, with_tokens=True)
+        return out
+
+    def body(self, generations: list[Generation], request: LmiRequest) -> Any:
+        """The non-streaming answer: one object, a list for a list of inputs,
+        and always a list in TGI-compatible mode."""
+        answers = [self.answer(g, request.parameters) for g in generations]
+        return answers if request.batched or self.tgi else answers[0]
+
+    def stream_item(self, token: TokenInfo | None, gen: Generation, params: LmiParameters, last: bool) -> bytes:
+        """One line (or event) of a stream; the last one carries the whole text."""
+        item: dict[str, Any] = {}
+        if token is not None:
+            item["token"] = token.as_dict(self.tgi)
+        if last:
+            item["generated_text"] = self._generated_text(gen, params)
+            if self.wants_details(params):
+                item["details"] = self._details(gen, params, with_tokens=False)
+        line = json.dumps(item, ensure_ascii=False, separators=(",", ":"))
+        return f"data: {line}\n\n".encode() if self.stream_format == "sse" else f"{line}\n".encode()

@@ -1,0 +1,132 @@
+"""LMI options -> vLLM engine arguments.
+
+LMI's names are translated (``max_rolling_batch_size`` -> ``max_num_seqs``,
+``tensor_parallel_degree`` -> ``tensor_parallel_size``, the speculative-decoding
+trio -> ``speculative_config`` ...). Any other ``option.x`` whose name is a vLLM
+engine argument passes through, its text converted to the argument's type. A
+name that is neither stops start-up, naming the nearest valid names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import logging
+from typing import Any
+
+from pydantic import TypeAdapter, ValidationError
+
+log = logging.getLogger(__name__)
+
+# LMI name -> vLLM engine argument
+RENAMED = {
+    "model_id": "model",
+    "tensor_parallel_degree": "tensor_parallel_size",
+    "max_rolling_batch_size": "max_num_seqs",
+    "max_rolling_batch_prefill_tokens": "max_num_batched_tokens",
+    "quantize": "quantization",
+    "cpu_offload_gb_per_gpu": "cpu_offload_gb",
+}
+# LMI's speculative-decoding options, folded into speculative_config
+SPECULATIVE = {"speculative_draft_model": "model", "speculative_length": "num_speculative_tokens",
+               "draft_model_tp_size": "draft_tensor_parallel_size"}
+# LMI's dtype words
+DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32", "auto": "auto"}
+# Options sagelmi itself (or LMI's server) consumes: not engine arguments.
+SERVER_OPTIONS = {
+    "model_dir", "entryPoint", "rolling_batch", "mpi_mode", "task", "sync_handler_threads", "predict_timeout",
+    "model_loading_timeout", "output_formatter", "tgi_compat", "enable_streaming", "engine", "parallel_loading",
+}
+# LMI options vLLM 0.32 no longer has: accepted, with a warning.
+OBSOLETE = {
+    "lora_extra_vocab_size": "vLLM 0.32 has no lora_extra_vocab_size; adapters use the base vocabulary",
+    "record_acceptance_rate": "speculative decoding acceptance is reported in /metrics (vllm:spec_decode_*)",
+}
+# sagelmi's defaults where vLLM's differ from LMI's
+LMI_DEFAULTS = {"max_num_seqs": 256}
+
+
+class EngineOptionError(ValueError):
+    """An option cannot become an engine argument; the message says why."""
+
+
+def engine_fields() -> dict[str, dataclasses.Field]:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    return {f.name: f for f in dataclasses.fields(AsyncEngineArgs)}
+
+
+def _convert(name: str, raw: str, target: str, tp: Any) -> Any:
+    """Text -> the engine argument's type ``tp`` (JSON accepted for structured values)."""
+    candidates: list[Any] = [raw]
+    try:
+        candidates.append(json.loads(raw))
+    except ValueError:
+        pass
+    try:
+        adapter = TypeAdapter(tp)
+    except Exception:  # a type pydantic cannot build (forward references, classes): pass as given
+        return candidates[-1]
+    errors = []
+    for candidate in candidates:
+        try:
+            return adapter.validate_python(candidate)
+        except ValidationError as exc:
+            errors.append(exc.errors()[0]["msg"])
+    raise EngineOptionError(f"option.{name}={raw!r} is not a valid value for vLLM's {target}: {errors[-1]}")
+
+
+def _unknown(name: str, fields: dict[str, dataclasses.Field]) -> EngineOptionError:
+    valid = set(fields) | set(RENAMED) | set(SPECULATIVE) | SERVER_OPTIONS | {"dtype"}
+    close = difflib.get_close_matches(name, sorted(valid), n=3, cutoff=0.6)
+    hint = f"; did you mean {', '.join('option.' + c for c in close)}?" if close else ""
+    return EngineOptionError(
+        f"option.{name} is neither an LMI option nor a vLLM engine argument{hint} "
+        f"(vLLM's engine arguments are listed at https://docs.vllm.ai/en/latest/configuration/engine_args.html)")
+
+
+# On vLLM's CPU build gpu_memory_utilization is the share of CPU memory vLLM reserves;
+# its 0.92 default refuses to start on a machine doing anything else.
+CPU_DEFAULTS = {"gpu_memory_utilization": 0.5}
+
+
+def build_engine_kwargs(properties: dict[str, str], model_dir: str, cpu: bool = False) -> dict[str, Any]:
+    """Keyword arguments for ``AsyncEngineArgs`` from the model properties
+    (``cpu``: vLLM runs on its CPU platform).
+
+    Raises ``EngineOptionError`` for an unknown name or a value of the wrong type."""
+    fields = engine_fields()
+    kwargs: dict[str, Any] = dict(LMI_DEFAULTS)
+    speculative: dict[str, Any] = {}
+    for name, raw in properties.items():
+        if name in SERVER_OPTIONS:
+            continue
+        if name in OBSOLETE:
+            log.warning("option.%s is ignored: %s", name, OBSOLETE[name])
+            continue
+        if name in SPECULATIVE:
+            key = SPECULATIVE[name]
+            speculative[key] = raw if key == "model" else _convert(name, raw, key, int)
+            continue
+        if name == "dtype":
+            value = DTYPES.get(raw.lower(), raw)
+            kwargs["dtype"] = _convert(name, value, "dtype", fields["dtype"].type)
+            continue
+        target = RENAMED.get(name, name)
+        if target not in fields:
+            raise _unknown(name, fields)
+        kwargs[target] = _convert(name, raw, target, fields[target].type)
+    if speculative:
+        if "model" not in speculative:
+            raise EngineOptionError("option.speculative_length / draft_model_tp_size need option.speculative_draft_model")
+        speculative.setdefault("num_speculative_tokens", 5)  # LMI's default speculative_length
+        kwargs["speculative_config"] = {**speculative, **(kwargs.get("speculative_config") or {})}
+    if cpu:
+        for name, value in CPU_DEFAULTS.items():
+            if name not in kwargs:
+                log.info("vLLM runs on the CPU: %s=%s (set option.%s to change)", name, value, name)
+                kwargs[name] = value
+    kwargs.setdefault("model", model_dir)
+    kwargs.setdefault("served_model_name", kwargs["model"])
+    return kwargs

@@ -1,0 +1,244 @@
+"""The built-in handler: a causal LM served by vLLM's async engine, with
+continuous batching.
+
+Routes, by path and body:
+
+- ``/v1/chat/completions``, or ``/invocations`` with ``messages``: OpenAI chat;
+- ``/v1/completions``, or ``/invocations`` with ``prompt``: OpenAI completion;
+- ``/invocations`` with ``inputs``: LMI's schema (``handlers.lmi_schema``);
+- ``/v1/models``: the served model.
+
+The OpenAI routes are answered by vLLM's own OpenAI serving classes, run in
+this process around the same engine, so their semantics (chat templates,
+logprobs, ``n``, usage, SSE ending with ``data: [DONE]``) are vLLM's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from prometheus_client import REGISTRY
+from prometheus_client.core import GaugeMetricFamily
+from pydantic import ValidationError
+
+from handlers.api import Input, Output
+from handlers.errors import InputError
+from handlers.lmi_schema import Formatter, Generation, LmiRequest, TokenInfo, finish_reason, parse_request
+from handlers.vllm_args import build_engine_kwargs
+
+log = logging.getLogger("sagelmi.vllm")
+
+_service: "VllmService | None" = None
+
+
+class _EngineLoad:
+    """Prometheus collector: requests the engine has not finished (exact, not sampled)."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def collect(self):
+        gauge = GaugeMetricFamily("sagelmi_engine_unfinished_requests",
+                                  "Requests the engine is running or has queued")
+        gauge.add_metric([], self.engine.get_num_unfinished_requests())
+        yield gauge
+
+
+def _openai_error(status: int, message: str, err_type: str = "BadRequestError", param: str | None = None) -> Output:
+    body = {"error": {"message": message, "type": err_type, "param": param, "code": status}}
+    return Output(code=status).add_property("content-type", "application/json").add_as_json(body)
+
+
+class VllmService:
+    def __init__(self, engine, properties: dict[str, str], served_name: str) -> None:
+        from vllm.sampling_params import SamplingParams
+
+        self.engine = engine
+        self.served_name = served_name
+        self.formatter = Formatter(properties.get("output_formatter", "jsonlines").lower(),
+                                   properties.get("tgi_compat", "false").lower() in ("true", "1", "yes"))
+        self.sampling_fields = {f.name for f in dataclasses.fields(SamplingParams)} if dataclasses.is_dataclass(
+            SamplingParams) else set(getattr(SamplingParams, "__struct_fields__", ()))
+        self._build_openai(properties)
+        REGISTRY.register(_EngineLoad(engine))
+
+    # -- start and stop
+    @classmethod
+    async def start(cls, properties: dict[str, str]) -> "VllmService":
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        from vllm.platforms import current_platform
+
+        kwargs = build_engine_kwargs(properties, properties["model_dir"], cpu=current_platform.is_cpu())
+        Formatter(properties.get("output_formatter", "jsonlines").lower(), False)  # fail early on a bad value
+        log.info("starting vLLM with %s", json.dumps(kwargs, default=str, sort_keys=True))
+        started = time.monotonic()
+        # Building the engine blocks for tens of seconds: keep the worker's loop free meanwhile.
+        engine = await asyncio.to_thread(AsyncLLM.from_engine_args, AsyncEngineArgs(**kwargs))
+        log.info("vLLM engine ready in %.1fs", time.monotonic() - started)
+        served = kwargs["served_model_name"]
+        return cls(engine, properties, served[0] if isinstance(served, list) else served)
+
+    def _build_openai(self, properties: dict[str, str]) -> None:
+        from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+        from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+        from vllm.entrypoints.openai.models.protocol import BaseModelPath
+        from vllm.entrypoints.openai.models.serving import OpenAIServingModels
+        from vllm.renderers.online_renderer import OnlineRenderer
+
+        self.models = OpenAIServingModels(
+            self.engine, [BaseModelPath(name=self.served_name, model_path=self.engine.model_config.model)])
+        renderer = OnlineRenderer(model_config=self.engine.model_config, renderer=self.engine.renderer,
+                                  request_logger=None, chat_template=None, chat_template_content_format="auto")
+        self.chat = OpenAIServingChat(self.engine, self.models, "assistant", online_renderer=renderer,
+                                      request_logger=None, chat_template=None,
+                                      chat_template_content_format="auto")
+        self.completion = OpenAIServingCompletion(self.engine, self.models, online_renderer=renderer,
+                                                  request_logger=None)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    # -- requests
+    async def invoke(self, inputs: Input) -> Output:
+        path = inputs.request_path
+        if path == "/v1/models":
+            listing = await self.models.show_available_models()
+            return Output().add_property("content-type", "application/json").add(listing.model_dump_json())
+        body = inputs.get_as_json()
+        if not isinstance(body, dict):
+            raise InputError("the request body must be a JSON object")
+        if path == "/v1/chat/completions" or (path == "/invocations" and "messages" in body):
+            return await self._openai("chat", body)
+        if path == "/v1/completions" or (path == "/invocations" and "prompt" in body and "inputs" not in body):
+            return await self._openai("completion", body)
+        if "inputs" in body:
+            return await self._lmi(body, inputs.get_property("x-amzn-sagemaker-inference-id"))
+        raise InputError("the body needs 'inputs' (LMI schema), 'messages' (OpenAI chat) "
+                         "or 'prompt' (OpenAI completion)")
+
+    # -- OpenAI
+    async def _openai(self, kind: str, body: dict) -> Output:
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+        from vllm.entrypoints.serve import create_error_response
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+        from vllm.exceptions import VLLMClientError
+
+        request_cls, create = ((ChatCompletionRequest, self.chat.create_chat_completion) if kind == "chat"
+                               else (CompletionRequest, self.completion.create_completion))
+        # A single-model server answers whatever model name the client sends.
+        body = {**body, "model": self.served_name}
+        try:
+            request = request_cls.model_validate(body)
+        except ValidationError as exc:
+            detail = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+            return _openai_error(400, detail)
+        try:
+            result = await create(request, None)
+        except (VLLMClientError, ValueError, TypeError) as exc:
+            result = create_error_response(exc)
+        if isinstance(result, ErrorResponse):
+            return _openai_error(result.error.code, result.error.message, result.error.type, result.error.param)
+        if hasattr(result, "model_dump_json"):
+            return Output().add_property("content-type", "application/json").add(result.model_dump_json())
+        return Output().add_property("content-type", "text/event-stream").add_stream_content(result)
+
+    # -- LMI
+    async def _lmi(self, body: dict, inference_id: str | None) -> Output:
+        from vllm.exceptions import VLLMClientError
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+        request = parse_request(body, self.sampling_fields)
+        kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
+        try:
+            sampling = SamplingParams(**request.sampling, output_kind=kind)
+        except (VLLMClientError, ValueError, TypeError) as exc:
+            raise InputError(f"invalid generation parameters: {exc}") from None
+        tag = inference_id or uuid.uuid4().hex
+        if not request.stream:
+            top_n = request.parameters.top_n_tokens
+            generations = await asyncio.gather(*(self._complete(p, sampling, f"{tag}-{i}", top_n)
+                                                 for i, p in enumerate(request.prompts)))
+            return Output().add_as_json(self.formatter.body(list(generations), request))
+        outputs = self._generate(request.prompts[0], sampling, tag)
+        first = await anext(outputs)  # errors before the first token become a 400, not a broken stream
+        return (Output().add_property("content-type", self.formatter.stream_content_type)
+                .add_stream_content(self._stream(request, first, outputs)))
+
+    async def _generate(self, prompt: str, sampling, request_id: str) -> AsyncIterator[Any]:
+        from vllm.exceptions import VLLMClientError
+
+        try:
+            async for output in self.engine.generate(prompt, sampling, f"{request_id}-{uuid.uuid4().hex[:8]}"):
+                yield output
+        except VLLMClientError as exc:
+            raise InputError(str(exc)) from None
+
+    async def _complete(self, prompt: str, sampling, request_id: str, top_n: int) -> Generation:
+        gen = Generation(prompt=prompt)
+        async for output in self._generate(prompt, sampling, request_id):
+            self._absorb(gen, output, top_n)
+        return gen
+
+    def _absorb(self, gen: Generation, output, top_n: int) -> list[TokenInfo]:
+        """Add one (delta or final) engine output to ``gen``; return its new tokens."""
+        completion = output.outputs[0]
+        new = []
+        for i, token_id in enumerate(completion.token_ids):
+            # vLLM: the sampled token first, then the top-k candidates (ranks 1..k)
+            logprobs = completion.logprobs[i] if completion.logprobs else {}
+            chosen = logprobs.get(token_id)
+            text = chosen.decoded_token if chosen is not None and chosen.decoded_token is not None else \
+                self.engine.tokenizer.decode([token_id])
+            ranked = sorted((lp.rank, tid, lp) for tid, lp in logprobs.items() if lp.rank and lp.rank <= top_n)
+            top = [TokenInfo(tid, lp.decoded_token or "", lp.logprob) for _, tid, lp in ranked]
+            new.append(TokenInfo(token_id, text, chosen.logprob if chosen is not None else None, top))
+        gen.tokens.extend(new)
+        gen.text += completion.text
+        if output.prompt_logprobs and not gen.prefill:
+            for token_id, lps in zip(output.prompt_token_ids, output.prompt_logprobs):
+                lp = (lps or {}).get(token_id)
+                gen.prefill.append(TokenInfo(token_id, self.engine.tokenizer.decode([token_id]),
+                                             lp.logprob if lp is not None else None))
+        if output.finished:
+            gen.finish_reason = finish_reason(completion.finish_reason, completion.stop_reason)
+        return new
+
+    async def _stream(self, request: LmiRequest, first, outputs: AsyncIterator[Any]) -> AsyncIterator[bytes]:
+        gen = Generation(prompt=request.prompts[0])
+        params = request.parameters
+        output = first
+        while True:
+            tokens = self._absorb(gen, output, params.top_n_tokens)
+            for i, token in enumerate(tokens):
+                yield self.formatter.stream_item(token, gen, params, last=output.finished and i == len(tokens) - 1)
+            if output.finished:
+                if not tokens:
+                    yield self.formatter.stream_item(None, gen, params, last=True)
+                return
+            output = await anext(outputs, None)
+            if output is None:
+                return
+
+
+async def handle(inputs: Input) -> Output | None:
+    global _service
+    if _service is None:
+        _service = await VllmService.start(inputs.get_properties())
+    if inputs.is_empty():
+        return None
+    return await _service.invoke(inputs)
+
+
+def shutdown() -> None:
+    """Stop the engine (and its processes) when the worker stops."""
+    if _service is not None:
+        _service.shutdown()

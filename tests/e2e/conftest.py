@@ -1,0 +1,25 @@
+"""One real vLLM server (CPU build) on the built-in tiny model, shared by the e2e tests."""
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.server import REPO, Server, clean_env
+
+# What vLLM's CPU build needs on a small machine (see the README's troubleshooting).
+VLLM_CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tiny-model")
+    subprocess.run([sys.executable, "-m", "container", "tiny-model", str(directory)], check=True, cwd=REPO,
+                   env=clean_env(), capture_output=True, timeout=300)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tiny_model):
+    with Server(tiny_model, env={**VLLM_CPU_ENV, "OPTION_MAX_ROLLING_BATCH_SIZE": "64"}) as server:
+        yield server

@@ -1,0 +1,82 @@
+"""The engine under load, against offline vLLM, and when clients walk away."""
+
+import concurrent.futures
+import json
+import re
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import requests
+
+from tests.e2e.conftest import VLLM_CPU_ENV
+from tests.server import REPO, RawStream, Server, clean_env
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "The quick brown fox"
+
+
+def test_greedy_answer_equals_offline_vllm(vllm_server, tiny_model):
+    served = vllm_server.invoke({"inputs": PROMPT, "parameters": {
+        "max_new_tokens": 24, "details": True, "ignore_eos": True}}).json()
+    served_ids = [t["id"] for t in served["details"]["tokens"]]
+    script = textwrap.dedent(f"""
+        import json
+        from vllm import LLM, SamplingParams
+        if __name__ == "__main__":
+            llm = LLM(model={str(tiny_model)!r}, gpu_memory_utilization=0.5, max_num_seqs=64)
+            out = llm.generate([{PROMPT!r}], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                               use_tqdm=False)
+            print("TOKENS=" + json.dumps(list(out[0].outputs[0].token_ids)))
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                            env=clean_env(VLLM_CPU_ENV), cwd=REPO)
+    match = re.search(r"^TOKENS=(.*)$", result.stdout, re.M)
+    assert match, result.stdout[-2000:] + result.stderr[-4000:]
+    assert served_ids == json.loads(match.group(1))
+
+
+def _stream_tokens(server, n):
+    with server.invoke({"inputs": f"Stream number {n}", "stream": True,
+                        "parameters": {"max_new_tokens": 40, "ignore_eos": True, "do_sample": True, "seed": n}},
+                       stream=True, timeout=120) as r:
+        assert r.status_code == 200
+        return [json.loads(line) for line in r.iter_lines() if line]
+
+
+def test_32_concurrent_streams_each_get_exactly_the_tokens_asked_for(vllm_server):
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(lambda n: _stream_tokens(vllm_server, n), range(32)))
+    for lines in results:
+        assert sum("token" in line for line in lines) == 40
+        assert lines[-1]["generated_text"]
+
+
+def _unfinished(server) -> float:
+    text = requests.get(server.url("/metrics"), timeout=5).text
+    return float(re.search(r'^sagelmi_engine_unfinished_requests\{group="0"\} (\S+)$', text, re.M).group(1))
+
+
+@pytest.mark.parametrize("body", [
+    {"inputs": "Hello", "stream": True, "parameters": {"max_new_tokens": 1000, "ignore_eos": True}},
+    {"prompt": "Hello", "stream": True, "max_tokens": 1000, "ignore_eos": True},
+], ids=["lmi", "openai"])
+def test_a_dropped_stream_leaves_no_request_in_the_engine(vllm_server, body):
+    stream = RawStream(vllm_server.port, "/invocations", body)
+    assert len(stream.read_lines(3)) == 3
+    assert _unfinished(vllm_server) == 1
+    stream.close()
+    dropped = time.monotonic()
+    while _unfinished(vllm_server) != 0:
+        assert time.monotonic() - dropped < 2, "the engine still runs the abandoned request"
+        time.sleep(0.05)
+
+
+def test_unknown_option_stops_start_up_naming_it(tiny_model):
+    server = Server(tiny_model, env={**VLLM_CPU_ENV, "OPTION_MAX_NUM_SEQ": "8"}).start(wait_ready=False)
+    assert server.wait_exit(120) == 1
+    assert "option.max_num_seq is neither an LMI option nor a vLLM engine argument; did you mean " \
+           "option.max_num_seqs" in server.log()

@@ -1,0 +1,65 @@
+import pytest
+
+from handlers.vllm_args import EngineOptionError, build_engine_kwargs
+
+
+def build(cpu=False, **properties):
+    return build_engine_kwargs({k: str(v) for k, v in properties.items()}, "/opt/ml/model", cpu=cpu)
+
+
+def test_lmi_names_are_translated_and_typed():
+    kwargs = build(model_id="org/model", tensor_parallel_degree=2, max_rolling_batch_size=32,
+                   max_rolling_batch_prefill_tokens=4096, quantize="awq", cpu_offload_gb_per_gpu=4,
+                   dtype="fp16", enforce_eager="true", max_model_len=2048, enable_prefix_caching="false",
+                   max_lora_rank=32, revision="main")
+    assert kwargs == {"model": "org/model", "served_model_name": "org/model", "tensor_parallel_size": 2,
+                      "max_num_seqs": 32, "max_num_batched_tokens": 4096, "quantization": "awq",
+                      "cpu_offload_gb": 4.0, "dtype": "float16", "enforce_eager": True, "max_model_len": 2048,
+                      "enable_prefix_caching": False, "max_lora_rank": 32, "revision": "main"}
+
+
+def test_defaults_model_dir_and_lmi_batch_size():
+    kwargs = build()
+    assert kwargs["model"] == "/opt/ml/model" and kwargs["max_num_seqs"] == 256
+
+
+def test_cpu_default_memory_share_unless_set():
+    assert build(cpu=True)["gpu_memory_utilization"] == 0.5
+    assert build(cpu=True, gpu_memory_utilization=0.3)["gpu_memory_utilization"] == 0.3
+    assert "gpu_memory_utilization" not in build()
+
+
+def test_other_vllm_arguments_pass_through():
+    kwargs = build(enable_chunked_prefill="true", seed=7, hf_overrides='{"rope_theta": 10000}')
+    assert kwargs["enable_chunked_prefill"] is True and kwargs["seed"] == 7
+    assert kwargs["hf_overrides"] == {"rope_theta": 10000}
+
+
+def test_speculative_options_fold_into_speculative_config():
+    kwargs = build(speculative_draft_model="org/draft", speculative_length=4, draft_model_tp_size=1)
+    assert kwargs["speculative_config"] == {"model": "org/draft", "num_speculative_tokens": 4,
+                                            "draft_tensor_parallel_size": 1}
+    with pytest.raises(EngineOptionError, match="need option.speculative_draft_model"):
+        build(speculative_length=4)
+
+
+def test_server_options_and_obsolete_ones_are_not_engine_arguments():
+    kwargs = build(entryPoint="x", rolling_batch="vllm", output_formatter="sse", lora_extra_vocab_size=256,
+                   predict_timeout=5)
+    assert not {"entryPoint", "rolling_batch", "output_formatter", "lora_extra_vocab_size"} & set(kwargs)
+
+
+def test_unknown_names_are_refused_with_suggestions():
+    with pytest.raises(EngineOptionError, match=r"option.max_num_seq is neither.*did you mean option.max_num_seqs"):
+        build(max_num_seq=8)
+    with pytest.raises(EngineOptionError, match="option.flux_capacitor is neither"):
+        build(flux_capacitor=1)
+
+
+def test_bad_values_are_refused():
+    with pytest.raises(EngineOptionError, match="option.max_model_len='long'"):
+        build(max_model_len="long")
+    with pytest.raises(EngineOptionError, match="option.dtype='fp8'"):
+        build(dtype="fp8")
+    with pytest.raises(EngineOptionError, match="max_lora_rank"):
+        build(max_lora_rank=7)
