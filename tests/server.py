@@ -126,13 +126,15 @@ class RawStream:
         self._buffer = b""
 
     def read_lines(self, count: int) -> list[bytes]:
-        while self._buffer.count(b"\n") < count:
+        """The first ``count`` non-empty lines (SSE events are separated by empty ones)."""
+        while True:
+            complete = [line for line in self._buffer.split(b"\n")[:-1] if line.strip()]
+            if len(complete) >= count:
+                return complete[:count]
             chunk = self.response.read1(65536)
             if not chunk:
-                break
+                return complete
             self._buffer += chunk
-        lines = self._buffer.split(b"\n")
-        return [line for line in lines[:count] if line]
 
     def close(self) -> None:
         """Drop the connection, as a client that goes away does."""

@@ -2,7 +2,9 @@
 
 import concurrent.futures
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -73,6 +75,7 @@ def test_a_dropped_stream_leaves_no_request_in_the_engine(vllm_server, body):
     while _unfinished(vllm_server) != 0:
         assert time.monotonic() - dropped < 2, "the engine still runs the abandoned request"
         time.sleep(0.05)
+    print(f"engine empty {1000 * (time.monotonic() - dropped):.0f} ms after the client went away")
 
 
 def test_unknown_option_stops_start_up_naming_it(tiny_model):
@@ -80,3 +83,29 @@ def test_unknown_option_stops_start_up_naming_it(tiny_model):
     assert server.wait_exit(120) == 1
     assert "option.max_num_seq is neither an LMI option nor a vLLM engine argument; did you mean " \
            "option.max_num_seqs" in server.log()
+
+
+def _group_members(pgid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-g", str(pgid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def _gone(pgid: int, timeout: float = 10) -> bool:
+    deadline = time.monotonic() + timeout
+    while _group_members(pgid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def test_a_killed_engine_worker_leaves_no_engine_processes_behind(tiny_model):
+    with Server(tiny_model, env=VLLM_CPU_ENV) as server:
+        (worker,) = server.worker_pids()
+        assert len(_group_members(worker)) > 1  # vLLM's EngineCore runs beside the worker
+        os.kill(worker, signal.SIGKILL)
+        assert _gone(worker), "vLLM processes of the killed worker are still running"
+        server.wait_until(lambda r: r.status_code == 200, timeout=180)
+        assert server.invoke({"inputs": "again", "parameters": {"max_new_tokens": 2}}).status_code == 200
+        (restarted,) = server.worker_pids()
+    assert _gone(restarted), "a normal stop left engine processes behind"
