@@ -135,29 +135,36 @@ def frame_length(header: bytes) -> int:
     return length
 
 
-def _recv_exactly(sock: socket.socket, size: int) -> bytes | None:
-    buf = bytearray(size)
-    view = memoryview(buf)
-    got = 0
-    while got < size:
-        n = sock.recv_into(view[got:])
-        if n == 0:
-            if got == 0:
-                return None
-            raise ProtocolError("connection closed in the middle of a frame")
-        got += n
-    return bytes(buf)
+class FrameBuffer:
+    """Turns a byte stream into messages: feed it whatever ``recv`` returned,
+    get back every message completed so far (a burst of frames costs one system
+    call, and its reader can handle them as a batch)."""
 
+    def __init__(self) -> None:
+        self._data = bytearray()
 
-def read_message(sock: socket.socket) -> Message | None:
-    """Read one message from a blocking socket; ``None`` on a clean EOF."""
-    header = _recv_exactly(sock, FRAME_HEADER.size)
-    if header is None:
-        return None
-    payload = _recv_exactly(sock, frame_length(header))
-    if payload is None:
-        raise ProtocolError("connection closed after a frame header")
-    return decode(payload)
+    def feed(self, data: bytes) -> list[Message]:
+        self._data += data
+        messages = []
+        offset, size = 0, len(self._data)
+        view = memoryview(self._data)
+        try:
+            while size - offset >= FRAME_HEADER.size:
+                length = frame_length(view[offset:offset + FRAME_HEADER.size])
+                end = offset + FRAME_HEADER.size + length
+                if end > size:
+                    break
+                messages.append(decode(view[offset + FRAME_HEADER.size:end]))
+                offset = end
+        finally:
+            view.release()
+        del self._data[:offset]
+        return messages
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes of an incomplete frame still waiting for the rest."""
+        return len(self._data)
 
 
 def encode_spec(spec: WorkerSpec) -> bytes:

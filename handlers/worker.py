@@ -41,21 +41,40 @@ from handlers.protocol import (EXIT_LOAD_FAILED, FRAME_HEADER, METRICS_PATH, Can
 log = logging.getLogger("sagelmi.worker")
 
 SHUTDOWN_TIMEOUT = 15.0
+WRITE_HIGH_WATER = 1 << 16  # bytes buffered towards the frontend before senders wait (then vLLM merges deltas)
 _HOP_BY_HOP = {"content-length", "transfer-encoding", "connection", "keep-alive"}
 _DONE = object()
 
 
 class _Link:
-    """One connection from the frontend (or the supervisor) to this worker."""
+    """One connection from the frontend (or the supervisor) to this worker.
+
+    Frames are coalesced: everything sent during one pass of the event loop
+    (typically one token for each running stream) leaves in a single write,
+    instead of one system call per frame."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader = reader
         self.writer = writer
         self.tasks: dict[str, asyncio.Task] = {}
+        self._frames: list[bytes] = []
+        self._loop = asyncio.get_running_loop()
 
     async def send(self, message: Message) -> None:
-        self.writer.write(encode(message))
-        await self.writer.drain()
+        if not self._frames:
+            # Flush on the loop's next pass, after the other streams woken by the
+            # same engine step have queued their frames too.
+            self._loop.call_soon(self._loop.call_soon, self._flush)
+        self._frames.append(encode(message))
+        if self.writer.transport.get_write_buffer_size() > WRITE_HIGH_WATER:
+            await self.writer.drain()  # the frontend reads too slowly: wait for it
+        elif self.writer.is_closing():
+            raise ConnectionResetError("the connection to the frontend is closed")
+
+    def _flush(self) -> None:
+        frames, self._frames = self._frames, []
+        if frames and not self.writer.is_closing():
+            self.writer.write(b"".join(frames))
 
     async def receive(self) -> Message | None:
         try:

@@ -25,6 +25,7 @@ def test_every_readme_command_is_covered():
     covered = {
         "make run",  # tests/e2e/test_readme_run.py
         "make test",  # .ci/run (test_ci_runs_the_readme_test_command)
+        "make bench",  # tests/e2e/test_bench.py
         "sagelmi config --model-dir examples/echo",  # test_config_command
         *quick_start_curls(),  # tests/e2e/test_readme_run.py
         *STREAMING_EXAMPLE,  # test_streaming_example

@@ -1,9 +1,10 @@
 import socket
+import threading
 
 import pytest
 
 from handlers.protocol import (FRAME_HEADER, Cancel, Chunk, End, Fail, Head, Invoke, ProtocolError, Status,
-                               WorkerSpec, decode, decode_spec, encode, encode_spec, read_message)
+                               FrameBuffer, WorkerSpec, decode, decode_spec, encode, encode_spec)
 
 MESSAGES = [
     Invoke(id="r1", properties={"content-type": "application/json"}, body=b'{"a": 1}'),
@@ -24,15 +25,47 @@ def test_each_message_round_trips_with_its_type(message):
     assert decode(frame[4:]) == message
 
 
+def read_all(sock: socket.socket) -> list:
+    frames, got = FrameBuffer(), []
+    while data := sock.recv(7):  # small reads: frames split anywhere
+        got += frames.feed(data)
+    if frames.pending_bytes:
+        raise ProtocolError("truncated")
+    return got
+
+
 def test_frames_are_read_back_in_order_from_a_socket():
     a, b = socket.socketpair()
     with a, b:
         a.sendall(b"".join(encode(m) for m in MESSAGES))
         a.shutdown(socket.SHUT_WR)
-        got = []
-        while (m := read_message(b)) is not None:
-            got.append(m)
+        assert read_all(b) == MESSAGES
+
+
+def test_frames_split_across_many_small_writes_are_reassembled():
+    a, b = socket.socketpair()
+    data = b"".join(encode(m) for m in MESSAGES)
+
+    def trickle():
+        for i in range(0, len(data), 3):
+            a.sendall(data[i:i + 3])
+        a.shutdown(socket.SHUT_WR)
+
+    writer = threading.Thread(target=trickle)
+    writer.start()
+    with a, b:
+        got = read_all(b)
+    writer.join()
     assert got == MESSAGES
+
+
+def test_one_feed_returns_every_complete_frame_and_keeps_the_rest():
+    frames = FrameBuffer()
+    data = encode(End(id="a")) + encode(End(id="b"))
+    assert frames.feed(data + data[:5]) == [End(id="a"), End(id="b")]
+    assert frames.pending_bytes == 5
+    assert frames.feed(data[5:]) == [End(id="a"), End(id="b")]
+    assert frames.pending_bytes == 0
 
 
 def test_truncated_and_garbage_frames_are_protocol_errors():
@@ -41,14 +74,11 @@ def test_truncated_and_garbage_frames_are_protocol_errors():
         a.sendall(encode(End(id="x"))[:-1])
         a.shutdown(socket.SHUT_WR)
         with pytest.raises(ProtocolError):
-            read_message(b)
+            read_all(b)
     with pytest.raises(ProtocolError):
         decode(b"\x93not a message")
-    a, b = socket.socketpair()
-    with a, b:
-        a.sendall(FRAME_HEADER.pack(2 ** 31))
-        with pytest.raises(ProtocolError, match="exceeds"):
-            read_message(b)
+    with pytest.raises(ProtocolError, match="exceeds"):
+        FrameBuffer().feed(FRAME_HEADER.pack(2 ** 31))
 
 
 def test_worker_spec_round_trips_as_json():
