@@ -120,7 +120,6 @@ class WorkerLink:
         self._send_lock = threading.Lock()
         self._pending: dict[str, PendingRequest] = {}
         self._stopped = threading.Event()
-        self._changed = threading.Condition()
         self._thread = threading.Thread(target=self._run, name=f"link-{name}", daemon=True)
 
     def start(self) -> "WorkerLink":
@@ -139,10 +138,6 @@ class WorkerLink:
     @property
     def in_flight(self) -> int:
         return len(self._pending)
-
-    def wait_for_state(self, states: set[str], timeout: float) -> bool:
-        with self._changed:
-            return self._changed.wait_for(lambda: self.state in states, timeout)
 
     # -- requests
     def submit(self, invoke: Invoke, require_ready: bool = True) -> PendingRequest:
@@ -192,9 +187,7 @@ class WorkerLink:
 
     # -- reader thread
     def _set_state(self, state: str, detail: str = "") -> None:
-        with self._changed:
-            self.state, self.detail = state, detail
-            self._changed.notify_all()
+        self.state, self.detail = state, detail
 
     def _run(self) -> None:
         while not self._stopped.is_set():

@@ -15,7 +15,7 @@ from __future__ import annotations
 import csv
 import io
 import json
-from typing import Any, AsyncIterator, Callable, Iterable, Iterator
+from typing import Any, AsyncIterator, Callable, Iterable
 
 from handlers.errors import InvalidJSON
 
@@ -270,7 +270,3 @@ class Output:
         if self.stream_formatter is None:
             return default_stream_item(item)
         return bytes(self.stream_formatter(item))
-
-
-def is_iterator_of_chunks(value: Any) -> bool:
-    return isinstance(value, Iterator) and not isinstance(value, (str, bytes, dict, list))
