@@ -33,12 +33,11 @@ def parse_s3_uri(uri: str) -> tuple[str, str]:
     return bucket, prefix
 
 
-def download_dir(uri: str, root: Path | None = None) -> Path:
-    root = root or Path(tempfile.gettempdir()) / "sagelmi-models"
-    return root / hashlib.sha256(uri.encode()).hexdigest()[:16]
+def download_dir(uri: str) -> Path:
+    return Path(tempfile.gettempdir()) / "sagelmi-models" / hashlib.sha256(uri.encode()).hexdigest()[:16]
 
 
-def fetch_s3(uri: str, root: Path | None = None) -> Path:
+def fetch_s3(uri: str) -> Path:
     """Download every object under the ``s3://`` prefix; return the local directory.
 
     Raises ``ArtifactError`` (no credentials, no bucket, no objects, ...)."""
@@ -46,7 +45,7 @@ def fetch_s3(uri: str, root: Path | None = None) -> Path:
     from botocore.exceptions import BotoCoreError, ClientError
 
     bucket, prefix = parse_s3_uri(uri)
-    target = download_dir(uri, root)
+    target = download_dir(uri)
     if (target / _COMPLETE).exists():
         log.info("using %s, downloaded earlier from %s", target, uri)
         return target

@@ -87,6 +87,14 @@ class PendingRequest:
                 raise self._error
             return self._head
 
+    def read_body(self, timeout: float) -> bytes:
+        """The whole answer body, which must be complete within ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        parts = []
+        while (data := self.next_data(max(deadline - time.monotonic(), 0.0))) is not None:
+            parts.append(data)
+        return b"".join(parts)
+
     def next_data(self, timeout: float) -> bytes | None:
         """Everything received since the last call, as one piece; ``None`` once
         the answer is complete. Raises the request's error, or
@@ -163,10 +171,7 @@ class WorkerLink:
                               require_ready=False)
         try:
             pending.wait_head(timeout)
-            parts = []
-            while (data := pending.next_data(timeout)) is not None:
-                parts.append(data)
-            return b"".join(parts).decode("utf-8")
+            return pending.read_body(timeout).decode("utf-8")
         finally:
             self._pending.pop(request_id, None)
 

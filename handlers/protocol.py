@@ -26,7 +26,6 @@ worker process reads it at start.
 
 from __future__ import annotations
 
-import socket
 import struct
 from typing import Union
 

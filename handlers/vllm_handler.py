@@ -26,6 +26,21 @@ from prometheus_client import REGISTRY
 from prometheus_client.core import GaugeMetricFamily
 from pydantic import ValidationError
 
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+from vllm.entrypoints.openai.models.protocol import BaseModelPath
+from vllm.entrypoints.openai.models.serving import OpenAIServingModels
+from vllm.entrypoints.serve import create_error_response
+from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+from vllm.exceptions import VLLMClientError
+from vllm.platforms import current_platform
+from vllm.renderers.online_renderer import OnlineRenderer
+from vllm.sampling_params import RequestOutputKind, SamplingParams
+from vllm.v1.engine.async_llm import AsyncLLM
+
 from handlers.api import Input, Output
 from handlers.errors import InputError
 from handlers.lmi_schema import Formatter, Generation, LmiRequest, TokenInfo, finish_reason, parse_request
@@ -55,42 +70,29 @@ def _openai_error(status: int, message: str, err_type: str = "BadRequestError", 
 
 
 class VllmService:
-    def __init__(self, engine, properties: dict[str, str], served_name: str) -> None:
-        from vllm.sampling_params import SamplingParams
-
+    def __init__(self, engine, formatter: Formatter, served_name: str) -> None:
         self.engine = engine
         self.served_name = served_name
-        self.formatter = Formatter(properties.get("output_formatter", "jsonlines").lower(),
-                                   properties.get("tgi_compat", "false").lower() in ("true", "1", "yes"))
+        self.formatter = formatter
         self.sampling_fields = set(SamplingParams.__struct_fields__)  # a msgspec.Struct in vLLM 0.32
-        self._build_openai(properties)
+        self._build_openai()
         REGISTRY.register(_EngineLoad(engine))
 
     # -- start and stop
     @classmethod
     async def start(cls, properties: dict[str, str]) -> "VllmService":
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
-
-        from vllm.platforms import current_platform
-
         kwargs = build_engine_kwargs(properties, properties["model_dir"], cpu=current_platform.is_cpu())
-        Formatter(properties.get("output_formatter", "jsonlines").lower(), False)  # fail early on a bad value
+        formatter = Formatter(properties.get("output_formatter", "jsonlines").lower(),  # fails early on a bad value
+                              properties.get("tgi_compat", "false").lower() in ("true", "1", "yes"))
         log.info("starting vLLM with %s", json.dumps(kwargs, default=str, sort_keys=True))
         started = time.monotonic()
         # Building the engine blocks for tens of seconds: keep the worker's loop free meanwhile.
         engine = await asyncio.to_thread(AsyncLLM.from_engine_args, AsyncEngineArgs(**kwargs))
         log.info("vLLM engine ready in %.1fs", time.monotonic() - started)
         served = kwargs["served_model_name"]
-        return cls(engine, properties, served[0] if isinstance(served, list) else served)
+        return cls(engine, formatter, served[0] if isinstance(served, list) else served)
 
-    def _build_openai(self, properties: dict[str, str]) -> None:
-        from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
-        from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
-        from vllm.entrypoints.openai.models.protocol import BaseModelPath
-        from vllm.entrypoints.openai.models.serving import OpenAIServingModels
-        from vllm.renderers.online_renderer import OnlineRenderer
-
+    def _build_openai(self) -> None:
         self.models = OpenAIServingModels(
             self.engine, [BaseModelPath(name=self.served_name, model_path=self.engine.model_config.model)])
         renderer = OnlineRenderer(model_config=self.engine.model_config, renderer=self.engine.renderer,
@@ -124,12 +126,6 @@ class VllmService:
 
     # -- OpenAI
     async def _openai(self, kind: str, body: dict) -> Output:
-        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
-        from vllm.entrypoints.serve import create_error_response
-        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
-        from vllm.exceptions import VLLMClientError
-
         request_cls, create = ((ChatCompletionRequest, self.chat.create_chat_completion) if kind == "chat"
                                else (CompletionRequest, self.completion.create_completion))
         # A single-model server answers whatever model name the client sends.
@@ -151,9 +147,6 @@ class VllmService:
 
     # -- LMI
     async def _lmi(self, body: dict, inference_id: str | None) -> Output:
-        from vllm.exceptions import VLLMClientError
-        from vllm.sampling_params import RequestOutputKind, SamplingParams
-
         request = parse_request(body, self.sampling_fields)
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
         try:
@@ -172,8 +165,6 @@ class VllmService:
                 .add_stream_content(self._stream(request, first, outputs)))
 
     async def _generate(self, prompt: str, sampling, request_id: str) -> AsyncIterator[Any]:
-        from vllm.exceptions import VLLMClientError
-
         try:
             async for output in self.engine.generate(prompt, sampling, f"{request_id}-{uuid.uuid4().hex[:8]}"):
                 yield output
@@ -213,18 +204,18 @@ class VllmService:
     async def _stream(self, request: LmiRequest, first, outputs: AsyncIterator[Any]) -> AsyncIterator[bytes]:
         gen = Generation(prompt=request.prompts[0])
         params = request.parameters
-        output = first
-        while True:
+        async for output in _prepend(first, outputs):
             tokens = self._absorb(gen, output, params.top_n_tokens)
             for i, token in enumerate(tokens):
                 yield self.formatter.stream_item(token, gen, params, last=output.finished and i == len(tokens) - 1)
-            if output.finished:
-                if not tokens:
-                    yield self.formatter.stream_item(None, gen, params, last=True)
-                return
-            output = await anext(outputs, None)
-            if output is None:
-                return
+            if output.finished and not tokens:
+                yield self.formatter.stream_item(None, gen, params, last=True)
+
+
+async def _prepend(first, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    yield first
+    async for item in rest:
+        yield item
 
 
 async def handle(inputs: Input) -> Output | None:

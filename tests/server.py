@@ -30,6 +30,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(port: int, timeout: float) -> None:
+    """Wait until something on ``port`` answers /ping with 200."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if requests.get(f"http://127.0.0.1:{port}/ping", timeout=2).status_code == 200:
+                return
+        except requests.ConnectionError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"nothing healthy on port {port} after {timeout}s")
+
+
+def installed_venv() -> Path:
+    """This test run's virtualenv, which must come from `make install` (make targets reuse it)."""
+    venv = Path(sys.prefix)
+    if not (venv / ".sagelmi-installed").exists():
+        raise AssertionError(f"{venv} was not installed by `make install`; run the tests through `make test`")
+    return venv
+
+
 def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(_SETTING_PREFIXES) and k not in _SETTING_NAMES}

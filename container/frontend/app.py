@@ -98,20 +98,14 @@ class Invocation:
                     streaming = True
                     return Response(self._relay(head.headers.get("content-type", "")), status=head.code,
                                     headers=head.headers)
-                return Response(self._collect(), status=head.code, headers=head.headers)
+                return Response(self.pending.read_body(self.spec.predict_timeout), status=head.code,
+                                headers=head.headers)
             except ServingError:
                 self.abandon()
                 raise
         finally:
             if not streaming:
                 self.release()
-
-    def _collect(self) -> bytes:
-        deadline = time.monotonic() + self.spec.predict_timeout
-        parts = []
-        while (data := self.pending.next_data(max(deadline - time.monotonic(), 0.0))) is not None:
-            parts.append(data)
-        return b"".join(parts)
 
     def _relay(self, content_type: str) -> Iterator[bytes]:
         request_id_var.set(self.request_id)

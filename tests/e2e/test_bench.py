@@ -2,21 +2,17 @@
 
 import json
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from tests.server import REPO, clean_env
+from tests.server import REPO, clean_env, installed_venv
 
 pytestmark = pytest.mark.slow
 
 
 def test_make_bench_compares_both_servers(tmp_path):
-    venv = Path(sys.prefix)
+    venv = installed_venv()
     stamp = venv / ".sagelmi-installed"
-    if not stamp.exists():
-        pytest.fail(f"{venv} was not installed by `make install`; run the tests through `make test`")
     result = subprocess.run(["make", "-o", str(stamp), "bench", f"VENV={venv}",
                              f"BENCH_ARGS=--levels 2 --out {tmp_path}"], cwd=REPO, env=clean_env(),
                             capture_output=True, text=True, timeout=900)

@@ -10,9 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_readme import wait_healthy
 from tests.readme import python_snippets, quick_start_curls, run_shell
-from tests.server import REPO, clean_env, free_port
+from tests.server import REPO, clean_env, free_port, installed_venv, wait_healthy
 
 pytestmark = pytest.mark.slow
 
@@ -28,10 +27,8 @@ def checkout_copy(dest: Path) -> None:
 
 
 def test_make_run_serves_the_tiny_model_and_the_quick_start_works(tmp_path):
-    venv = Path(sys.prefix)
+    venv = installed_venv()
     stamp = venv / ".sagelmi-installed"
-    if not stamp.exists():
-        pytest.fail(f"{venv} was not installed by `make install`; run the tests through `make test`")
     checkout_copy(tmp_path)
     port = free_port()
     # -o: never reinstall into the shared venv from the copy (that would repoint its editable install)

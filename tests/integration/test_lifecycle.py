@@ -5,10 +5,8 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 
-import pytest
 import requests
 
 from tests.server import MODEL_DIRS, Server

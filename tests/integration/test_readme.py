@@ -6,14 +6,11 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
-
-import requests
 
 from container.settings import reference_table
 from tests.readme import README, on_port, python_snippets, quick_start_curls, run_shell, shell_commands
-from tests.server import REPO, clean_env, free_port
+from tests.server import REPO, clean_env, free_port, wait_healthy
 
 STREAMING_EXAMPLE = [
     "sagelmi serve --model-dir examples/streaming --port 8080",
@@ -61,15 +58,3 @@ def test_streaming_example():
     finally:
         os.killpg(process.pid, signal.SIGTERM)
         process.wait(30)
-
-
-def wait_healthy(port: int, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if requests.get(f"http://127.0.0.1:{port}/ping", timeout=2).status_code == 200:
-                return
-        except requests.ConnectionError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"nothing healthy on port {port} after {timeout}s")
