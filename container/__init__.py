@@ -1,2 +1,3 @@
-"""The server side of sagelmi: the ``sagelmi`` command, settings resolution,
-worker-group planning and supervision, and the HTTP frontend."""
+"""The serving runtime: the ``sagelmi`` command, settings resolution, worker
+groups and their supervision, the HTTP frontend, the model worker runtime, the
+wire protocol between them and the error table they share."""

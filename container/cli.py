@@ -13,9 +13,9 @@ import logging
 import os
 import sys
 
+from container import logs
 from container.settings import (DEFAULT_MODEL_DIR, SettingsError, describe_settings, reference_table,
                                 resolve_settings)
-from handlers import logs
 
 log = logging.getLogger("sagelmi")
 

@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import difflib
 import logging
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Literal, Mapping
+from typing import Annotated, Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from container.properties import read_properties
+from container.serving_properties import read_properties
 
 log = logging.getLogger(__name__)
 
@@ -49,31 +50,42 @@ class Key:
     allowed: str                    # what values are accepted, for error messages
     doc: str
     sagemaker: tuple[str, ...] = ()  # SageMaker platform overrides, strongest first
+    engine_arg: str | None = None   # the vLLM engine argument it becomes (built-in engine only)
 
 
 KEYS: tuple[Key, ...] = (
     # -- model
     Key("model_id", "option.model_id", ("OPTION_MODEL_ID", "HF_MODEL_ID"), "a Hub model id, a local path or s3:// URI",
-        "The model: a Hugging Face Hub id, a local directory or an s3:// prefix. Unset: the model directory."),
+        "The model: a Hugging Face Hub id, a local directory or an s3:// prefix. Unset: the model directory.",
+        engine_arg="model"),
     Key("revision", "option.revision", ("OPTION_REVISION", "HF_REVISION"), "a Hub revision (branch, tag, commit)",
-        "Revision of a Hub model."),
+        "Revision of a Hub model.", engine_arg="revision"),
     Key("task", "option.task", ("OPTION_TASK", "HF_TASK"), "a task name such as text-generation",
         "The model's task."),
     Key("entry_point", "option.entryPoint", ("OPTION_ENTRYPOINT",), "a .py file in the model directory or a module name",
         "The handler. Unset: model.py in the model directory."),
     Key("trust_remote_code", "option.trust_remote_code",
         ("OPTION_TRUST_REMOTE_CODE", "HF_TRUST_REMOTE_CODE", "HF_MODEL_TRUST_REMOTE_CODE"), "true or false",
-        "Allow model code from the Hub."),
+        "Allow model code from the Hub.", engine_arg="trust_remote_code"),
     Key("quantize", "option.quantize", ("OPTION_QUANTIZE", "HF_MODEL_QUANTIZE"), "a quantization method name",
-        "Quantization method (awq, gptq, fp8, ...)."),
+        "Quantization method (awq, gptq, fp8, ...).", engine_arg="quantization"),
     # -- parallelism and workers
     Key("engine", "engine", ("OPTION_ENGINE",), "Python or MPI",
-        "How workers start: Python (one process per worker group) or MPI (mpirun ranks)."),
+        "How worker groups start: Python (one process each) or MPI (one mpirun job of tp x pp ranks each)."),
     Key("mpi_mode", "option.mpi_mode", ("OPTION_MPI_MODE",), "true or false",
-        "Run each worker group as MPI ranks (same as engine=MPI)."),
+        "Run each worker group as MPI ranks (same as engine=MPI; implied by option.rolling_batch=lmi-dist)."),
     Key("tensor_parallel_degree", "option.tensor_parallel_degree",
         ("OPTION_TENSOR_PARALLEL_DEGREE", "TENSOR_PARALLEL_DEGREE", "SM_NUM_GPUS"), "a whole number >= 1, or max",
-        "Accelerators per worker group; max uses all visible devices."),
+        "Tensor parallel degree: accelerators per pipeline stage; max uses all devices a group sees.",
+        engine_arg="tensor_parallel_size"),
+    Key("pipeline_parallel_degree", "option.pipeline_parallel_degree",
+        ("OPTION_PIPELINE_PARALLEL_DEGREE", "PIPELINE_PARALLEL_DEGREE"), "a whole number >= 1",
+        "Pipeline stages per model copy; a worker group has tensor x pipeline parallel degree devices.",
+        engine_arg="pipeline_parallel_size"),
+    Key("mpi_hostfile", "option.mpi_hostfile", ("OPTION_MPI_HOSTFILE",), "a path to an Open MPI hostfile",
+        "MPI mode: spread each group's ranks over these machines (this machine first: rank 0 answers)."),
+    Key("mpi_extra_args", "option.mpi_extra_args", ("OPTION_MPI_EXTRA_ARGS",), "mpirun arguments, shell-quoted",
+        "MPI mode: more mpirun arguments, e.g. --oversubscribe or --mca btl_tcp_if_include eth0."),
     Key("min_workers", "min_workers", ("SERVING_MIN_WORKERS",), "a whole number >= 1",
         "Worker groups to start when there are no accelerators.",
         ("SAGEMAKER_MODEL_SERVER_WORKERS", "SAGEMAKER_NUM_MODEL_WORKERS")),
@@ -85,12 +97,17 @@ KEYS: tuple[Key, ...] = (
         "How many calls of a synchronous handle() one worker runs at once (1: one at a time, as LMI)."),
     # -- engine
     Key("rolling_batch", "option.rolling_batch", ("OPTION_ROLLING_BATCH",), "auto, vllm, lmi-dist or disable",
-        "Continuous batching backend for the built-in handler."),
+        "Continuous batching backend of the built-in handler: vllm in Python mode, lmi-dist (vLLM split "
+        "across MPI ranks) in MPI mode; auto picks by mode."),
     Key("max_rolling_batch_size", "option.max_rolling_batch_size", ("OPTION_MAX_ROLLING_BATCH_SIZE", "MAX_BATCH_SIZE"),
-        "a whole number >= 1", "Most sequences the engine runs at once."),
+        "a whole number >= 1", "Most sequences the engine runs at once.", engine_arg="max_num_seqs"),
     Key("max_rolling_batch_prefill_tokens", "option.max_rolling_batch_prefill_tokens",
         ("OPTION_MAX_ROLLING_BATCH_PREFILL_TOKENS", "MAX_BATCH_PREFILL_TOKENS"), "a whole number >= 1",
-        "Most prompt tokens prefilled in one engine step."),
+        "Most prompt tokens prefilled in one engine step.", engine_arg="max_num_batched_tokens"),
+    Key("output_formatter", "option.output_formatter", ("OPTION_OUTPUT_FORMATTER",), "json, jsonlines or sse",
+        "Built-in handler: how LMI-schema streams are framed (json means jsonlines for streams)."),
+    Key("tgi_compat", "option.tgi_compat", ("OPTION_TGI_COMPAT",), "true or false",
+        "Built-in handler: answer in TGI's forms (lists, details on, server-sent events)."),
     # -- server
     Key("port", "port", ("SERVING_PORT",), "a port number 1-65535", "HTTP port.", ("SAGEMAKER_BIND_TO_PORT",)),
     Key("job_queue_size", "job_queue_size", ("SERVING_JOB_QUEUE_SIZE", "MAX_CONCURRENT_REQUESTS"),
@@ -126,12 +143,17 @@ class Settings(BaseModel):
     engine: Literal["Python", "MPI"] = "Python"
     mpi_mode: bool = False
     tensor_parallel_degree: Annotated[int, Field(ge=1)] | Literal["max"] = 1
+    pipeline_parallel_degree: int = Field(1, ge=1)
+    mpi_hostfile: str | None = None
+    mpi_extra_args: str = ""
     min_workers: int | None = Field(None, ge=1)
     max_workers: int | None = Field(None, ge=1)
     sync_handler_threads: int = Field(1, ge=1)
-    rolling_batch: str = "auto"
+    rolling_batch: Literal["auto", "vllm", "lmi-dist", "disable"] = "auto"
     max_rolling_batch_size: int = Field(256, ge=1)
     max_rolling_batch_prefill_tokens: int | None = Field(None, ge=1)
+    output_formatter: Literal["json", "jsonlines", "sse"] = "jsonlines"
+    tgi_compat: bool = False
     port: int = Field(8080, ge=1, le=65535)
     job_queue_size: int = Field(1000, ge=1)
     max_payload_in_mb: float = Field(6.0, gt=0)
@@ -162,25 +184,88 @@ class Settings(BaseModel):
             return word.lower() if word.lower() == "max" else word.upper() if word.isalpha() else word
         return value
 
+    @field_validator("rolling_batch", "output_formatter", mode="before")
+    @classmethod
+    def _lower_case(cls, value):
+        return value.strip().lower() if isinstance(value, str) else value
+
+    @field_validator("mpi_extra_args")
+    @classmethod
+    def _shell_words(cls, value: str) -> str:
+        try:
+            shlex.split(value)
+        except ValueError as exc:
+            raise ValueError(f"cannot split into arguments ({exc})") from None
+        return value
+
     @model_validator(mode="after")
-    def _workers_order(self):
+    def _consistent(self):
         if self.min_workers and self.max_workers and self.min_workers > self.max_workers:
             raise ValueError(
                 f"min_workers={self.min_workers} ({self.sources.get('min_workers')}) is larger than "
                 f"max_workers={self.max_workers} ({self.sources.get('max_workers')})")
+        mpi_source = self.sources.get("option.mpi_mode", "default")
+        if self.rolling_batch == "lmi-dist" and mpi_source != "default" and not self.mpi_mode:
+            raise ValueError(
+                f"option.rolling_batch=lmi-dist ({self.sources.get('option.rolling_batch')}) runs under MPI mode, "
+                f"but option.mpi_mode=false ({mpi_source}); use option.rolling_batch=vllm for Python mode")
+        if self.rolling_batch == "vllm" and self.use_mpi:
+            raise ValueError(
+                f"option.rolling_batch=vllm ({self.sources.get('option.rolling_batch')}) runs in Python mode, "
+                f"but MPI mode is on (engine={self.engine}, option.mpi_mode={str(self.mpi_mode).lower()}); "
+                f"under MPI mode the built-in engine is option.rolling_batch=lmi-dist")
         return self
 
     @property
     def use_mpi(self) -> bool:
-        return self.engine == "MPI" or self.mpi_mode
+        """Worker groups are mpirun jobs (engine=MPI, option.mpi_mode=true, or lmi-dist)."""
+        return self.engine == "MPI" or self.mpi_mode or self.rolling_batch == "lmi-dist"
+
+    @property
+    def builtin_engine(self) -> str:
+        """What the built-in handler runs: ``vllm`` (Python mode), ``lmi-dist`` (MPI mode) or ``disable``."""
+        if self.rolling_batch == "auto":
+            return "lmi-dist" if self.use_mpi else "vllm"
+        return self.rolling_batch
 
     @property
     def max_payload_bytes(self) -> int:
         return int(self.max_payload_in_mb * 1024 * 1024)
 
-    def handler_properties(self) -> dict[str, str]:
-        """What a handler's initialisation call receives (LMI: options + model_dir)."""
-        return {**self.options, "model_dir": self.model_dir}
+    @property
+    def mpi_extra_args_list(self) -> list[str]:
+        return shlex.split(self.mpi_extra_args)
+
+    def engine_settings(self, tensor_parallel_degree: int) -> dict[str, Any]:
+        """The typed settings that are vLLM engine arguments, by engine argument
+        name (the model location is the caller's); ``tensor_parallel_degree`` is
+        the number a group uses (what ``max`` stands for)."""
+        out: dict[str, Any] = {}
+        for k in KEYS:
+            value = getattr(self, k.field)
+            if k.engine_arg and k.engine_arg != "model" and value is not None:
+                out[k.engine_arg] = value
+        out["tensor_parallel_size"] = tensor_parallel_degree
+        return out
+
+    def passthrough_options(self) -> dict[str, str]:
+        """``option.*`` values that are not sagelmi settings (name without the prefix):
+        handler properties, and for the built-in engine, vLLM engine arguments."""
+        typed = {k.key[len("option."):] for k in KEYS if k.key.startswith("option.")}
+        return {name: value for name, value in self.options.items() if name not in typed}
+
+    def model_properties(self, model_id: str | None = None, tensor_parallel_degree: int | None = None
+                         ) -> dict[str, str]:
+        """What a handler's initialisation call receives, as LMI gives it: every
+        ``option.*`` as text (name without the prefix) and ``model_dir``.
+        ``model_id``: where the model really is (a downloaded ``s3://`` prefix);
+        ``tensor_parallel_degree``: the number ``max`` stands for in this group."""
+        properties = {**self.options, "model_dir": self.model_dir}
+        if model_id is not None:
+            properties["model_id"] = model_id
+        if tensor_parallel_degree is not None:
+            properties["tensor_parallel_degree"] = str(tensor_parallel_degree)
+        return properties
 
 
 def _option_key(name: str) -> str:

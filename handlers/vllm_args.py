@@ -1,8 +1,11 @@
-"""LMI options -> vLLM engine arguments.
+"""Settings -> vLLM engine arguments.
 
-LMI's names are translated (``max_rolling_batch_size`` -> ``max_num_seqs``,
-``tensor_parallel_degree`` -> ``tensor_parallel_size``, the speculative-decoding
-trio -> ``speculative_config`` ...). Any other ``option.x`` whose name is a vLLM
+The typed LMI settings that are engine arguments (``max_rolling_batch_size`` ->
+``max_num_seqs``, ``tensor_parallel_degree`` -> ``tensor_parallel_size`` ...) come
+from the settings schema (``container.settings.KEYS``, each with its
+``engine_arg``). Of the other ``option.x`` values, LMI's names for engine
+arguments are translated (``dtype`` words, ``cpu_offload_gb_per_gpu``, the
+speculative-decoding trio -> ``speculative_config``), and any name that is a vLLM
 engine argument passes through, its text converted to the argument's type. A
 name that is neither stops start-up, naming the nearest valid names.
 """
@@ -17,34 +20,24 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
+from container.settings import KEYS, Settings
+
 log = logging.getLogger(__name__)
 
-# LMI name -> vLLM engine argument
-RENAMED = {
-    "model_id": "model",
-    "tensor_parallel_degree": "tensor_parallel_size",
-    "max_rolling_batch_size": "max_num_seqs",
-    "max_rolling_batch_prefill_tokens": "max_num_batched_tokens",
-    "quantize": "quantization",
-    "cpu_offload_gb_per_gpu": "cpu_offload_gb",
-}
+# LMI name -> vLLM engine argument, for LMI options that are not sagelmi settings
+RENAMED = {"cpu_offload_gb_per_gpu": "cpu_offload_gb"}
 # LMI's speculative-decoding options, folded into speculative_config
 SPECULATIVE = {"speculative_draft_model": "model", "speculative_length": "num_speculative_tokens",
                "draft_model_tp_size": "draft_tensor_parallel_size"}
 # LMI's dtype words
 DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32", "auto": "auto"}
-# Options sagelmi itself (or LMI's server) consumes: not engine arguments.
-SERVER_OPTIONS = {
-    "model_dir", "entryPoint", "rolling_batch", "mpi_mode", "task", "sync_handler_threads", "predict_timeout",
-    "model_loading_timeout", "output_formatter", "tgi_compat", "enable_streaming", "engine", "parallel_loading",
-}
-# LMI options vLLM 0.32 no longer has: accepted, with a warning.
-OBSOLETE = {
+# LMI options with no meaning for vLLM: accepted, with a warning saying why.
+IGNORED = {
     "lora_extra_vocab_size": "vLLM 0.32 has no lora_extra_vocab_size; adapters use the base vocabulary",
     "record_acceptance_rate": "speculative decoding acceptance is reported in /metrics (vllm:spec_decode_*)",
+    "enable_streaming": "streaming is chosen per request (\"stream\": true)",
+    "parallel_loading": "each worker group loads its model on its own",
 }
-# sagelmi's defaults where vLLM's differ from LMI's
-LMI_DEFAULTS = {"max_num_seqs": 256}
 
 
 class EngineOptionError(ValueError):
@@ -78,7 +71,8 @@ def _convert(name: str, raw: str, target: str, tp: Any) -> Any:
 
 
 def _unknown(name: str, fields: dict[str, dataclasses.Field]) -> EngineOptionError:
-    valid = set(fields) | set(RENAMED) | set(SPECULATIVE) | SERVER_OPTIONS | {"dtype"}
+    valid = set(fields) | set(RENAMED) | set(SPECULATIVE) | {"dtype"} | {
+        k.key[len("option."):] for k in KEYS if k.key.startswith("option.")}
     close = difflib.get_close_matches(name, sorted(valid), n=3, cutoff=0.6)
     hint = f"; did you mean {', '.join('option.' + c for c in close)}?" if close else ""
     return EngineOptionError(
@@ -91,19 +85,19 @@ def _unknown(name: str, fields: dict[str, dataclasses.Field]) -> EngineOptionErr
 CPU_DEFAULTS = {"gpu_memory_utilization": 0.5}
 
 
-def build_engine_kwargs(properties: dict[str, str], model_dir: str, cpu: bool = False) -> dict[str, Any]:
-    """Keyword arguments for ``AsyncEngineArgs`` from the model properties
-    (``cpu``: vLLM runs on its CPU platform).
+def build_engine_kwargs(settings: Settings, model: str, tensor_parallel_degree: int,
+                        cpu: bool = False) -> dict[str, Any]:
+    """Keyword arguments for ``AsyncEngineArgs``: ``model`` is where the model is
+    (a local path or Hub id), ``tensor_parallel_degree`` the group's (what ``max``
+    stands for), ``cpu`` whether vLLM runs on its CPU platform.
 
     Raises ``EngineOptionError`` for an unknown name or a value of the wrong type."""
     fields = engine_fields()
-    kwargs: dict[str, Any] = dict(LMI_DEFAULTS)
+    kwargs: dict[str, Any] = {"model": model, **settings.engine_settings(tensor_parallel_degree)}
     speculative: dict[str, Any] = {}
-    for name, raw in properties.items():
-        if name in SERVER_OPTIONS:
-            continue
-        if name in OBSOLETE:
-            log.warning("option.%s is ignored: %s", name, OBSOLETE[name])
+    for name, raw in settings.passthrough_options().items():
+        if name in IGNORED:
+            log.warning("option.%s is ignored: %s", name, IGNORED[name])
             continue
         if name in SPECULATIVE:
             key = SPECULATIVE[name]
@@ -127,6 +121,5 @@ def build_engine_kwargs(properties: dict[str, str], model_dir: str, cpu: bool = 
             if name not in kwargs:
                 log.info("vLLM runs on the CPU: %s=%s (set option.%s to change)", name, value, name)
                 kwargs[name] = value
-    kwargs.setdefault("model", model_dir)
-    kwargs.setdefault("served_model_name", kwargs["model"])
+    kwargs.setdefault("served_model_name", model)
     return kwargs

@@ -40,9 +40,11 @@ from vllm.platforms import current_platform
 from vllm.renderers.online_renderer import OnlineRenderer
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.engine.exceptions import EngineDeadError
 
+from container.errors import InputError, ServiceUnavailable
+from container.worker.context import WorkerContext
 from handlers.api import Input, Output
-from handlers.errors import InputError
 from handlers.lmi_schema import Formatter, Generation, LmiRequest, TokenInfo, finish_reason, parse_request
 from handlers.vllm_args import build_engine_kwargs
 
@@ -80,17 +82,22 @@ class VllmService:
 
     # -- start and stop
     @classmethod
-    async def start(cls, properties: dict[str, str]) -> "VllmService":
-        kwargs = build_engine_kwargs(properties, properties["model_dir"], cpu=current_platform.is_cpu())
-        formatter = Formatter(properties.get("output_formatter", "jsonlines").lower(),  # fails early on a bad value
-                              properties.get("tgi_compat", "false").lower() in ("true", "1", "yes"))
+    async def start(cls, context: WorkerContext) -> "VllmService":
+        kwargs = engine_kwargs(context)
         log.info("starting vLLM with %s", json.dumps(kwargs, default=str, sort_keys=True))
         started = time.monotonic()
         # Building the engine blocks for tens of seconds: keep the worker's loop free meanwhile.
         engine = await asyncio.to_thread(AsyncLLM.from_engine_args, AsyncEngineArgs(**kwargs))
         log.info("vLLM engine ready in %.1fs", time.monotonic() - started)
+        return cls.around(engine, context, kwargs)
+
+    @classmethod
+    def around(cls, engine, context: WorkerContext, kwargs: dict) -> "VllmService":
+        """The service on an engine that is already running (``AsyncLLM`` or one like it)."""
+        settings = context.settings
         served = kwargs["served_model_name"]
-        return cls(engine, formatter, served[0] if isinstance(served, list) else served)
+        return cls(engine, Formatter(settings.output_formatter, settings.tgi_compat),
+                   served[0] if isinstance(served, list) else served)
 
     def _build_openai(self) -> None:
         self.models = OpenAIServingModels(
@@ -105,6 +112,10 @@ class VllmService:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+    def check_health(self) -> None:
+        if self.engine.errored:
+            raise EngineDeadError("the vLLM engine stopped") from self.engine.dead_error
 
     # -- requests
     async def invoke(self, inputs: Input) -> Output:
@@ -170,6 +181,8 @@ class VllmService:
                 yield output
         except VLLMClientError as exc:
             raise InputError(str(exc)) from None
+        except EngineDeadError:
+            raise ServiceUnavailable("the engine stopped; the worker group is being restarted, retry") from None
 
     async def _complete(self, prompt: str, sampling, request_id: str, top_n: int) -> Generation:
         gen = Generation(prompt=prompt)
@@ -218,13 +231,29 @@ async def _prepend(first, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
         yield item
 
 
-async def handle(inputs: Input) -> Output | None:
+def engine_kwargs(context: WorkerContext, **overrides: Any) -> dict[str, Any]:
+    """``AsyncEngineArgs`` keyword arguments for this worker group."""
+    launch = context.launch
+    kwargs = build_engine_kwargs(context.settings, launch.model_location, launch.tensor_parallel_degree,
+                                 cpu=current_platform.is_cpu())
+    return {**kwargs, **overrides}
+
+
+async def initialize(context: WorkerContext) -> None:
     global _service
-    if _service is None:
-        _service = await VllmService.start(inputs.get_properties())
+    _service = await VllmService.start(context)
+
+
+async def handle(inputs: Input) -> Output | None:
     if inputs.is_empty():
         return None
     return await _service.invoke(inputs)
+
+
+def check_health() -> None:
+    """Raises once the engine is dead (its EngineCore process gone): the group restarts."""
+    if _service is not None:
+        _service.check_health()
 
 
 def shutdown() -> None:

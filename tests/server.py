@@ -59,21 +59,22 @@ def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 class Server:
-    def __init__(self, model_dir: str | Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, model_dir: str | Path, env: dict[str, str] | None = None, ready_timeout: float = 60) -> None:
         self.model_dir = Path(model_dir)
+        self.ready_timeout = ready_timeout
         self.port = free_port()
         self.env = clean_env(env)
         self.log_file = tempfile.NamedTemporaryFile(prefix="sagelmi-test-", suffix=".log", delete=False)
         self.process: subprocess.Popen | None = None
 
     # -- lifecycle
-    def start(self, wait_ready: bool = True, timeout: float = 60) -> "Server":
+    def start(self, wait_ready: bool = True, timeout: float | None = None) -> "Server":
         self.process = subprocess.Popen(
             [sys.executable, "-m", "container", "serve", "--model-dir", str(self.model_dir),
              "--port", str(self.port)],
             env=self.env, stdout=self.log_file, stderr=subprocess.STDOUT, cwd=REPO)
         if wait_ready:
-            self.wait_until(lambda r: r.status_code == 200, timeout)
+            self.wait_until(lambda r: r.status_code == 200, timeout or self.ready_timeout)
         return self
 
     def wait_until(self, condition, timeout: float) -> requests.Response:
@@ -113,7 +114,11 @@ class Server:
             raise AssertionError(f"server still running after {timeout}s:\n{self.log()}") from None
 
     def __enter__(self) -> "Server":
-        return self.start()
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()  # a server that never became ready must not outlive the test
+            raise
 
     def __exit__(self, *exc) -> None:
         self.stop()
@@ -131,7 +136,7 @@ class Server:
 
     def worker_pids(self) -> list[int]:
         """PIDs of the model worker processes (children of the server)."""
-        out = subprocess.run(["pgrep", "-P", str(self.process.pid), "-f", "handlers.worker"],
+        out = subprocess.run(["pgrep", "-P", str(self.process.pid), "-f", "container.worker"],
                              capture_output=True, text=True).stdout
         return [int(p) for p in out.split()]
 

@@ -1,11 +1,11 @@
-"""The Flask app: SageMaker's ``/ping`` and ``/invocations``, relayed to model
-workers through the ``Router``.
+"""The Flask app: SageMaker's ``/ping`` and ``/invocations``, relayed to worker
+groups through the ``Router``.
 
 Request path: read the body (413 past the limit, without reading it), admit
 (503 when the queue is full or the server is draining), pick a worker group,
 send, wait for the head (504 after ``predict_timeout``), then either return
-the body or stream it chunk by chunk (HTTP/1.1 chunked) as the worker produces
-it. A client that disconnects mid-stream cancels its request in the worker.
+the body or stream it chunk by chunk (HTTP/1.1 chunked) as the group produces
+it. A client that disconnects mid-stream cancels its request in the group.
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ from flask import Flask, Response, g, request
 from prometheus_client import CONTENT_TYPE_LATEST
 from werkzeug.exceptions import HTTPException
 
+from container.errors import (GatewayTimeout, InputError, MethodNotAllowed, NotFound, PayloadTooLarge,
+                              ServingError, describe, envelope)
 from container.frontend.metrics import FrontendMetrics
 from container.frontend.router import Router
-from container.frontend.spec import FrontendSpec
-from container.worker_client import PendingRequest, WorkerLink
-from handlers.errors import (GatewayTimeout, InputError, MethodNotAllowed, NotFound, PayloadTooLarge,
-                             ServingError, describe, envelope)
-from handlers.logs import request_id_var
-from handlers.protocol import Invoke
+from container.group_client import GroupClient, PendingRequest
+from container.launch import FrontendLaunch
+from container.logs import request_id_var
+from container.protocol import Invoke, WorkerState
 
 log = logging.getLogger("sagelmi.frontend")
 
@@ -67,12 +67,12 @@ def _in_band_error(exc: ServingError, content_type: str) -> bytes:
 class Invocation:
     """One request in flight: owns its queue slot until the answer is sent."""
 
-    def __init__(self, router: Router, spec: FrontendSpec, request_id: str) -> None:
+    def __init__(self, router: Router, launch: FrontendLaunch, request_id: str) -> None:
         self.router = router
-        self.spec = spec
+        self.launch = launch
         self.request_id = request_id
         self.wire_id = uuid.uuid4().hex
-        self.link: WorkerLink | None = None
+        self.group: GroupClient | None = None
         self.pending: PendingRequest | None = None
         self._released = False
 
@@ -82,23 +82,23 @@ class Invocation:
             self.router.release()
 
     def abandon(self) -> None:
-        if self.link is not None:
-            self.link.cancel(self.wire_id)
+        if self.group is not None:
+            self.group.cancel(self.wire_id)
 
     def run(self, body: bytes) -> Response:
         self.router.admit()
         streaming = False
         try:
-            self.link = self.router.pick()
-            self.pending = self.link.submit(Invoke(id=self.wire_id, properties=request_properties(self.request_id),
+            self.group = self.router.pick()
+            self.pending = self.group.submit(Invoke(id=self.wire_id, properties=request_properties(self.request_id),
                                                    body=body, path=request.path))
             try:
-                head = self.pending.wait_head(self.spec.predict_timeout)
+                head = self.pending.wait_head(self.launch.predict_timeout)
                 if head.stream:
                     streaming = True
                     return Response(self._relay(head.headers.get("content-type", "")), status=head.code,
                                     headers=head.headers)
-                return Response(self.pending.read_body(self.spec.predict_timeout), status=head.code,
+                return Response(self.pending.read_body(self.launch.predict_timeout), status=head.code,
                                 headers=head.headers)
             except ServingError:
                 self.abandon()
@@ -111,7 +111,7 @@ class Invocation:
         request_id_var.set(self.request_id)
         finished = False
         try:
-            while (data := self.pending.next_data(self.spec.predict_timeout)) is not None:
+            while (data := self.pending.next_data(self.launch.predict_timeout)) is not None:
                 yield data
             finished = True
         except ServingError as exc:
@@ -127,11 +127,11 @@ class Invocation:
             self.release()
 
 
-def create_app(spec: FrontendSpec) -> Flask:
-    router = Router(spec)
+def create_app(launch: FrontendLaunch) -> Flask:
+    router = Router(launch)
     router.start()
     app = Flask("sagelmi")
-    app.config["MAX_CONTENT_LENGTH"] = spec.max_payload_bytes
+    app.config["MAX_CONTENT_LENGTH"] = launch.max_payload_bytes
     app.extensions["sagelmi"] = router
     metrics = FrontendMetrics()
 
@@ -167,7 +167,7 @@ def create_app(spec: FrontendSpec) -> Flask:
             405: MethodNotAllowed(f"{request.method} is not allowed on {request.path}"),
             413: PayloadTooLarge(
                 f"the request body is {request.content_length or 'more than'} bytes; the limit is "
-                f"{spec.max_payload_bytes} bytes (max_payload_in_mb / SAGEMAKER_MAX_PAYLOAD_IN_MB)"),
+                f"{launch.max_payload_bytes} bytes (max_payload_in_mb / SAGEMAKER_MAX_PAYLOAD_IN_MB)"),
         }.get(exc.code, InputError(exc.description or exc.name) if (exc.code or 500) < 500 else ServingError())
         return _error_response(mapped)
 
@@ -185,18 +185,18 @@ def create_app(spec: FrontendSpec) -> Flask:
     def prometheus_metrics() -> Response:
         metrics.in_flight.set(router.in_flight)
         texts = {}
-        for link, group in zip(router.links, spec.groups):
-            metrics.worker_ready.labels(str(group.index)).set(1 if link.state == "ready" else 0)
+        for client, group in zip(router.groups, launch.groups):
+            metrics.worker_ready.labels(str(group.index)).set(1 if client.state is WorkerState.READY else 0)
             try:
-                texts[str(group.index)] = link.fetch_metrics(timeout=5)
+                texts[str(group.index)] = client.fetch_metrics(timeout=5)
             except ServingError as exc:
-                log.warning("no metrics from %s: %s", link.name, exc)
+                log.warning("no metrics from worker group %s: %s", client.name, exc)
         return Response(metrics.render(texts), mimetype=CONTENT_TYPE_LATEST)
 
     @app.get("/execution-parameters")
     def execution_parameters() -> Response:
-        body = {"MaxConcurrentTransforms": len(router.links), "BatchStrategy": "SINGLE_RECORD",
-                "MaxPayloadInMB": max(1, spec.max_payload_bytes // (1024 * 1024))}
+        body = {"MaxConcurrentTransforms": len(router.groups), "BatchStrategy": "SINGLE_RECORD",
+                "MaxPayloadInMB": max(1, launch.max_payload_bytes // (1024 * 1024))}
         return Response(json.dumps(body), mimetype="application/json")
 
     # The handler answers these: SageMaker's entry and the OpenAI-compatible routes.
@@ -206,6 +206,6 @@ def create_app(spec: FrontendSpec) -> Flask:
     @app.get("/v1/models")
     def invocations() -> Response:
         body = request.get_data(cache=False)
-        return Invocation(router, spec, g.request_id).run(body)
+        return Invocation(router, launch, g.request_id).run(body)
 
     return app

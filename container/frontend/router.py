@@ -1,6 +1,6 @@
 """Admission, routing and health for the frontend process.
 
-``Router`` holds one ``WorkerLink`` per worker group. It admits at most
+``Router`` holds one ``GroupClient`` per worker group. It admits at most
 ``job_queue_size`` requests at once (503 beyond), sends each to the ready group
 with the fewest requests in flight (ties go round-robin), reports health for
 ``/ping``, and, once draining, admits nothing and tells when the last request
@@ -12,28 +12,29 @@ from __future__ import annotations
 import itertools
 import threading
 
-from container.frontend.spec import FrontendSpec
-from container.worker_client import WorkerLink
-from handlers.errors import ServiceUnavailable
+from container.errors import ServiceUnavailable
+from container.group_client import GroupClient
+from container.launch import FrontendLaunch
+from container.protocol import WorkerState
 
 
 class Router:
-    def __init__(self, spec: FrontendSpec) -> None:
-        self.spec = spec
-        self.links = [WorkerLink(f"group-{g.index}", g.socket_path) for g in spec.groups]
-        self._devices = {id(link): g.devices for link, g in zip(self.links, spec.groups)}
+    def __init__(self, launch: FrontendLaunch) -> None:
+        self.launch = launch
+        self.groups = [GroupClient(str(g.index), g.socket_path) for g in launch.groups]
+        self._devices = {id(client): g.devices for client, g in zip(self.groups, launch.groups)}
         self._cond = threading.Condition()
         self._in_flight = 0
         self._turn = itertools.count()
         self.draining = False
 
     def start(self) -> None:
-        for link in self.links:
-            link.start()
+        for client in self.groups:
+            client.start()
 
     def close(self) -> None:
-        for link in self.links:
-            link.close()
+        for client in self.groups:
+            client.close()
 
     # -- admission
     def admit(self) -> None:
@@ -41,10 +42,10 @@ class Router:
         with self._cond:
             if self.draining:
                 raise ServiceUnavailable("the server is shutting down")
-            if self._in_flight >= self.spec.job_queue_size:
+            if self._in_flight >= self.launch.job_queue_size:
                 raise ServiceUnavailable(
                     f"the request queue is full ({self._in_flight} requests in progress, "
-                    f"job_queue_size={self.spec.job_queue_size}); retry later")
+                    f"job_queue_size={self.launch.job_queue_size}); retry later")
             self._in_flight += 1
 
     def release(self) -> None:
@@ -58,29 +59,30 @@ class Router:
         return self._in_flight
 
     # -- routing
-    def pick(self) -> WorkerLink:
+    def pick(self) -> GroupClient:
         """The ready worker group with the fewest requests in flight."""
-        ready = [link for link in self.links if link.state == "ready"]
+        ready = [client for client in self.groups if client.state is WorkerState.READY]
         if not ready:
-            raise ServiceUnavailable(f"no model worker is ready ({self._summary()})")
-        low = min(link.in_flight for link in ready)
-        candidates = [link for link in ready if link.in_flight == low]
+            raise ServiceUnavailable(f"no worker group is ready ({self._summary()})")
+        low = min(client.in_flight for client in ready)
+        candidates = [client for client in ready if client.in_flight == low]
         return candidates[next(self._turn) % len(candidates)]
 
     def _summary(self) -> str:
-        return ", ".join(f"{link.name}: {link.state}" for link in self.links)
+        return ", ".join(f"group {client.name}: {client.state.value}" for client in self.groups)
 
     # -- health
     def health(self) -> tuple[bool, dict]:
-        workers = [{"group": link.name, "state": link.state, "devices": self._devices[id(link)],
-                    "in_flight": link.in_flight, **({"detail": link.detail} if link.detail else {})}
-                   for link in self.links]
-        states = {link.state for link in self.links}
+        workers = [{"group": f"group-{client.name}", "state": client.state.value,
+                    "devices": self._devices[id(client)], "in_flight": client.in_flight,
+                    **({"detail": client.detail} if client.detail else {})}
+                   for client in self.groups]
+        states = {client.state for client in self.groups}
         if self.draining:
             status = "Draining"
-        elif states == {"ready"}:
+        elif states == {WorkerState.READY}:
             status = "Healthy"
-        elif states <= {"starting", "loading", "ready"}:
+        elif states <= {WorkerState.STARTING, WorkerState.LOADING, WorkerState.READY}:
             status = "Loading"
         else:
             status = "Unhealthy"

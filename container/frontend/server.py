@@ -1,4 +1,4 @@
-"""Running the Flask app under gunicorn: ``python -m container.frontend.server SPEC``.
+"""Running the Flask app under gunicorn: ``python -m container.frontend.server LAUNCH``.
 
 One gunicorn worker process with a thread per request (gthread), so all
 requests share one ``Router`` (queue bound, least-in-flight routing, health).
@@ -22,9 +22,9 @@ from gunicorn import glogging
 from gunicorn.app.base import BaseApplication
 from gunicorn.workers.gthread import ThreadWorker
 
+from container import logs, proc
 from container.frontend.app import create_app
-from container.frontend.spec import FrontendSpec, decode_spec
-from handlers import logs, proc
+from container.launch import FrontendLaunch, decode_frontend_launch
 
 log = logging.getLogger("sagelmi.frontend")
 
@@ -62,7 +62,7 @@ class DrainingWorker(ThreadWorker):
         threading.Thread(target=self._stop_when_idle, args=(router,), name="drain", daemon=True).start()
 
     def _stop_when_idle(self, router) -> None:
-        grace = router.spec.grace_period
+        grace = router.launch.grace_period
         log.info("draining: %d request(s) in flight, waiting up to %gs", router.in_flight, grace)
         if router.wait_idle(grace):
             log.info("drained")
@@ -73,22 +73,22 @@ class DrainingWorker(ThreadWorker):
 
 
 class FrontendServer(BaseApplication):
-    def __init__(self, spec: FrontendSpec) -> None:
-        self.spec = spec
+    def __init__(self, launch: FrontendLaunch) -> None:
+        self.launch = launch
         super().__init__()
 
     def load_config(self) -> None:
-        threads = self.spec.job_queue_size + SPARE_THREADS
+        threads = self.launch.job_queue_size + SPARE_THREADS
         settings = {
-            "bind": [f"fd://{self.spec.listen_fd}"],
+            "bind": [f"fd://{self.launch.listen_fd}"],
             "workers": 1,
             "worker_class": f"{__name__}.DrainingWorker",
             "threads": threads,
             "worker_connections": threads + 256,
             "keepalive": 75,  # longer than SageMaker's idle connection reuse
             "timeout": 120,  # heartbeat of the worker's main loop, not a request limit
-            "graceful_timeout": int(self.spec.grace_period) + 5,
-            "loglevel": self.spec.log_level.lower(),
+            "graceful_timeout": int(self.launch.grace_period) + 5,
+            "loglevel": self.launch.log_level.lower(),
             "accesslog": None,
             "logger_class": f"{__name__}.GunicornLog",
             "control_socket_disable": True,
@@ -98,15 +98,15 @@ class FrontendServer(BaseApplication):
             self.cfg.set(key, value)
 
     def load(self):
-        return create_app(self.spec)
+        return create_app(self.launch)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    spec = decode_spec(Path(args[0]).read_bytes())
-    logs.configure("frontend", spec.log_level)
+    launch = decode_frontend_launch(Path(args[0]).read_bytes())
+    logs.configure("frontend", launch.log_level)
     proc.die_with_parent()
-    FrontendServer(spec).run()
+    FrontendServer(launch).run()
     return 0
 
 

@@ -9,6 +9,8 @@ from tests.server import REPO, Server, clean_env
 
 # What vLLM's CPU build needs on a small machine (see the README's troubleshooting).
 VLLM_CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+# A first start compiles the model (later starts reuse vLLM's compile cache): allow for it on 2 busy cores.
+ENGINE_READY_TIMEOUT = 240
 
 
 @pytest.fixture(scope="session")
@@ -21,5 +23,6 @@ def tiny_model(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def vllm_server(tiny_model):
-    with Server(tiny_model, env={**VLLM_CPU_ENV, "OPTION_MAX_ROLLING_BATCH_SIZE": "64"}) as server:
+    with Server(tiny_model, env={**VLLM_CPU_ENV, "OPTION_MAX_ROLLING_BATCH_SIZE": "64"},
+                ready_timeout=ENGINE_READY_TIMEOUT) as server:
         yield server

@@ -13,7 +13,7 @@ import time
 import pytest
 import requests
 
-from tests.e2e.conftest import VLLM_CPU_ENV
+from tests.e2e.conftest import ENGINE_READY_TIMEOUT, VLLM_CPU_ENV
 from tests.server import REPO, RawStream, Server, clean_env
 
 pytestmark = pytest.mark.slow
@@ -100,7 +100,7 @@ def _gone(pgid: int, timeout: float = 10) -> bool:
 
 
 def test_a_killed_engine_worker_leaves_no_engine_processes_behind(tiny_model):
-    with Server(tiny_model, env=VLLM_CPU_ENV) as server:
+    with Server(tiny_model, env=VLLM_CPU_ENV, ready_timeout=ENGINE_READY_TIMEOUT) as server:
         (worker,) = server.worker_pids()
         assert len(_group_members(worker)) > 1  # vLLM's EngineCore runs beside the worker
         os.kill(worker, signal.SIGKILL)

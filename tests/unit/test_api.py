@@ -5,7 +5,7 @@ import pytest
 from djl_python import Input, Output
 from djl_python.inputs import Input as Input2
 from handlers.api import PairList
-from handlers.errors import InvalidJSON, describe
+from container.errors import InvalidJSON, describe
 
 
 def test_djl_python_import_paths_are_the_same_classes():

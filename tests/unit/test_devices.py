@@ -1,6 +1,6 @@
 import pytest
 
-from container.devices import discover_devices, parse_visible_devices, plan_groups
+from container.devices import GroupPlan, cpu_binding, discover_devices, parse_visible_devices, plan_groups
 from container.settings import SettingsError, resolve_settings
 
 
@@ -51,5 +51,31 @@ def test_cpu_groups_follow_worker_settings(tmp_path):
 def test_impossible_plans_are_explained(tmp_path):
     with pytest.raises(SettingsError, match="needs 4 accelerators, but only 2 are visible"):
         plan_groups(settings(tmp_path, TENSOR_PARALLEL_DEGREE=4), ["0", "1"])
-    with pytest.raises(SettingsError, match="none are visible"):
-        plan_groups(settings(tmp_path, SM_NUM_GPUS=2), [])
+    with pytest.raises(SettingsError, match=r"tensor_parallel_degree=2 \(env TENSOR_PARALLEL_DEGREE\) x "
+                                            r"option.pipeline_parallel_degree=2 \(env PIPELINE_PARALLEL_DEGREE\) "
+                                            r"needs 4 accelerators, but only 3"):
+        plan_groups(settings(tmp_path, TENSOR_PARALLEL_DEGREE=2, PIPELINE_PARALLEL_DEGREE=2), ["0", "1", "2"])
+    with pytest.raises(SettingsError, match="divisible by 2"):
+        plan_groups(settings(tmp_path, TENSOR_PARALLEL_DEGREE="max", PIPELINE_PARALLEL_DEGREE=2), ["0", "1", "2"])
+
+
+def test_groups_are_sized_tensor_times_pipeline_parallel(tmp_path):
+    plans = plan_groups(settings(tmp_path, TENSOR_PARALLEL_DEGREE=2, PIPELINE_PARALLEL_DEGREE=2), list("01234567"))
+    assert [(p.cuda_visible_devices, p.world_size) for p in plans] == [("0,1,2,3", 4), ("4,5,6,7", 4)]
+    plans = plan_groups(settings(tmp_path, TENSOR_PARALLEL_DEGREE="max", PIPELINE_PARALLEL_DEGREE=2), list("0123"))
+    assert [(p.tensor_parallel_degree, p.pipeline_parallel_degree) for p in plans] == [(2, 2)]
+
+
+def test_without_accelerators_parallel_groups_run_their_processes_on_the_cpu(tmp_path):
+    plans = plan_groups(settings(tmp_path, SM_NUM_GPUS=2, PIPELINE_PARALLEL_DEGREE=2), [])
+    assert [(p.devices, p.world_size) for p in plans] == [((), 4)]
+    assert plan_groups(settings(tmp_path, TENSOR_PARALLEL_DEGREE="max"), [])[0].world_size == 1
+
+
+def test_cpu_binding_gives_each_engine_process_its_own_cores():
+    assert cpu_binding([GroupPlan(0, (), 2, 1)], cores=[0, 1]) == {0: "0|1"}
+    assert cpu_binding([GroupPlan(0, (), 1, 2)], cores=list(range(8))) == {0: "0-3|4-7"}
+    assert cpu_binding([GroupPlan(0, (), 2, 1), GroupPlan(1, (), 2, 1)], cores=list(range(8))) == \
+        {0: "0-1|2-3", 1: "4-5|6-7"}
+    # more processes than cores: shares wrap around rather than refuse
+    assert cpu_binding([GroupPlan(0, (), 2, 1), GroupPlan(1, (), 2, 1)], cores=[0, 1]) == {0: "0|1", 1: "0|1"}

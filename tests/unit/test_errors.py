@@ -1,6 +1,6 @@
 import json
 
-from handlers.errors import GatewayTimeout, PayloadTooLarge, ServiceUnavailable, describe, envelope, scrub
+from container.errors import GatewayTimeout, PayloadTooLarge, ServiceUnavailable, describe, envelope, scrub
 
 
 def test_status_table():

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from handlers.errors import InputError
+from container.errors import InputError
 from handlers.lmi_schema import Formatter, Generation, TokenInfo, finish_reason, parse_request
 
 SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "repetition_penalty",

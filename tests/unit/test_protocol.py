@@ -3,8 +3,10 @@ import threading
 
 import pytest
 
-from handlers.protocol import (FRAME_HEADER, Cancel, Chunk, End, Fail, Head, Invoke, ProtocolError, Status,
-                               FrameBuffer, WorkerSpec, decode, decode_spec, encode, encode_spec)
+from container.launch import WorkerLaunch, decode_worker_launch, encode_launch
+from container.protocol import (FRAME_HEADER, Broadcast, Cancel, Chunk, End, Fail, FrameBuffer, Head, Invoke,
+                                ProtocolError, Status, WorkerState, decode, encode)
+from container.settings import Settings
 
 MESSAGES = [
     Invoke(id="r1", properties={"content-type": "application/json"}, body=b'{"a": 1}'),
@@ -13,7 +15,8 @@ MESSAGES = [
     Chunk(id="r1", data=b"\x00\xffbytes"),
     End(id="r1"),
     Fail(id="r1", code=424, message="prediction failure", error="boom"),
-    Status(state="ready", detail="", pid=42),
+    Status(state=WorkerState.READY, detail="", incarnation=3, rank=1),
+    Broadcast(data=b"\x01step"),
 ]
 
 
@@ -81,7 +84,18 @@ def test_truncated_and_garbage_frames_are_protocol_errors():
         FrameBuffer().feed(FRAME_HEADER.pack(2 ** 31))
 
 
-def test_worker_spec_round_trips_as_json():
-    spec = WorkerSpec(group=1, socket_path="/tmp/s", model_dir="/m", entry_point=None,
-                      properties={"model_id": "x"}, sync_handler_threads=2, log_level="DEBUG")
-    assert decode_spec(encode_spec(spec)) == spec
+def test_worker_launch_round_trips_as_json_with_typed_settings():
+    settings = Settings(model_dir="/m", rolling_batch="lmi-dist", tgi_compat=True, tensor_parallel_degree="max")
+    launch = WorkerLaunch(group=1, socket_path="/tmp/s", settings=settings.model_dump_json(),
+                          model_properties={"model_id": "x"}, model_location="/m", tensor_parallel_degree=4,
+                          pipeline_parallel_degree=2, mpi=True)
+    again = decode_worker_launch(encode_launch(launch))
+    assert again == launch
+    assert Settings.model_validate_json(again.settings) == settings
+
+
+def test_status_state_is_a_closed_set():
+    frame = encode(Status(state=WorkerState.LOADING))
+    assert decode(frame[4:]).state is WorkerState.LOADING
+    with pytest.raises(ProtocolError):
+        decode(frame[4:].replace(b"loading", b"sleepyy"))

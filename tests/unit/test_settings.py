@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from container.properties import parse_properties
+from container.serving_properties import parse_properties
 from container.settings import KEYS, SettingsError, describe_settings, resolve_settings
 from tests.server import REPO, clean_env
 
@@ -61,6 +61,13 @@ ALIASES = [
     ("SERVING_PORT", "8181", "port", 8181),
     ("SERVING_SHUTDOWN_GRACE_PERIOD", "10", "shutdown_grace_period", 10),
     ("SERVING_LOG_LEVEL", "debug", "log_level", "DEBUG"),
+    ("PIPELINE_PARALLEL_DEGREE", "2", "pipeline_parallel_degree", 2),
+    ("OPTION_PIPELINE_PARALLEL_DEGREE", "4", "pipeline_parallel_degree", 4),
+    ("OPTION_MPI_HOSTFILE", "/etc/hosts.mpi", "mpi_hostfile", "/etc/hosts.mpi"),
+    ("OPTION_MPI_EXTRA_ARGS", "--oversubscribe --bind-to none", "mpi_extra_args", "--oversubscribe --bind-to none"),
+    ("OPTION_OUTPUT_FORMATTER", "SSE", "output_formatter", "sse"),
+    ("OPTION_TGI_COMPAT", "true", "tgi_compat", True),
+    ("OPTION_ROLLING_BATCH", "LMI-Dist", "rolling_batch", "lmi-dist"),
 ]
 
 
@@ -81,14 +88,32 @@ def test_every_spelling_in_the_table_is_tested():
 def test_generic_option_env_becomes_a_handler_property(tmp_path):
     settings = resolve({"OPTION_MY_SETTING": "42"}, tmp_path=tmp_path)
     assert settings.options["my_setting"] == "42"
-    assert settings.handler_properties()["my_setting"] == "42"
-    assert settings.handler_properties()["model_dir"] == str(tmp_path)
+    assert settings.model_properties()["my_setting"] == "42"
+    assert settings.model_properties()["model_dir"] == str(tmp_path)
 
 
 def test_aliases_land_in_handler_properties_under_the_lmi_name(tmp_path):
-    props = resolve({"HF_MODEL_ID": "org/m", "SM_NUM_GPUS": "2"}, tmp_path=tmp_path).handler_properties()
+    props = resolve({"HF_MODEL_ID": "org/m", "SM_NUM_GPUS": "2"}, tmp_path=tmp_path).model_properties()
     assert props["model_id"] == "org/m"
     assert props["tensor_parallel_degree"] == "2"
+
+
+def test_modes_and_the_built_in_engine(tmp_path):
+    assert resolve(tmp_path=tmp_path).builtin_engine == "vllm"
+    lmi_dist = resolve({"OPTION_ROLLING_BATCH": "lmi-dist"}, tmp_path=tmp_path)
+    assert lmi_dist.use_mpi and lmi_dist.builtin_engine == "lmi-dist"  # LMI's quick start sets no mpi_mode
+    mpi = resolve({"OPTION_MPI_MODE": "true"}, tmp_path=tmp_path)
+    assert mpi.use_mpi and mpi.builtin_engine == "lmi-dist"
+    assert resolve({"OPTION_ENGINE": "MPI"}, tmp_path=tmp_path).use_mpi
+
+
+def test_typed_engine_settings_use_vllm_names(tmp_path):
+    settings = resolve({"MAX_BATCH_SIZE": "8", "PIPELINE_PARALLEL_DEGREE": "2", "TENSOR_PARALLEL_DEGREE": "max",
+                        "OPTION_QUANTIZE": "awq", "OPTION_MAX_MODEL_LEN": "64"}, tmp_path=tmp_path)
+    assert settings.engine_settings(tensor_parallel_degree=4) == {
+        "tensor_parallel_size": 4, "pipeline_parallel_size": 2, "max_num_seqs": 8, "quantization": "awq",
+        "trust_remote_code": False}
+    assert settings.passthrough_options() == {"max_model_len": "64"}
 
 
 def test_defaults(tmp_path):
@@ -179,6 +204,13 @@ def test_empty_variables_count_as_unset(tmp_path):
     ({"SAGEMAKER_MAX_PAYLOAD_IN_MB": "0"}, None, ["max_payload_in_mb='0'", "MiB > 0"]),
     ({"OPTION_MPI_MODE": "perhaps"}, None, ["option.mpi_mode='perhaps'", "true or false"]),
     ({"SERVING_MIN_WORKERS": "4", "SERVING_MAX_WORKERS": "2"}, None, ["min_workers=4", "max_workers=2"]),
+    ({"OPTION_ROLLING_BATCH": "vlm"}, None, ["option.rolling_batch='vlm'", "auto, vllm, lmi-dist or disable"]),
+    ({"OPTION_OUTPUT_FORMATTER": "xml"}, None, ["option.output_formatter='xml'", "json, jsonlines or sse"]),
+    ({"OPTION_MPI_EXTRA_ARGS": "--mca 'unclosed"}, None, ["option.mpi_extra_args", "cannot split"]),
+    ({"OPTION_ROLLING_BATCH": "lmi-dist", "OPTION_MPI_MODE": "false"}, None,
+     ["lmi-dist (env OPTION_ROLLING_BATCH) runs under MPI mode", "option.mpi_mode=false (env OPTION_MPI_MODE)"]),
+    ({"OPTION_ROLLING_BATCH": "vllm", "OPTION_ENGINE": "MPI"}, None,
+     ["option.rolling_batch=vllm (env OPTION_ROLLING_BATCH) runs in Python mode", "lmi-dist"]),
 ])
 def test_bad_values_name_key_value_source_and_allowed(tmp_path, env, properties, fragments):
     with pytest.raises(SettingsError) as err:

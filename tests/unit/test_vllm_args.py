@@ -1,26 +1,35 @@
 import pytest
 
+from container.settings import resolve_settings
 from handlers.vllm_args import EngineOptionError, build_engine_kwargs
 
 
-def build(cpu=False, **properties):
-    return build_engine_kwargs({k: str(v) for k, v in properties.items()}, "/opt/ml/model", cpu=cpu)
+def build(cpu=False, tp=1, model="/opt/ml/model", **options):
+    settings = resolve_settings({f"OPTION_{k.upper()}": str(v) for k, v in options.items()}, "/nonexistent")
+    return build_engine_kwargs(settings, model, tp, cpu=cpu)
 
 
 def test_lmi_names_are_translated_and_typed():
-    kwargs = build(model_id="org/model", tensor_parallel_degree=2, max_rolling_batch_size=32,
+    kwargs = build(model="org/model", tp=2, model_id="org/model", tensor_parallel_degree=2,
+                   pipeline_parallel_degree=2, max_rolling_batch_size=32,
                    max_rolling_batch_prefill_tokens=4096, quantize="awq", cpu_offload_gb_per_gpu=4,
                    dtype="fp16", enforce_eager="true", max_model_len=2048, enable_prefix_caching="false",
                    max_lora_rank=32, revision="main")
     assert kwargs == {"model": "org/model", "served_model_name": "org/model", "tensor_parallel_size": 2,
-                      "max_num_seqs": 32, "max_num_batched_tokens": 4096, "quantization": "awq",
+                      "pipeline_parallel_size": 2, "max_num_seqs": 32, "max_num_batched_tokens": 4096,
+                      "quantization": "awq", "trust_remote_code": False,
                       "cpu_offload_gb": 4.0, "dtype": "float16", "enforce_eager": True, "max_model_len": 2048,
                       "enable_prefix_caching": False, "max_lora_rank": 32, "revision": "main"}
 
 
-def test_defaults_model_dir_and_lmi_batch_size():
+def test_defaults_model_location_and_lmi_batch_size():
     kwargs = build()
     assert kwargs["model"] == "/opt/ml/model" and kwargs["max_num_seqs"] == 256
+    assert kwargs["tensor_parallel_size"] == 1 and kwargs["pipeline_parallel_size"] == 1
+
+
+def test_tensor_parallel_max_becomes_the_groups_number():
+    assert build(tp=4, tensor_parallel_degree="max")["tensor_parallel_size"] == 4
 
 
 def test_cpu_default_memory_share_unless_set():
@@ -45,8 +54,9 @@ def test_speculative_options_fold_into_speculative_config():
 
 def test_server_options_and_obsolete_ones_are_not_engine_arguments():
     kwargs = build(entryPoint="x", rolling_batch="vllm", output_formatter="sse", lora_extra_vocab_size=256,
-                   predict_timeout=5)
-    assert not {"entryPoint", "rolling_batch", "output_formatter", "lora_extra_vocab_size"} & set(kwargs)
+                   predict_timeout=5, tgi_compat="true", mpi_extra_args="--oversubscribe", enable_streaming="true")
+    assert not {"entryPoint", "entry_point", "rolling_batch", "output_formatter", "lora_extra_vocab_size",
+                "predict_timeout", "tgi_compat", "mpi_extra_args", "enable_streaming"} & set(kwargs)
 
 
 def test_unknown_names_are_refused_with_suggestions():

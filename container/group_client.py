@@ -1,7 +1,7 @@
-"""The client side of the worker protocol: one connection to one model worker,
-shared by many request threads.
+"""The client side of the wire protocol: one connection to one worker group
+(its rank 0), shared by many request threads.
 
-``WorkerLink`` owns a background thread that (re)connects to the worker's Unix
+``GroupClient`` owns a background thread that (re)connects to the group's Unix
 socket and reads every message from it. Status messages update ``state``;
 answers are handed to the ``PendingRequest`` of their request id. Request
 threads write under a lock and wait on their own ``PendingRequest``, which
@@ -9,8 +9,9 @@ merges the chunks that arrive while its reader is busy, so a slow client never
 makes a queue grow one entry per token.
 
 When the connection drops, every request in flight on it fails at once with
-503 and the link keeps trying to reconnect (a restarted worker binds the same
-path).
+503 and the client keeps trying to reconnect (a restarted group binds the same
+path). The frontend holds one per group to send requests; the supervisor holds
+one per group to learn its state.
 """
 
 from __future__ import annotations
@@ -21,18 +22,18 @@ import threading
 import time
 import uuid
 
-from handlers.errors import GatewayTimeout, ServiceUnavailable, ServingError
-from handlers.protocol import (METRICS_PATH, Cancel, Chunk, End, Fail, FrameBuffer, Head, Invoke, ProtocolError,
-                               Status, encode)
+from container.errors import GatewayTimeout, ServiceUnavailable, ServingError
+from container.protocol import (METRICS_PATH, Cancel, Chunk, End, Fail, FrameBuffer, Head, Invoke, ProtocolError,
+                                Status, WorkerState, encode)
 
-log = logging.getLogger("sagelmi.link")
+log = logging.getLogger("sagelmi.group")
 
 RECONNECT_INTERVAL = 0.1
 READ_SIZE = 1 << 18  # read up to this much per system call: a whole backlog of frames at once
 
 
 class WorkerFailed(ServingError):
-    """An error the worker reported for one request; carries the worker's status."""
+    """An error the worker group reported for one request; carries its status."""
 
     def __init__(self, fail: Fail) -> None:
         super().__init__(fail.error)
@@ -41,7 +42,7 @@ class WorkerFailed(ServingError):
 
 
 class PendingRequest:
-    """The answer to one request, filled in by the link's reader thread."""
+    """The answer to one request, filled in by the client's reader thread."""
 
     def __init__(self, request_id: str) -> None:
         self.id = request_id
@@ -113,24 +114,23 @@ class PendingRequest:
             raise GatewayTimeout(f"the model sent nothing for {timeout:g}s (option.predict_timeout)")
 
 
-class WorkerLink:
-    """A connection to one model worker, re-established whenever it drops."""
+class GroupClient:
+    """A connection to one worker group, re-established whenever it drops."""
 
     def __init__(self, name: str, socket_path: str) -> None:
         self.name = name
         self.socket_path = socket_path
-        self.state = "starting"  # starting | loading | ready | failed | down
+        self.state = WorkerState.STARTING
         self.detail = ""
-        self.worker_pid = 0
-        self.ready_pid = 0  # the last worker process that reported ready (kept after it dies)
+        self.incarnation = 0  # which start of the group the last Status came from
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._pending: dict[str, PendingRequest] = {}
         self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"link-{name}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"group-{name}", daemon=True)
 
-    def start(self) -> "WorkerLink":
+    def start(self) -> "GroupClient":
         self._thread.start()
         return self
 
@@ -149,23 +149,23 @@ class WorkerLink:
 
     # -- requests
     def submit(self, invoke: Invoke, require_ready: bool = True) -> PendingRequest:
-        """Send ``invoke``; raises ``ServiceUnavailable`` if the worker is not
+        """Send ``invoke``; raises ``ServiceUnavailable`` if the group is not
         ready (or, with ``require_ready=False``, not connected)."""
         pending = PendingRequest(invoke.id)
         with self._lock:
-            if (require_ready and self.state != "ready") or self._sock is None:
-                raise ServiceUnavailable(f"model worker {self.name} is {self.state}")
+            if (require_ready and self.state is not WorkerState.READY) or self._sock is None:
+                raise ServiceUnavailable(f"worker group {self.name} is {self.state.value}")
             self._pending[invoke.id] = pending
             sock = self._sock
         try:
             self._send(sock, encode(invoke))
         except OSError:
             self._pending.pop(invoke.id, None)
-            raise ServiceUnavailable(f"model worker {self.name} went away before the request was sent") from None
+            raise ServiceUnavailable(f"worker group {self.name} went away before the request was sent") from None
         return pending
 
     def fetch_metrics(self, timeout: float) -> str:
-        """The worker's Prometheus metrics (text format)."""
+        """The group's Prometheus metrics (text format)."""
         request_id = f"metrics-{uuid.uuid4().hex}"
         pending = self.submit(Invoke(id=request_id, properties={}, body=b"", path=METRICS_PATH),
                               require_ready=False)
@@ -176,7 +176,7 @@ class WorkerLink:
             self._pending.pop(request_id, None)
 
     def cancel(self, request_id: str) -> None:
-        """Abandon a request: the worker cancels it; late answers are dropped."""
+        """Abandon a request: the group cancels it; late answers are dropped."""
         pending = self._pending.pop(request_id, None)
         sock = self._sock
         if pending is None or pending.done or sock is None:
@@ -191,7 +191,7 @@ class WorkerLink:
             sock.sendall(frame)
 
     # -- reader thread
-    def _set_state(self, state: str, detail: str = "") -> None:
+    def _set_state(self, state: WorkerState, detail: str = "") -> None:
         self.state, self.detail = state, detail
 
     def _run(self) -> None:
@@ -203,7 +203,7 @@ class WorkerLink:
                 self._read(sock)
             except (OSError, ProtocolError) as exc:
                 if not self._stopped.is_set():
-                    log.warning("connection to model worker %s broke: %s", self.name, exc)
+                    log.warning("connection to worker group %s broke: %s", self.name, exc)
             finally:
                 self._lost(sock)
 
@@ -229,9 +229,7 @@ class WorkerLink:
             batches: dict[str, list] = {}
             for message in frames.feed(data):
                 if isinstance(message, Status):
-                    self.worker_pid = message.pid
-                    if message.state == "ready":
-                        self.ready_pid = message.pid
+                    self.incarnation = message.incarnation
                     self._set_state(message.state, message.detail)
                 else:
                     batches.setdefault(message.id, []).append(message)
@@ -253,10 +251,10 @@ class WorkerLink:
         sock.close()
         if self._stopped.is_set():
             return
-        if self.state != "failed":
-            self._set_state("down", "the model worker process is not running")
+        if self.state is not WorkerState.FAILED:
+            self._set_state(WorkerState.DOWN, "the worker group's process is not running")
         if orphans:
-            log.error("model worker %s went away with %d request(s) in flight", self.name, len(orphans))
+            log.error("worker group %s went away with %d request(s) in flight", self.name, len(orphans))
         for pending in orphans:
             pending.fail(ServiceUnavailable(
-                f"model worker {self.name} stopped while handling the request; it is being restarted, retry"))
+                f"worker group {self.name} stopped while handling the request; it is being restarted, retry"))

@@ -1,31 +1,36 @@
-"""The wire contract between the frontend and model workers.
+"""The wire contract between sagelmi's processes.
 
-Every message that crosses a Unix socket between the HTTP frontend (or the
-supervisor) and a model worker is one of the structs below, encoded with
-msgpack and sent as a frame: a 4-byte big-endian payload length, then the
-payload. The struct's tag travels inside the payload, so the receiver picks the
-right type without guessing.
+Every message that crosses a socket between the HTTP frontend (or the
+supervisor) and a worker group's rank 0, or between rank 0 and the other ranks
+of an MPI group, is one of the structs below, encoded with msgpack and sent as
+a frame: a 4-byte big-endian payload length, then the payload. The struct's tag
+travels inside the payload, so the receiver picks the right type without
+guessing.
 
 Conversation, per request id:
 
-    frontend -> worker   Invoke            start a request
-    worker -> frontend   Head              status code and headers (exactly once)
-    worker -> frontend   Chunk*            body bytes, in order
-    worker -> frontend   End               the body is complete
+    frontend -> rank 0   Invoke            start a request
+    rank 0 -> frontend   Head              status code and headers (exactly once)
+    rank 0 -> frontend   Chunk*            body bytes, in order
+    rank 0 -> frontend   End               the body is complete
                     or   Fail              the request failed (before or after Head)
-    frontend -> worker   Cancel            abandon it (client gone, timeout)
+    frontend -> rank 0   Cancel            abandon it (client gone, timeout)
 
-An ``Invoke`` for ``METRICS_PATH`` is answered by the worker itself (Head, Chunk,
+An ``Invoke`` for ``METRICS_PATH`` is answered by rank 0 itself (Head, Chunk,
 End) with the Prometheus text of its process, including the engine's metrics.
 
-    worker -> frontend   Status            health: sent on connect and on every change
+    rank 0 -> frontend   Status            health: sent on connect and on every change
 
-``WorkerSpec`` is the launch contract: the supervisor writes it as JSON and the
-worker process reads it at start.
+Between the ranks of an MPI group (rank 0 is the leader, the others follow):
+
+    leader -> follower   Invoke, Cancel    every request and cancel, in rank 0's order
+    leader -> follower   Broadcast         bytes a built-in handler sends to its peers
+    follower -> leader   Status            the follower's own health (loading, ready, failed)
 """
 
 from __future__ import annotations
 
+import enum
 import struct
 from typing import Union
 
@@ -34,9 +39,11 @@ import msgspec
 FRAME_HEADER = struct.Struct(">I")
 MAX_FRAME_BYTES = 1 << 30  # a frame larger than this means a corrupt stream
 
-# Worker process exit code meaning "the handler could not be loaded": the
-# supervisor stops start-up instead of restarting the worker.
+# Exit codes of a worker process the supervisor acts on: "the handler could not
+# be loaded" stops start-up; "the engine died" and "a rank went away" restart the group.
 EXIT_LOAD_FAILED = 3
+EXIT_ENGINE_DEAD = 4
+EXIT_RANK_LOST = 5
 
 # An Invoke with this path asks the worker for its Prometheus metrics (text format)
 # instead of calling the handler.
@@ -46,6 +53,7 @@ METRICS_PATH = "/metrics"
 class Invoke(msgspec.Struct, tag="invoke", frozen=True):
     id: str
     properties: dict[str, str]
+    """The ``Input`` properties of the request: headers, custom attributes, request id."""
     body: bytes
     path: str = "/invocations"  # the HTTP route; METRICS_PATH is answered by the worker itself
 
@@ -77,32 +85,33 @@ class Fail(msgspec.Struct, tag="fail", frozen=True):
     error: str
 
 
+class WorkerState(str, enum.Enum):
+    """The health of a worker group (or of one rank), as ``/ping`` reports it."""
+
+    STARTING = "starting"  # the process is starting: not connected yet
+    LOADING = "loading"    # connected; the model is loading
+    READY = "ready"        # serving requests
+    FAILED = "failed"      # the model could not be loaded (``detail`` says why)
+    DOWN = "down"          # the process went away; the supervisor restarts it
+
+
 class Status(msgspec.Struct, tag="status", frozen=True):
-    """Worker health. ``state`` is one of ``loading``, ``ready``, ``failed``."""
+    """Health of a worker group (from rank 0) or of a follower rank (to rank 0).
+    ``incarnation`` tells which start of the group the status belongs to."""
 
-    state: str
+    state: WorkerState
     detail: str = ""
-    pid: int = 0
+    incarnation: int = 0
+    rank: int = 0
 
 
-Message = Union[Invoke, Cancel, Head, Chunk, End, Fail, Status]
+class Broadcast(msgspec.Struct, tag="broadcast", frozen=True):
+    """Bytes a built-in handler on rank 0 sends to its peers on the other ranks."""
+
+    data: bytes
 
 
-class WorkerSpec(msgspec.Struct, frozen=True):
-    """Everything a model worker process needs to start.
-
-    ``properties`` are the model properties a handler receives on its
-    initialisation call (LMI's ``option.*`` values without the prefix, plus
-    ``model_dir``).
-    """
-
-    group: int
-    socket_path: str
-    model_dir: str
-    entry_point: str | None
-    properties: dict[str, str]
-    sync_handler_threads: int
-    log_level: str = "INFO"
+Message = Union[Invoke, Cancel, Head, Chunk, End, Fail, Status, Broadcast]
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -164,11 +173,3 @@ class FrameBuffer:
     def pending_bytes(self) -> int:
         """Bytes of an incomplete frame still waiting for the rest."""
         return len(self._data)
-
-
-def encode_spec(spec: WorkerSpec) -> bytes:
-    return msgspec.json.encode(spec)
-
-
-def decode_spec(data: bytes) -> WorkerSpec:
-    return msgspec.json.decode(data, type=WorkerSpec)

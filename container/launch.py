@@ -1,0 +1,55 @@
+"""What the supervisor hands the processes it starts, written as JSON files:
+the frontend's launch (the listening socket, the groups to route to, limits)
+and each worker group's launch (its settings, handler properties, layout)."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class GroupAddress(msgspec.Struct, frozen=True):
+    """Where the frontend finds a worker group: its rank 0's Unix socket."""
+
+    index: int
+    socket_path: str
+    devices: str | None = None  # the group's CUDA_VISIBLE_DEVICES, for /ping
+
+
+class FrontendLaunch(msgspec.Struct, frozen=True):
+    listen_fd: int
+    groups: list[GroupAddress]
+    job_queue_size: int
+    max_payload_bytes: int
+    predict_timeout: float
+    grace_period: float
+    log_level: str = "INFO"
+
+
+class WorkerLaunch(msgspec.Struct, frozen=True):
+    """Everything a worker group's processes need to start (every rank reads the
+    same launch; in MPI mode rank 0 reads it and sends it to the others).
+
+    ``settings`` is the server's ``Settings`` as JSON, validated once by the
+    supervisor; ``model_properties`` is what a handler's initialisation call
+    receives (LMI's ``option.*`` text plus ``model_dir``)."""
+
+    group: int
+    socket_path: str
+    settings: str
+    model_properties: dict[str, str]
+    model_location: str  # the model's local path or Hub id (an s3:// prefix already downloaded)
+    tensor_parallel_degree: int  # what option.tensor_parallel_degree (max included) means in this group
+    pipeline_parallel_degree: int
+    mpi: bool = False
+
+
+def encode_launch(launch: FrontendLaunch | WorkerLaunch) -> bytes:
+    return msgspec.json.encode(launch)
+
+
+def decode_frontend_launch(data: bytes) -> FrontendLaunch:
+    return msgspec.json.decode(data, type=FrontendLaunch)
+
+
+def decode_worker_launch(data: bytes) -> WorkerLaunch:
+    return msgspec.json.decode(data, type=WorkerLaunch)

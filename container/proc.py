@@ -1,0 +1,55 @@
+"""Process hygiene shared by sagelmi's child processes."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Ask Linux to send ``sig`` to this process when its parent dies, so a
+    killed supervisor never leaves model workers holding accelerators."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:  # not Linux/glibc: nothing to arrange
+        return
+    parent = os.getppid()
+    libc.prctl(_PR_SET_PDEATHSIG, int(sig))
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os.kill(os.getpid(), sig)
+
+
+def session_members(session: int) -> list[int]:
+    """PIDs of the live processes in ``session`` (a child started with
+    ``start_new_session=True`` leads the session numbered by its pid). MPI ranks
+    and engine processes each lead their own process group, but all stay in the
+    session of the process that started them."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # Fields after the command (which may hold spaces) start at the last ')'.
+        fields = stat[stat.rindex(b")") + 2:].split()
+        state, sid = fields[0], int(fields[3])
+        if sid == session and state != b"Z":
+            members.append(int(entry))
+    return members
+
+
+def signal_session(session: int, sig: int) -> int:
+    """Send ``sig`` to every process of ``session``; returns how many there were."""
+    pids = session_members(session)
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return len(pids)

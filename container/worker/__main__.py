@@ -1,0 +1,59 @@
+"""``python -m container.worker --launch <group-N.json> --incarnation K``: one
+rank of a worker group (started by the supervisor, under ``mpirun`` in MPI mode)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from pathlib import Path
+
+from container import logs, proc
+from container.launch import decode_worker_launch
+from container.settings import Settings
+from container.worker.context import WorkerContext
+from container.worker.runtime import Worker
+
+
+def _context(args: argparse.Namespace) -> WorkerContext:
+    if not args.mpi:
+        launch = decode_worker_launch(Path(args.launch).read_bytes())
+        return WorkerContext(launch, Settings.model_validate_json(launch.settings))
+    from container.worker.ranks import Follower, Leader, bootstrap
+
+    info, data, listener = bootstrap(Path(args.launch))
+    info.export()
+    launch = decode_worker_launch(data)
+    settings = Settings.model_validate_json(launch.settings)
+    if info.rank == 0:
+        return WorkerContext(launch, settings, 0, info.world_size, leader=Leader(info, listener))
+    return WorkerContext(launch, settings, info.rank, info.world_size, follower=Follower(info))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="sagelmi model worker (started by `sagelmi serve`)")
+    parser.add_argument("--launch", required=True, help="the worker group's launch file (JSON)")
+    parser.add_argument("--incarnation", type=int, default=0, help="which start of the group this is")
+    parser.add_argument("--mpi", action="store_true", help="one rank of an MPI worker group (under mpirun)")
+    args = parser.parse_args(argv)
+    proc.die_with_parent()
+    context = _context(args)
+    name = f"worker-{context.launch.group}" + (f".rank-{context.rank}" if args.mpi else "")
+    logs.configure(name, context.settings.log_level)
+    return asyncio.run(_run(context, args.incarnation))
+
+
+async def _run(context: WorkerContext, incarnation: int) -> int:
+    return await Worker(context, incarnation).run()
+
+
+if __name__ == "__main__":
+    code = main()
+    # Abandoned synchronous handler calls may still be running in pool threads;
+    # a stopping worker does not wait for them.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

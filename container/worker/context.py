@@ -1,0 +1,36 @@
+"""What the worker runtime tells a built-in handler about where it runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from container.launch import WorkerLaunch
+from container.settings import Settings
+from container.worker.ranks import Follower, Leader
+
+
+@dataclass(frozen=True)
+class WorkerContext:
+    """A worker process's place in its group, and the group's typed settings.
+
+    In Python mode a group is one process: rank 0 of 1. In MPI mode rank 0 leads
+    (``leader``: sends to the other ranks) and the others follow (``follower``:
+    receive what rank 0 sends, in order)."""
+
+    launch: WorkerLaunch
+    settings: Settings
+    rank: int = 0
+    world_size: int = 1
+    leader: Leader | None = None
+    follower: Follower | None = None
+
+    def broadcast(self, data: bytes) -> None:
+        """Rank 0: send ``data`` to the handler on every other rank (in call order)."""
+        if self.leader is not None:
+            self.leader.broadcast(data)
+
+    def next_broadcast(self) -> bytes | None:
+        """Another rank: block until rank 0's next broadcast; ``None`` once rank 0 is gone."""
+        if self.follower is None:
+            raise RuntimeError("only the other ranks of an MPI group receive broadcasts")
+        return self.follower.broadcasts.get()

@@ -1,0 +1,233 @@
+"""The ranks of an MPI worker group: start-up through MPI, then one ordered
+relay from rank 0 (the leader) to every other rank (the followers).
+
+Start-up (``bootstrap``): every rank initialises MPI (mpi4py); rank 0 reads the
+group's launch file, opens the relay's TCP listener, picks ``MASTER_ADDR`` /
+``MASTER_PORT`` for ``torch.distributed`` and a random token, and broadcasts all
+of it; then MPI is finalised. Nothing after start-up uses MPI: a rank blocked in
+an MPI receive polls and burns a core for as long as it waits, while a rank
+blocked on a socket costs nothing, and an idle model server waits most of the
+time.
+
+The relay: each follower connects to the leader's listener and proves it
+belongs to the job with the token. The leader sends every ``Invoke`` and
+``Cancel`` it receives, and every ``Broadcast`` of its handler, down each
+follower connection in the order it received them, from one lock, so every
+rank sees the same messages in the same order. Followers send their ``Status``
+(loading, ready, failed) back. A connection that closes means its peer is gone:
+the group cannot work without all its ranks, so the survivor exits and the
+supervisor restarts the whole group.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import queue
+import secrets
+import socket
+import struct
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from container.protocol import Broadcast, FrameBuffer, Message, ProtocolError, Status, WorkerState, encode
+
+log = logging.getLogger("sagelmi.ranks")
+
+_HELLO = struct.Struct(">16sI")  # token, rank
+ACCEPT_TIMEOUT = 120.0  # followers connect right after start-up; much longer means a broken job
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Who this process is in its group, and how the group's ranks meet."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    relay_port: int
+    token: bytes
+
+    def export(self) -> None:
+        """Set the variables ``torch.distributed`` (``env://``) and vLLM read."""
+        os.environ.update({"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size),
+                           "LOCAL_RANK": str(self.local_rank), "MASTER_ADDR": self.master_addr,
+                           "MASTER_PORT": str(self.master_port)})
+
+
+def _this_host_address() -> str:
+    """An address of this machine other ranks can reach (the one its hostname resolves to)."""
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def bootstrap(launch_path: Path) -> tuple[RankInfo, bytes, socket.socket | None]:
+    """Meet the other ranks through MPI. Returns this rank's ``RankInfo``, the
+    launch file's bytes (read by rank 0, sent to all), and on rank 0 the relay's
+    listening socket."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    on_this_machine = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    local_rank, local_size = on_this_machine.Get_rank(), on_this_machine.Get_size()
+    on_this_machine.Free()
+    listener = shared = None
+    if rank == 0:
+        # One machine: everything on loopback. Several: rank 0's address, which the
+        # hostfile's first host (this machine) must make reachable.
+        host = "127.0.0.1" if local_size == size else _this_host_address()
+        listener = socket.create_server(("127.0.0.1" if host == "127.0.0.1" else "0.0.0.0", 0))
+        shared = {"host": host, "relay_port": listener.getsockname()[1], "master_port": _free_port(host),
+                  "token": secrets.token_bytes(16), "launch": launch_path.read_bytes()}
+    shared = comm.bcast(shared, root=0)
+    MPI.Finalize()
+    info = RankInfo(rank=rank, world_size=size, local_rank=local_rank, master_addr=shared["host"],
+                    master_port=shared["master_port"], relay_port=shared["relay_port"], token=shared["token"])
+    return info, shared["launch"], listener
+
+
+class _Peer:
+    """One relay connection: framed writes under a lock, a reader thread."""
+
+    def __init__(self, sock: socket.socket, name: str, on_message: Callable[[Message], None],
+                 on_closed: Callable[[], None]) -> None:
+        self.sock = sock
+        self.name = name
+        self._lock = threading.Lock()
+        self._on_message = on_message
+        self._on_closed = on_closed
+        self._thread = threading.Thread(target=self._read, name=f"relay-{name}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def send(self, frame: bytes) -> None:
+        with self._lock:
+            self.sock.sendall(frame)
+
+    def _read(self) -> None:
+        frames = FrameBuffer()
+        try:
+            while data := self.sock.recv(1 << 18):
+                for message in frames.feed(data):
+                    self._on_message(message)
+        except (OSError, ProtocolError) as exc:
+            log.debug("relay connection to %s broke: %s", self.name, exc)
+        self._on_closed()
+
+
+class Leader:
+    """Rank 0's side of the relay: sends to every follower, hears their status."""
+
+    def __init__(self, info: RankInfo, listener: socket.socket) -> None:
+        self.info = info
+        self.listener = listener
+        self.peers: list[_Peer] = []
+        self.states: dict[int, Status] = {}
+        self._send_lock = threading.Lock()
+        self.on_change: Callable[[], None] = lambda: None  # a follower's status changed (reader thread)
+        self.on_lost: Callable[[int], None] = lambda rank: None  # a follower went away (reader thread)
+
+    def accept_followers(self) -> None:
+        """Wait until every follower has connected and proved it belongs to the job."""
+        self.listener.settimeout(ACCEPT_TIMEOUT)
+        try:
+            while len(self.peers) < self.info.world_size - 1:
+                sock, address = self.listener.accept()
+                sock.settimeout(10)
+                hello = _recv_exactly(sock, _HELLO.size)
+                token, rank = _HELLO.unpack(hello) if hello else (b"", 0)
+                if not hmac.compare_digest(token, self.info.token) or not 0 < rank < self.info.world_size:
+                    log.warning("refused a relay connection from %s: not a rank of this group", address)
+                    sock.close()
+                    continue
+                sock.settimeout(None)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                self.states[rank] = Status(state=WorkerState.LOADING, rank=rank)
+                peer = _Peer(sock, f"rank-{rank}", lambda m, r=rank: self._heard(r, m),
+                             lambda r=rank: self.on_lost(r))
+                self.peers.append(peer)
+        except socket.timeout:
+            raise RuntimeError(f"only {len(self.peers)} of {self.info.world_size - 1} other ranks connected "
+                               f"within {ACCEPT_TIMEOUT:g}s") from None
+        finally:
+            self.listener.close()
+        for peer in self.peers:
+            peer.start()
+        log.info("all %d ranks of the group are connected", self.info.world_size)
+
+    def _heard(self, rank: int, message: Message) -> None:
+        if isinstance(message, Status):
+            self.states[rank] = message
+            self.on_change()
+        else:
+            log.warning("ignoring %s from rank %d", type(message).__name__, rank)
+
+    def send(self, message: Message) -> None:
+        """Send ``message`` to every follower; messages keep the order of the calls."""
+        frame = encode(message)
+        with self._send_lock:
+            for peer in self.peers:
+                peer.send(frame)
+
+    def broadcast(self, data: bytes) -> None:
+        self.send(Broadcast(data=data))
+
+
+class Follower:
+    """A follower's side of the relay: hears rank 0's messages, reports its status."""
+
+    def __init__(self, info: RankInfo) -> None:
+        self.info = info
+        self.broadcasts: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self.on_message: Callable[[Message], None] = lambda message: None  # Invoke/Cancel (reader thread)
+        self.on_lost: Callable[[], None] = lambda: None  # rank 0 went away (reader thread)
+        self._peer: _Peer | None = None
+
+    def connect(self) -> None:
+        sock = socket.create_connection((self.info.master_addr, self.info.relay_port), timeout=30)
+        sock.settimeout(None)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.sendall(_HELLO.pack(self.info.token, self.info.rank))
+        self._peer = _Peer(sock, "rank-0", self._heard, self._closed)
+        self._peer.start()
+
+    def _heard(self, message: Message) -> None:
+        if isinstance(message, Broadcast):
+            self.broadcasts.put(message.data)
+        else:
+            self.on_message(message)
+
+    def _closed(self) -> None:
+        self.broadcasts.put(None)
+        self.on_lost()
+
+    def send_status(self, status: Status) -> None:
+        try:
+            self._peer.send(encode(status))
+        except OSError as exc:
+            log.warning("could not tell rank 0 this rank's state: %s", exc)
+
+
+def _recv_exactly(sock: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            return b""
+        data += chunk
+    return data

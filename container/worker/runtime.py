@@ -1,0 +1,463 @@
+"""The model worker: loads the handler, then serves requests until told to stop.
+
+One process per rank: in Python mode a worker group is one process (rank 0 of
+1); in MPI mode ``mpirun`` starts ``tp x pp`` of them. Rank 0 listens on the
+group's Unix socket, where the frontend sends requests and the supervisor
+watches the group's state. In MPI mode rank 0 relays every request and cancel
+to the other ranks before handling it itself (``container.worker.ranks``), the
+other ranks handle them too and their answers are dropped: only rank 0's answer
+goes back.
+
+Concurrency: one asyncio loop. Each request runs as its own task, so the worker
+takes new requests while others are still running. ``async def handle`` (and
+async generators) run on the loop; a plain ``def handle`` runs on a small thread
+pool (``option.sync_handler_threads``, 1 by default: LMI calls a synchronous
+handler one request at a time), and a synchronous generator runs start to end
+as one job on that pool, its items handed to the loop as they come.
+
+Cancelling: a ``Cancel`` message, or the connection closing, cancels the
+request's task. An async handler sees ``CancelledError``; a synchronous
+generator stops before its next item. In MPI mode a synchronous call or
+generator, once queued, runs to its end on every rank (its answer is dropped):
+work that runs collectives across ranks must not stop on one rank and go on on
+another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from container import logs
+from container.errors import ServiceUnavailable, describe
+from container.protocol import (EXIT_ENGINE_DEAD, EXIT_LOAD_FAILED, EXIT_RANK_LOST, FRAME_HEADER, METRICS_PATH,
+                                Cancel, Chunk, End, Fail, Head, Invoke, Message, ProtocolError, Status, WorkerState,
+                                decode, encode, frame_length)
+from container.worker.context import WorkerContext
+from handlers.api import Input, Output
+from handlers.loader import Handler, HandlerLoadError, load_handler
+
+log = logging.getLogger("sagelmi.worker")
+
+SHUTDOWN_TIMEOUT = 15.0
+HEALTH_INTERVAL = 1.0  # how often a built-in handler's check_health() runs
+WRITE_HIGH_WATER = 1 << 16  # bytes buffered towards the frontend before senders wait (then vLLM merges deltas)
+STREAM_QUEUE = 64  # items a synchronous generator may run ahead of its sender
+_HOP_BY_HOP = {"content-length", "transfer-encoding", "connection", "keep-alive"}
+_END = object()
+
+
+class Connection:
+    """One connection from the frontend (or the supervisor) to rank 0.
+
+    Frames are coalesced: everything sent during one pass of the event loop
+    (typically one token for each running stream) leaves in a single write,
+    instead of one system call per frame."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.tasks: dict[str, asyncio.Task] = {}
+        self._frames: list[bytes] = []
+        self._loop = asyncio.get_running_loop()
+
+    async def send(self, message: Message) -> None:
+        if not self._frames:
+            # Flush on the loop's next pass, after the other streams woken by the
+            # same engine step have queued their frames too.
+            self._loop.call_soon(self._loop.call_soon, self._flush)
+        self._frames.append(encode(message))
+        if self.writer.transport.get_write_buffer_size() > WRITE_HIGH_WATER:
+            await self.writer.drain()  # the frontend reads too slowly: wait for it
+        elif self.writer.is_closing():
+            raise ConnectionResetError("the connection to the frontend is closed")
+
+    def _flush(self) -> None:
+        frames, self._frames = self._frames, []
+        if frames and not self.writer.is_closing():
+            self.writer.write(b"".join(frames))
+
+    async def receive(self) -> Message | None:
+        try:
+            header = await self.reader.readexactly(FRAME_HEADER.size)
+        except asyncio.IncompleteReadError as exc:
+            if exc.partial:
+                raise ProtocolError("connection closed in the middle of a frame header") from None
+            return None
+        return decode(await self.reader.readexactly(frame_length(header)))
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class DroppedAnswers:
+    """Where the answers of a rank other than 0 go: nowhere (rank 0's answer is the group's)."""
+
+    def __init__(self) -> None:
+        self.tasks: dict[str, asyncio.Task] = {}
+
+    async def send(self, message: Message) -> None:
+        if isinstance(message, Fail):
+            log.warning("this rank's answer was an error (rank 0 answers the client): %s", message.error)
+
+    def close(self) -> None:
+        pass
+
+
+def to_output(result: Any) -> Output:
+    """Normalise what ``handle`` returned into an ``Output``."""
+    if isinstance(result, Output):
+        return result
+    if result is None:
+        return Output()
+    if hasattr(result, "__aiter__") or (hasattr(result, "__next__") and hasattr(result, "__iter__")):
+        return Output().add_stream_content(result)
+    return Output().add(result)
+
+
+class Worker:
+    def __init__(self, context: WorkerContext, incarnation: int) -> None:
+        self.context = context
+        self.settings = context.settings
+        self.incarnation = incarnation
+        self.mpi = context.world_size > 1
+        self.own_state = Status(state=WorkerState.LOADING)  # this rank's
+        self.status = Status(state=WorkerState.LOADING, incarnation=incarnation)  # the group's (rank 0)
+        self.handler: Handler | None = None
+        self.executor = ThreadPoolExecutor(max_workers=self.settings.sync_handler_threads,
+                                           thread_name_prefix="handler")
+        self.connections: set[Connection] = set()
+        self.dropped = DroppedAnswers()
+        self.stopping = asyncio.Event()
+        self.loop = asyncio.get_running_loop()
+
+    # -- lifecycle
+    async def run(self) -> int:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self.loop.add_signal_handler(sig, self.stopping.set)
+        server = await self._listen() if self.context.rank == 0 else None
+        code = 0
+        loading = asyncio.create_task(self._load())
+        stop = asyncio.create_task(self.stopping.wait())
+        health = None
+        try:
+            await asyncio.wait({loading, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if not loading.done():
+                log.info("stopping while the model was still loading")
+                loading.cancel()
+            elif not loading.result():
+                code = EXIT_LOAD_FAILED
+                await asyncio.sleep(0.2)  # let the failed Status reach connected peers
+            else:
+                health = asyncio.create_task(self._watch_health())
+                await stop
+                log.info("stopping")
+        finally:
+            if health is not None:
+                health.cancel()
+            if server is not None:
+                server.close()
+            for conn in [*self.connections, self.dropped]:
+                for task in conn.tasks.values():
+                    task.cancel()
+                conn.close()
+            await asyncio.sleep(0)  # let the cancelled requests unwind before the engine stops
+            await self._shutdown_handler()
+            self.executor.shutdown(wait=False, cancel_futures=True)
+            if server is not None:
+                Path(self.context.launch.socket_path).unlink(missing_ok=True)
+        return code
+
+    async def _listen(self):
+        path = Path(self.context.launch.socket_path)
+        path.unlink(missing_ok=True)
+        return await asyncio.start_unix_server(self._serve_connection, path=str(path))
+
+    async def _shutdown_handler(self) -> None:
+        stop = self.handler.shutdown if self.handler is not None else None
+        if stop is None:
+            return
+        try:
+            result = await asyncio.wait_for(asyncio.to_thread(stop), SHUTDOWN_TIMEOUT)
+            if asyncio.iscoroutine(result):
+                await asyncio.wait_for(result, SHUTDOWN_TIMEOUT)
+        except Exception:
+            log.exception("the handler's shutdown() failed")
+
+    async def _load(self) -> bool:
+        started = time.monotonic()
+        try:
+            if self.context.leader is not None:
+                await self._meet_followers()
+            if self.context.follower is not None:
+                self._follow()
+                await asyncio.to_thread(self.context.follower.connect)
+            # Import on the loop's thread: some libraries insist on the main thread.
+            self.handler = load_handler(self.settings)
+            if self.handler.initialize is not None:
+                await self.handler.initialize(self.context)
+            else:  # LMI's initialisation call: an empty Input with the model properties
+                init = to_output(await self._call(Input(properties=dict(self.context.launch.model_properties))))
+                if init.stream_content is not None:  # a generator handle(): run its body
+                    async for _ in self._stream(init, cancelled=threading.Event()):
+                        pass
+        except HandlerLoadError as exc:
+            return await self._set_own_state(WorkerState.FAILED, str(exc))
+        except Exception as exc:
+            log.exception("the handler's initialisation failed")
+            origin = self.handler.origin if self.handler else "handler"
+            what = "initialize()" if self.handler and self.handler.initialize else "handle() on the initialisation call"
+            return await self._set_own_state(WorkerState.FAILED,
+                                             f"{origin}: {what} failed: {type(exc).__name__}: {exc}")
+        log.info("model ready in %.1fs", time.monotonic() - started)
+        return await self._set_own_state(WorkerState.READY)
+
+    # -- state: this rank's, and (on rank 0) the group's
+    async def _set_own_state(self, state: WorkerState, detail: str = "") -> bool:
+        if state is WorkerState.FAILED:
+            log.error("could not load the model: %s", detail)
+        self.own_state = Status(state=state, detail=detail, rank=self.context.rank)
+        if self.context.follower is not None:
+            self.context.follower.send_status(self.own_state)
+        await self._publish()
+        return state is WorkerState.READY
+
+    def _group_status(self) -> Status:
+        """Ready once every rank is; failed as soon as one failed (saying which)."""
+        states = [self.own_state]
+        if self.context.leader is not None:
+            states += [self.context.leader.states[r] for r in sorted(self.context.leader.states)]
+        failed = [s for s in states if s.state is WorkerState.FAILED]
+        if failed:
+            detail = failed[0].detail if not self.mpi else f"rank {failed[0].rank}: {failed[0].detail}"
+            return Status(state=WorkerState.FAILED, detail=detail, incarnation=self.incarnation)
+        ready = all(s.state is WorkerState.READY for s in states) and (
+            self.context.leader is None or len(states) == self.context.world_size)
+        return Status(state=WorkerState.READY if ready else WorkerState.LOADING, incarnation=self.incarnation)
+
+    async def _publish(self) -> None:
+        status = self._group_status()
+        if status == self.status:
+            return
+        self.status = status
+        if status.state is WorkerState.FAILED and self.own_state.state is not WorkerState.FAILED:
+            log.error("the worker group cannot serve: %s", status.detail)
+            self.stopping.set()  # another rank failed to load: this one stops too
+        for conn in list(self.connections):
+            try:
+                await conn.send(status)
+            except (ConnectionError, OSError):
+                pass
+
+    # -- the other ranks (MPI mode)
+    async def _meet_followers(self) -> None:
+        leader = self.context.leader
+        await asyncio.to_thread(leader.accept_followers)
+        leader.on_change = lambda: self.loop.call_soon_threadsafe(lambda: self.loop.create_task(self._publish()))
+        leader.on_lost = lambda rank: self.loop.call_soon_threadsafe(self._rank_lost, rank)
+
+    def _rank_lost(self, rank: int) -> None:
+        if self.stopping.is_set():
+            return
+        state = self.context.leader.states.get(rank)
+        if state is not None and state.state is WorkerState.FAILED:
+            return  # its failure is already the group's state; start-up stops
+        self._fatal(f"rank {rank} of the group went away", EXIT_RANK_LOST)
+
+    def _follow(self) -> None:
+        follower = self.context.follower
+
+        def on_message(message: Message) -> None:
+            self.loop.call_soon_threadsafe(self._dispatch, self.dropped, message)
+
+        def on_lost() -> None:
+            if not self.stopping.is_set():
+                self._fatal("rank 0 of the group went away", EXIT_RANK_LOST)
+
+        follower.on_message = on_message
+        follower.on_lost = on_lost
+
+    def _fatal(self, reason: str, code: int) -> None:
+        """The group cannot go on: leave at once, so that requests in flight fail
+        now (the frontend sees the connection drop) and the supervisor restarts it."""
+        log.error("%s: stopping this worker group so that it is restarted", reason)
+        logging.shutdown()
+        os._exit(code)
+
+    async def _watch_health(self) -> None:
+        check = self.handler.check_health
+        if check is None:
+            return
+        while True:
+            await asyncio.sleep(HEALTH_INTERVAL)
+            self._check_health()
+
+    def _check_health(self) -> None:
+        if self.handler is None or self.handler.check_health is None:
+            return
+        try:
+            self.handler.check_health()
+        except Exception as exc:
+            self._fatal(f"the handler can no longer serve ({type(exc).__name__}: {exc})", EXIT_ENGINE_DEAD)
+
+    # -- requests
+    async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn = Connection(reader, writer)
+        self.connections.add(conn)
+        try:
+            await conn.send(self.status)
+            while (message := await conn.receive()) is not None:
+                self._dispatch(conn, message)
+        except (ConnectionError, OSError, asyncio.IncompleteReadError):
+            pass
+        except ProtocolError as exc:
+            log.error("closing a connection that sent a bad frame: %s", exc)
+        finally:
+            self.connections.discard(conn)
+            for task in list(conn.tasks.values()):
+                task.cancel()
+            writer.close()
+
+    def _dispatch(self, conn: Connection | DroppedAnswers, message: Message) -> None:
+        """Handle one message from the frontend (or, on another rank, from rank 0)."""
+        if isinstance(message, Invoke):
+            if self._relays(message):
+                self.context.leader.send(message)
+            self._start_request(conn, message)
+        elif isinstance(message, Cancel):
+            task = conn.tasks.get(message.id)
+            if task is not None and self._relays(message):
+                self.context.leader.send(message)
+            if task is not None:
+                task.cancel()
+        else:
+            log.warning("ignoring unexpected %s message", type(message).__name__)
+
+    def _relays(self, message: Invoke | Cancel) -> bool:
+        """Rank 0 of an MPI group hands requests and cancels to the other ranks."""
+        return (self.context.leader is not None and not getattr(message, "path", "") == METRICS_PATH
+                and self.handler is not None and not self.handler.requests_on_rank0_only)
+
+    def _start_request(self, conn: Connection | DroppedAnswers, message: Invoke) -> None:
+        request_id = message.properties.get("x-amzn-sagemaker-inference-id", message.id)
+        context = contextvars.copy_context()
+        context.run(logs.request_id_var.set, request_id)
+        task = self.loop.create_task(self._serve_request(conn, message), context=context)
+        conn.tasks[message.id] = task
+
+    async def _serve_request(self, conn: Connection | DroppedAnswers, message: Invoke) -> None:
+        rid = message.id
+        head_sent = False
+        cancelled = threading.Event()  # tells a synchronous generator to stop
+        try:
+            if message.path == METRICS_PATH:
+                output = Output().add_property("content-type", CONTENT_TYPE_LATEST).add(generate_latest())
+            elif self.own_state.state is not WorkerState.READY:
+                raise ServiceUnavailable("the model worker is not ready")
+            else:
+                output = to_output(await self._call(Input(message.properties, message.body, message.path)))
+            headers = {k: v for k, v in output.headers().items() if k.lower() not in _HOP_BY_HOP}
+            streaming = output.stream_content is not None
+            await conn.send(Head(id=rid, code=output.code, headers=headers, stream=streaming))
+            head_sent = True
+            if streaming:
+                async for data in self._stream(output, cancelled):
+                    if data:
+                        await conn.send(Chunk(id=rid, data=data))
+            else:
+                body = output.body()
+                if body:
+                    await conn.send(Chunk(id=rid, data=body))
+            await conn.send(End(id=rid))
+        except asyncio.CancelledError:
+            cancelled.set()
+            log.info("request abandoned: cancelled by the frontend")
+        except (ConnectionError, OSError) as exc:
+            cancelled.set()
+            log.warning("connection lost while answering: %s", exc)
+        except Exception as exc:
+            cancelled.set()
+            self._check_health()  # an engine that died fails its requests first: restart at once
+            status, summary, detail = describe(exc)
+            if status >= 500 or status == 424:
+                log.exception("handler failed (%s after %s)", status, "streaming began" if head_sent else "start")
+            else:
+                log.info("rejected with %s: %s", status, detail)
+            try:
+                await conn.send(Fail(id=rid, code=status, message=summary, error=detail))
+            except (ConnectionError, OSError):
+                pass
+        finally:
+            conn.tasks.pop(rid, None)
+
+    # -- calling the handler
+    async def _call(self, inputs: Input) -> Any:
+        handler = self.handler
+        if handler.kind in ("async_generator", "generator"):
+            return Output().add_stream_content(handler.fn(inputs))
+        if handler.kind == "async":
+            return await handler.fn(inputs)
+        call = self.loop.run_in_executor(self.executor, contextvars.copy_context().run, handler.fn, inputs)
+        if not self.mpi:
+            return await call
+        # In MPI mode a queued call runs on every rank even if cancelled (see the module's docstring).
+        call.add_done_callback(lambda f: f.cancelled() or f.exception())  # an abandoned call's error is dropped
+        return await asyncio.shield(call)
+
+    async def _stream(self, output: Output, cancelled: threading.Event) -> AsyncIterator[bytes]:
+        stream = output.stream_content
+        if hasattr(stream, "__aiter__"):
+            async for item in stream:
+                yield output.format_stream_item(item)
+            return
+        items: asyncio.Queue = asyncio.Queue()
+        room = threading.Semaphore(STREAM_QUEUE)  # the generator runs at most this far ahead of its sender
+        job = self.loop.run_in_executor(self.executor, contextvars.copy_context().run,
+                                        self._drain_sync_stream, output, items, room, cancelled)
+        while (item := await items.get()) is not _END:
+            room.release()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+        await job
+
+    def _drain_sync_stream(self, output: Output, items: asyncio.Queue, room: threading.Semaphore,
+                           cancelled: threading.Event) -> None:
+        """Run a synchronous stream to its end on a pool thread, handing each
+        formatted item to the loop (waiting while the sender is behind)."""
+        iterator = iter(output.stream_content)
+
+        def put(item) -> bool:
+            while not room.acquire(timeout=0.5):
+                if cancelled.is_set():
+                    return False
+            self.loop.call_soon_threadsafe(items.put_nowait, item)
+            return True
+
+        try:
+            for item in iterator:
+                if cancelled.is_set():
+                    if not self.mpi:
+                        return
+                    continue  # MPI mode: every rank runs the stream to its end
+                put(output.format_stream_item(item))
+        except Exception as exc:
+            if not cancelled.is_set():
+                put(exc)
+            return
+        finally:
+            close = getattr(iterator, "close", None)
+            if close is not None:
+                close()
+        if not cancelled.is_set():
+            put(_END)
