@@ -123,6 +123,7 @@ class GroupClient:
         self.state = WorkerState.STARTING
         self.detail = ""
         self.incarnation = 0  # which start of the group the last Status came from
+        self.ready_incarnation = 0  # the last start of the group that reported ready (kept after it ends)
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
@@ -230,6 +231,8 @@ class GroupClient:
             for message in frames.feed(data):
                 if isinstance(message, Status):
                     self.incarnation = message.incarnation
+                    if message.state is WorkerState.READY:
+                        self.ready_incarnation = message.incarnation
                     self._set_state(message.state, message.detail)
                 else:
                     batches.setdefault(message.id, []).append(message)

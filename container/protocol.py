@@ -26,6 +26,8 @@ Between the ranks of an MPI group (rank 0 is the leader, the others follow):
     leader -> follower   Invoke, Cancel    every request and cancel, in rank 0's order
     leader -> follower   Broadcast         bytes a built-in handler sends to its peers
     follower -> leader   Status            the follower's own health (loading, ready, failed)
+    leader -> follower   Invoke(METRICS_PATH)   asks for the follower's metrics ...
+    follower -> leader   RankMetrics            ... which rank 0 serves labelled by rank
 """
 
 from __future__ import annotations
@@ -111,7 +113,14 @@ class Broadcast(msgspec.Struct, tag="broadcast", frozen=True):
     data: bytes
 
 
-Message = Union[Invoke, Cancel, Head, Chunk, End, Fail, Status, Broadcast]
+class RankMetrics(msgspec.Struct, tag="rank_metrics", frozen=True):
+    """A follower's Prometheus text, answering rank 0's metrics ``Invoke``."""
+
+    id: str
+    text: str
+
+
+Message = Union[Invoke, Cancel, Head, Chunk, End, Fail, Status, Broadcast, RankMetrics]
 
 
 _encoder = msgspec.msgpack.Encoder()

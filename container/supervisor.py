@@ -198,7 +198,7 @@ class WorkerGroup:
                 self.start()
             return
         code = self.process.poll()
-        if not self.ready and self._reports(WorkerState.READY):
+        if not self.ready and self.client.ready_incarnation == self.incarnation:  # even if it died since
             self.ready = self.ever_ready = True
             self.crashes = 0
             log.info("%s is ready (%.1fs)", self.name, now - self.started_at)

@@ -34,6 +34,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from prometheus_client import REGISTRY
+from prometheus_client.core import GaugeMetricFamily
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.usage.usage_lib import UsageContext
 from vllm.v1.engine import EngineCoreOutputs
@@ -93,6 +95,18 @@ class LockstepCore:
         outputs, executed = self.core.step_fn()
         self.core.post_step(executed)
         return outputs.get(0) if outputs else None
+
+
+class _UnfinishedRequests:
+    """Prometheus collector on the other ranks: requests their engine has not finished."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+
+    def collect(self):
+        gauge = GaugeMetricFamily("sagelmi_engine_unfinished_requests", "Requests the engine is running or has queued")
+        gauge.add_metric([], self.core.scheduler.get_num_unfinished_requests())
+        yield gauge
 
 
 class LeaderClient:
@@ -306,6 +320,7 @@ async def initialize(context: WorkerContext) -> None:
         client.start()
         _state["service"] = VllmService.around(engine, context, kwargs)
     else:
+        REGISTRY.register(_UnfinishedRequests(core))
         thread = threading.Thread(target=_follow, args=(lockstep, context), name="lmi-dist-follow", daemon=True)
         thread.start()
         _state["thread"] = thread

@@ -1,22 +1,12 @@
-"""``/metrics``: the frontend's own Prometheus metrics, plus every worker's
-(including the engine's, e.g. vLLM's), each worker's samples labelled with its
-``group``."""
+"""``/metrics``: the frontend's own Prometheus metrics, plus every worker
+group's (including the engine's, e.g. vLLM's), each group's samples labelled
+with its ``group`` (and, in MPI mode, each rank's with its ``rank``)."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.metrics_core import Metric
-from prometheus_client.parser import text_string_to_metric_families
 
-
-class _Families:
-    """A collector that yields pre-built metric families."""
-
-    def __init__(self, families: list[Metric]) -> None:
-        self.families = families
-
-    def collect(self):
-        return self.families
+from container.metrics_text import merge
 
 
 class FrontendMetrics:
@@ -37,17 +27,6 @@ class FrontendMetrics:
         self.requests.labels(route, str(status)).inc()
         self.first_byte.labels(route).observe(seconds)
 
-    def render(self, worker_texts: dict[str, str]) -> bytes:
-        """The frontend's metrics followed by the workers', merged per family."""
-        merged: dict[str, Metric] = {}
-        for group, text in worker_texts.items():
-            for family in text_string_to_metric_families(text):
-                target = merged.get(family.name)
-                if target is None:
-                    target = merged[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
-                for sample in family.samples:
-                    target.add_sample(sample.name, {**sample.labels, "group": group}, sample.value,
-                                      sample.timestamp, sample.exemplar)
-        workers = CollectorRegistry()
-        workers.register(_Families(list(merged.values())))
-        return generate_latest(self.registry) + generate_latest(workers)
+    def render(self, group_texts: dict[str, str]) -> bytes:
+        """The frontend's metrics followed by the groups', merged per family."""
+        return generate_latest(self.registry) + merge(group_texts, "group")

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import uuid
 import os
 import queue
 import secrets
@@ -33,7 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from container.protocol import Broadcast, FrameBuffer, Message, ProtocolError, Status, WorkerState, encode
+from container.protocol import (METRICS_PATH, Broadcast, FrameBuffer, Invoke, Message, ProtocolError, RankMetrics,
+                                Status, WorkerState, encode)
 
 log = logging.getLogger("sagelmi.ranks")
 
@@ -139,6 +141,8 @@ class Leader:
         self.peers: list[_Peer] = []
         self.states: dict[int, Status] = {}
         self._send_lock = threading.Lock()
+        self._metrics: dict[str, dict[int, str]] = {}
+        self._metrics_cond = threading.Condition()
         self.on_change: Callable[[], None] = lambda: None  # a follower's status changed (reader thread)
         self.on_lost: Callable[[int], None] = lambda rank: None  # a follower went away (reader thread)
 
@@ -174,8 +178,27 @@ class Leader:
         if isinstance(message, Status):
             self.states[rank] = message
             self.on_change()
+        elif isinstance(message, RankMetrics):
+            with self._metrics_cond:
+                if message.id in self._metrics:
+                    self._metrics[message.id][rank] = message.text
+                    self._metrics_cond.notify_all()
         else:
             log.warning("ignoring %s from rank %d", type(message).__name__, rank)
+
+    def collect_metrics(self, timeout: float) -> dict[int, str]:
+        """Every follower's Prometheus text, by rank (those that answer within ``timeout``)."""
+        request_id = f"metrics-{uuid.uuid4().hex}"
+        with self._metrics_cond:
+            answers = self._metrics[request_id] = {}
+        try:
+            self.send(Invoke(id=request_id, properties={}, body=b"", path=METRICS_PATH))
+            with self._metrics_cond:
+                self._metrics_cond.wait_for(lambda: len(answers) == len(self.peers), timeout)
+                return dict(answers)
+        finally:
+            with self._metrics_cond:
+                self._metrics.pop(request_id, None)
 
     def send(self, message: Message) -> None:
         """Send ``message`` to every follower; messages keep the order of the calls."""
@@ -217,10 +240,16 @@ class Follower:
         self.on_lost()
 
     def send_status(self, status: Status) -> None:
+        self._send(status)
+
+    def send_metrics(self, request_id: str, text: str) -> None:
+        self._send(RankMetrics(id=request_id, text=text))
+
+    def _send(self, message: Message) -> None:
         try:
-            self._peer.send(encode(status))
+            self._peer.send(encode(message))
         except OSError as exc:
-            log.warning("could not tell rank 0 this rank's state: %s", exc)
+            log.warning("could not send %s to rank 0: %s", type(message).__name__, exc)
 
 
 def _recv_exactly(sock: socket.socket, size: int) -> bytes:

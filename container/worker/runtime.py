@@ -40,6 +40,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from container import logs
 from container.errors import ServiceUnavailable, describe
+from container.metrics_text import merge
 from container.protocol import (EXIT_ENGINE_DEAD, EXIT_LOAD_FAILED, EXIT_RANK_LOST, FRAME_HEADER, METRICS_PATH,
                                 Cancel, Chunk, End, Fail, Head, Invoke, Message, ProtocolError, Status, WorkerState,
                                 decode, encode, frame_length)
@@ -51,6 +52,7 @@ log = logging.getLogger("sagelmi.worker")
 
 SHUTDOWN_TIMEOUT = 15.0
 HEALTH_INTERVAL = 1.0  # how often a built-in handler's check_health() runs
+METRICS_TIMEOUT = 2.0  # how long rank 0 waits for the other ranks' metrics
 WRITE_HIGH_WATER = 1 << 16  # bytes buffered towards the frontend before senders wait (then vLLM merges deltas)
 STREAM_QUEUE = 64  # items a synchronous generator may run ahead of its sender
 _HOP_BY_HOP = {"content-length", "transfer-encoding", "connection", "keep-alive"}
@@ -331,6 +333,9 @@ class Worker:
     def _dispatch(self, conn: Connection | DroppedAnswers, message: Message) -> None:
         """Handle one message from the frontend (or, on another rank, from rank 0)."""
         if isinstance(message, Invoke):
+            if message.path == METRICS_PATH and self.context.follower is not None:
+                self.context.follower.send_metrics(message.id, generate_latest().decode())
+                return
             if self._relays(message):
                 self.context.leader.send(message)
             self._start_request(conn, message)
@@ -361,7 +366,7 @@ class Worker:
         cancelled = threading.Event()  # tells a synchronous generator to stop
         try:
             if message.path == METRICS_PATH:
-                output = Output().add_property("content-type", CONTENT_TYPE_LATEST).add(generate_latest())
+                output = Output().add_property("content-type", CONTENT_TYPE_LATEST).add(await self._metrics())
             elif self.own_state.state is not WorkerState.READY:
                 raise ServiceUnavailable("the model worker is not ready")
             else:
@@ -399,6 +404,15 @@ class Worker:
                 pass
         finally:
             conn.tasks.pop(rid, None)
+
+    async def _metrics(self) -> bytes:
+        """This process's Prometheus text; in MPI mode every rank's, labelled ``rank``."""
+        own = generate_latest()
+        if self.context.leader is None:
+            return own
+        texts = {str(rank): text for rank, text in
+                 (await asyncio.to_thread(self.context.leader.collect_metrics, METRICS_TIMEOUT)).items()}
+        return merge({"0": own.decode(), **texts}, "rank")
 
     # -- calling the handler
     async def _call(self, inputs: Input) -> Any:

@@ -6,7 +6,7 @@ import time
 import pytest
 import requests
 
-from tests.server import MODEL_DIRS, Server
+from tests.server import MODEL_DIRS, RawStream, Server
 
 
 @pytest.fixture(scope="module")
@@ -122,3 +122,23 @@ def test_predict_timeout_is_504_and_the_next_request_succeeds(server):
 def test_execution_parameters(server):
     body = requests.get(server.url("/execution-parameters"), timeout=5).json()
     assert body == {"MaxConcurrentTransforms": 1, "BatchStrategy": "SINGLE_RECORD", "MaxPayloadInMB": 6}
+
+
+def test_a_plain_generator_streams_each_item_as_it_comes(server, tmp_path):
+    gate = tmp_path / "gate"
+    with server.invoke({"lines": ["a", "b", "c"], "gate": str(gate)}, stream=True, timeout=10) as r:
+        lines = r.iter_lines()
+        assert [next(lines), next(lines)] == [b"a", b"b"]
+        gate.write_text("open")  # only now may the generator produce the last line
+        assert list(lines) == [b"c"]
+
+
+def test_a_plain_generator_stops_when_its_client_goes_away(server, tmp_path):
+    marker = tmp_path / "marker"
+    stream = RawStream(server.port, "/invocations", {"lines_forever": str(marker)})
+    assert len(stream.read_lines(3)) == 3
+    stream.close()
+    deadline = time.monotonic() + 2
+    while not (marker.exists() and marker.read_text() == "closed"):
+        assert time.monotonic() < deadline, "the generator kept running after its client left"
+        time.sleep(0.02)

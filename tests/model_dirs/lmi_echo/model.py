@@ -2,7 +2,10 @@
 
 Body fields drive the test cases: {"sleep": s} sleeps, {"fail": "msg"} raises,
 {"error_output": "msg"} answers with Output.error(), {"attributes": "k=v"} sets
-the response's custom attributes header.
+the response's custom attributes header; {"lines": [...], "gate": path} streams
+the lines from a plain generator, waiting for the file at `gate` before the
+last; {"lines_forever": path} streams until the client goes away, then writes
+"closed" to path.
 """
 
 import logging
@@ -20,6 +23,26 @@ def load_model(properties):
     return {"properties": properties, "pid": os.getpid()}
 
 
+def _lines(lines, gate):
+    for line in lines[:-1]:
+        yield line + "\n"
+    while not os.path.exists(gate):
+        time.sleep(0.02)
+    yield lines[-1] + "\n"
+
+
+def _forever(marker):
+    try:
+        n = 0
+        while True:
+            yield f"line {n}\n"
+            n += 1
+            time.sleep(0.05)
+    finally:
+        with open(marker, "w") as f:
+            f.write("closed")
+
+
 def handle(inputs: Input):
     global model
     if model is None:
@@ -29,6 +52,10 @@ def handle(inputs: Input):
         return None
 
     data = inputs.get_as_json()
+    if "lines" in data:
+        return Output().add_stream_content(_lines(data["lines"], data["gate"]))
+    if "lines_forever" in data:
+        return Output().add_stream_content(_forever(data["lines_forever"]))
     if "sleep" in data:
         time.sleep(float(data["sleep"]))
     if "fail" in data:

@@ -1,0 +1,35 @@
+import os
+import shutil
+
+import pytest
+
+from container import supervisor
+from container.devices import GroupPlan
+from container.settings import resolve_settings
+
+
+def test_mpirun_command_starts_tp_x_pp_ranks_with_the_users_arguments(tmp_path):
+    settings = resolve_settings({"OPTION_MPI_HOSTFILE": "/etc/hostfile", "OPTION_MPI_EXTRA_ARGS": "--mca btl ^ofi -v"},
+                                tmp_path)
+    env = {"CUDA_VISIBLE_DEVICES": "0,1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_TOKEN": "x", "SECRET_THING": "y",
+           "PATH": "/bin"}
+    command = supervisor.mpirun_command("/x/mpirun", settings, GroupPlan(0, ("0", "1"), 1, 2), ["python", "-m", "w"],
+                                        env)
+    assert command[:3] == ["/x/mpirun", "-np", "2"]
+    assert ("--allow-run-as-root" in command) == (os.geteuid() == 0)
+    assert command[command.index("--hostfile") + 1] == "/etc/hostfile"
+    assert command[command.index("-v") - 3:command.index("-v") + 1] == ["--mca", "btl", "^ofi", "-v"]
+    exported = {command[i + 1] for i, word in enumerate(command) if word == "-x"}
+    assert exported == {"CUDA_VISIBLE_DEVICES", "VLLM_CPU_KVCACHE_SPACE", "HF_TOKEN", "PATH"}  # not SECRET_THING
+    assert command[-4:] == ["python", "-m", "w", "--mpi"]
+
+
+def test_a_missing_mpirun_says_how_to_install_it(monkeypatch):
+    monkeypatch.setattr(shutil, "which", lambda *args, **kwargs: None)
+    with pytest.raises(supervisor.StartupError, match=r"needs Open MPI's mpirun.*pip install 'sagelmi\[mpi\]'"):
+        supervisor.find_mpirun()
+
+
+def test_mpirun_is_found_next_to_this_python_without_path(monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert supervisor.find_mpirun().endswith("/mpirun")
