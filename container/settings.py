@@ -396,6 +396,6 @@ def reference_table() -> str:
         default = getattr(defaults, k.field)
         env = ", ".join(f"`{n}`" for n in k.env)
         sagemaker = ", ".join(f"`{n}`" for n in k.sagemaker)
-        lines.append(f"| `{k.key}` | {env} | {sagemaker} | {'' if default is None else f'`{default}`'} | "
+        lines.append(f"| `{k.key}` | {env} | {sagemaker} | {'' if default in (None, '') else f'`{default}`'} | "
                      f"{k.allowed} | {k.doc} |")
     return "\n".join(lines)

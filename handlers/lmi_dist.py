@@ -303,6 +303,10 @@ _state: dict[str, Any] = {}
 
 
 async def initialize(context: WorkerContext) -> None:
+    chosen = context.settings.passthrough_options().get("distributed_executor_backend", "external_launcher")
+    if chosen != "external_launcher":
+        raise ValueError(f"option.distributed_executor_backend={chosen} does not apply to lmi-dist, whose ranks are "
+                         f"MPI's (vLLM's external_launcher); drop it, or use option.rolling_batch=vllm in Python mode")
     kwargs = engine_kwargs(context, distributed_executor_backend="external_launcher")
     log.info("rank %d of %d: starting vLLM's engine core with %s", context.rank, context.world_size,
              json.dumps(kwargs, default=str, sort_keys=True))

@@ -88,8 +88,8 @@ class Server:
                 last = requests.get(self.url("/ping"), timeout=2)
                 if condition(last):
                     return last
-            except requests.ConnectionError:
-                pass
+            except (requests.ConnectionError, requests.Timeout):
+                pass  # not up yet, or stopping (the supervisor holds the port until it exits)
             time.sleep(0.05)
         raise AssertionError(f"/ping never matched within {timeout}s (last: "
                              f"{last.status_code if last is not None else 'no answer'}):\n{self.log()}")
@@ -139,6 +139,39 @@ class Server:
         out = subprocess.run(["pgrep", "-P", str(self.process.pid), "-f", "container.worker"],
                              capture_output=True, text=True).stdout
         return [int(p) for p in out.split()]
+
+    def group_sessions(self) -> list[int]:
+        """The sessions of the worker groups: each group's process (a worker, or
+        mpirun in MPI mode) leads one, and everything it starts stays in it."""
+        out = subprocess.run(["pgrep", "-P", str(self.process.pid)], capture_output=True, text=True).stdout
+        frontend = subprocess.run(["pgrep", "-P", str(self.process.pid), "-f", "gunicorn|frontend"],
+                                  capture_output=True, text=True).stdout.split()
+        return [int(p) for p in out.split() if p not in frontend]
+
+
+def processes(session: int) -> dict[int, str]:
+    """The live processes of ``session``: pid -> command line."""
+    from container.proc import session_members
+
+    found = {}
+    for pid in session_members(session):
+        try:
+            found[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            pass
+    return found
+
+
+def mpi_rank(pid: int) -> int | None:
+    """The MPI rank of a process (from its environment), if it is one."""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    for entry in environ:
+        if entry.startswith(b"OMPI_COMM_WORLD_RANK="):
+            return int(entry.split(b"=", 1)[1])
+    return None
 
 
 class RawStream:

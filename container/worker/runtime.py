@@ -264,9 +264,9 @@ class Worker:
     # -- the other ranks (MPI mode)
     async def _meet_followers(self) -> None:
         leader = self.context.leader
-        await asyncio.to_thread(leader.accept_followers)
         leader.on_change = lambda: self.loop.call_soon_threadsafe(lambda: self.loop.create_task(self._publish()))
         leader.on_lost = lambda rank: self.loop.call_soon_threadsafe(self._rank_lost, rank)
+        await asyncio.to_thread(leader.accept_followers)
 
     def _rank_lost(self, rank: int) -> None:
         if self.stopping.is_set():
@@ -333,25 +333,28 @@ class Worker:
     def _dispatch(self, conn: Connection | DroppedAnswers, message: Message) -> None:
         """Handle one message from the frontend (or, on another rank, from rank 0)."""
         if isinstance(message, Invoke):
-            if message.path == METRICS_PATH and self.context.follower is not None:
-                self.context.follower.send_metrics(message.id, generate_latest().decode())
-                return
-            if self._relays(message):
+            if message.path == METRICS_PATH:
+                if self.context.follower is not None:  # rank 0 collects every rank's metrics
+                    self.context.follower.send_metrics(message.id, generate_latest().decode())
+                    return
+            elif self._relays():
                 self.context.leader.send(message)
             self._start_request(conn, message)
         elif isinstance(message, Cancel):
             task = conn.tasks.get(message.id)
-            if task is not None and self._relays(message):
+            if task is None:
+                return
+            if self._relays():
                 self.context.leader.send(message)
-            if task is not None:
-                task.cancel()
+            task.cancel()
         else:
             log.warning("ignoring unexpected %s message", type(message).__name__)
 
-    def _relays(self, message: Invoke | Cancel) -> bool:
-        """Rank 0 of an MPI group hands requests and cancels to the other ranks."""
-        return (self.context.leader is not None and not getattr(message, "path", "") == METRICS_PATH
-                and self.handler is not None and not self.handler.requests_on_rank0_only)
+    def _relays(self) -> bool:
+        """Rank 0 of an MPI group hands requests and cancels to the other ranks
+        (unless its built-in handler hands them work itself)."""
+        return (self.context.leader is not None and self.handler is not None
+                and not self.handler.requests_on_rank0_only)
 
     def _start_request(self, conn: Connection | DroppedAnswers, message: Invoke) -> None:
         request_id = message.properties.get("x-amzn-sagemaker-inference-id", message.id)

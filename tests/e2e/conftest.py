@@ -9,6 +9,9 @@ from tests.server import REPO, Server, clean_env
 
 # What vLLM's CPU build needs on a small machine (see the README's troubleshooting).
 VLLM_CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+# Tests that compare greedy tokens across servers whose sums run in a different order (tensor and
+# pipeline shards, other batch shapes) serve in float32: in bfloat16, vLLM's CPU default, near-ties flip.
+EXACT = {"OPTION_DTYPE": "float32"}
 # A first start compiles the model (later starts reuse vLLM's compile cache): allow for it on 2 busy cores.
 ENGINE_READY_TIMEOUT = 240
 
@@ -23,6 +26,6 @@ def tiny_model(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def vllm_server(tiny_model):
-    with Server(tiny_model, env={**VLLM_CPU_ENV, "OPTION_MAX_ROLLING_BATCH_SIZE": "64"},
+    with Server(tiny_model, env={**VLLM_CPU_ENV, **EXACT, "OPTION_MAX_ROLLING_BATCH_SIZE": "64"},
                 ready_timeout=ENGINE_READY_TIMEOUT) as server:
         yield server

@@ -29,7 +29,7 @@ def test_greedy_answer_equals_offline_vllm(vllm_server, tiny_model):
         import json
         from vllm import LLM, SamplingParams
         if __name__ == "__main__":
-            llm = LLM(model={str(tiny_model)!r}, gpu_memory_utilization=0.5, max_num_seqs=64)
+            llm = LLM(model={str(tiny_model)!r}, gpu_memory_utilization=0.5, max_num_seqs=64, dtype="float32")
             out = llm.generate([{PROMPT!r}], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
                                use_tqdm=False)
             print("TOKENS=" + json.dumps(list(out[0].outputs[0].token_ids)))

@@ -19,7 +19,12 @@ STREAMING_EXAMPLE = [
 
 
 def test_every_readme_command_is_covered():
+    from tests.e2e.test_lmi_dist import README_COMMANDS as LMI_DIST_TRY_OUT
+    from tests.mpi.test_mpi_mode import TENSOR_PARALLEL_EXAMPLE
+
     covered = {
+        *LMI_DIST_TRY_OUT,  # tests/e2e/test_lmi_dist.py (its server fixture)
+        *TENSOR_PARALLEL_EXAMPLE,  # tests/mpi/test_mpi_mode.py
         "make run",  # tests/e2e/test_readme_run.py
         "make test",  # .ci/run (test_ci_runs_the_readme_test_command)
         "make bench",  # tests/e2e/test_bench.py

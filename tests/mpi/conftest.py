@@ -2,11 +2,6 @@ import json
 import os
 from pathlib import Path
 
-import pytest
-
-# Every test here starts real mpirun jobs.
-pytestmark = pytest.mark.mpi
-
 
 def rank_records(directory: Path) -> list[dict]:
     """What each rank of tests/model_dirs/mpi_ranks wrote at start (with its pid)."""

@@ -10,6 +10,7 @@ import pytest
 import requests
 
 from tests.mpi.conftest import alive, rank_log, rank_records
+from tests.readme import on_port, run_shell, section, serve_settings, shell_commands
 from tests.server import REPO, MODEL_DIRS, Server
 
 pytestmark = pytest.mark.mpi
@@ -17,13 +18,22 @@ pytestmark = pytest.mark.mpi
 MPI = {"OPTION_MPI_MODE": "true", "TENSOR_PARALLEL_DEGREE": "2"}
 
 
+# The README's "Your own model.py in MPI mode": serve the example on two ranks, ask it.
+TENSOR_PARALLEL_EXAMPLE = shell_commands(section("### Your own model.py in MPI mode"))
+
+
 def test_tensor_parallel_example_answers_what_one_process_computes():
+    serve, ask = TENSOR_PARALLEL_EXAMPLE
+    env, model_dir = serve_settings(serve)
+    assert env == MPI and model_dir == "examples/tensor_parallel"
     rows = [[[i, -i, 2 * i, 1, 0, 3, -2, i % 3]] for i in range(8)]
-    with Server(REPO / "examples" / "tensor_parallel") as single, \
-            Server(REPO / "examples" / "tensor_parallel", env=MPI) as sharded:
+    with Server(REPO / model_dir) as single, Server(REPO / model_dir, env=env) as sharded:
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             expected = list(pool.map(lambda r: single.invoke({"inputs": r}).json(), rows))
             got = list(pool.map(lambda r: sharded.invoke({"inputs": r}).json(), rows))
+        readme = run_shell(ask, sharded.port)
+        assert json.loads(readme.stdout) == single.invoke(json.loads(ask.split("-d ", 1)[1].strip("'"))).json() \
+            | {"world_size": 2}
     assert {e["world_size"] for e in expected} == {1} and {g["world_size"] for g in got} == {2}
     assert [g["outputs"] for g in got] == [e["outputs"] for e in expected]
     assert len({json.dumps(e["outputs"]) for e in expected}) == 8  # the inputs do give different answers

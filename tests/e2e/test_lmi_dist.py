@@ -1,0 +1,137 @@
+"""lmi-dist: the tiny model split over two MPI ranks (tensor parallel 2) on the CPU."""
+
+import concurrent.futures
+import json
+import os
+import re
+import signal
+import time
+
+import openai
+import pytest
+import requests
+
+from tests.e2e.conftest import ENGINE_READY_TIMEOUT, EXACT, VLLM_CPU_ENV
+from tests.readme import run_shell, section, serve_settings, shell_commands
+from tests.server import RawStream, Server, mpi_rank, processes
+
+pytestmark = [pytest.mark.slow, pytest.mark.mpi]
+
+PROMPTS = [f"Prompt number {i} about the {word}" for i, word in
+           enumerate(["sea", "sky", "river", "city", "dog", "fox", "morning", "queue"])]
+# The README's lmi-dist try-out: write the tiny model, serve it split over two ranks.
+README_COMMANDS = shell_commands(section("### lmi-dist"))
+
+
+@pytest.fixture(scope="module")
+def lmi_dist(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("readme-tiny"))
+    write, serve = (command.replace("/tmp/tiny-model", directory) for command in README_COMMANDS)
+    written = run_shell(write, 0, timeout=300)
+    assert written.returncode == 0, written.stderr
+    env, model_dir = serve_settings(serve)
+    assert env == {"OPTION_ROLLING_BATCH": "lmi-dist", "TENSOR_PARALLEL_DEGREE": "2", **VLLM_CPU_ENV}
+    with Server(model_dir, env={**env, **EXACT}, ready_timeout=ENGINE_READY_TIMEOUT) as server:
+        yield server
+
+
+def _streamed_ids(server, prompt):
+    body = {"inputs": prompt, "stream": True, "parameters": {"max_new_tokens": 24, "ignore_eos": True}}
+    with server.invoke(body, stream=True, timeout=120) as r:
+        assert r.status_code == 200
+        return [json.loads(line)["token"]["id"] for line in r.iter_lines() if line]
+
+
+def _answer_ids(server, prompt):
+    body = {"inputs": prompt, "parameters": {"max_new_tokens": 24, "ignore_eos": True, "details": True}}
+    return [t["id"] for t in server.invoke(body, timeout=120).json()["details"]["tokens"]]
+
+
+def _ranks(session) -> dict[int, int]:
+    """rank -> pid of the group's model workers."""
+    return {mpi_rank(pid): pid for pid, cmd in processes(session).items()
+            if "container.worker" in cmd and pid != session}  # mpirun (the session leader) names it too
+
+
+def test_is_served_by_two_ranks(lmi_dist):
+    (session,) = lmi_dist.group_sessions()
+    assert sorted(_ranks(session)) == [0, 1]
+
+
+def test_streams_give_the_greedy_tokens_of_python_mode(lmi_dist, vllm_server):
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        sharded = list(pool.map(lambda p: _streamed_ids(lmi_dist, p), PROMPTS))
+    expected = [_answer_ids(vllm_server, p) for p in PROMPTS]
+    assert [len(ids) for ids in sharded] == [24] * 8
+    assert sharded == expected
+
+
+def test_chat_streams_give_the_greedy_answers_of_python_mode(lmi_dist, vllm_server):
+    def chat(server, prompt, stream):
+        client = openai.OpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=0)
+        reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}],
+                                               max_tokens=16, temperature=0, stream=stream)
+        if not stream:
+            return reply.choices[0].message.content
+        return "".join(chunk.choices[0].delta.content or "" for chunk in reply if chunk.choices)
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        sharded = list(pool.map(lambda p: chat(lmi_dist, p, True), PROMPTS))
+    assert sharded == [chat(vllm_server, p, False) for p in PROMPTS]
+    assert all(sharded)
+
+
+def _unfinished(server) -> dict[str, float]:
+    text = requests.get(server.url("/metrics"), timeout=5).text
+    return {rank: float(value) for rank, value in re.findall(
+        r'^sagelmi_engine_unfinished_requests\{group="0",rank="(\d)"\} (\S+)$', text, re.M)}
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/invocations", {"inputs": "Hello", "stream": True, "parameters": {"max_new_tokens": 1000, "ignore_eos": True}}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "stream": True, "max_tokens": 1000,
+                              "ignore_eos": True}),
+], ids=["lmi", "chat"])
+def test_a_dropped_stream_is_aborted_on_both_ranks(lmi_dist, path, body):
+    stream = RawStream(lmi_dist.port, path, body)
+    assert len(stream.read_lines(3)) == 3
+    assert _unfinished(lmi_dist) == {"0": 1, "1": 1}
+    stream.close()
+    dropped = time.monotonic()
+    while _unfinished(lmi_dist) != {"0": 0, "1": 0}:
+        assert time.monotonic() - dropped < 2, f"still running: {_unfinished(lmi_dist)}"
+        time.sleep(0.05)
+
+
+def test_a_killed_rank_ends_in_flight_streams_and_the_group_restarts(lmi_dist):
+    """Last in this module: it restarts the group."""
+    (session,) = lmi_dist.group_sessions()
+    old = processes(session)
+    rank1 = _ranks(session)[1]
+    body = {"inputs": "Hello", "stream": True, "parameters": {"max_new_tokens": 1000, "ignore_eos": True}}
+    streams = [RawStream(lmi_dist.port, "/invocations", body) for _ in range(12)]
+    for stream in streams:
+        assert len(stream.read_lines(1)) == 1
+    os.kill(rank1, signal.SIGKILL)
+    killed = time.monotonic()
+    endings = []
+    for stream in streams:
+        lines = stream.read_lines(10_000)  # to the end of the stream
+        endings.append(json.loads(lines[-1]))
+    assert time.monotonic() - killed < 5
+    assert all(e.get("code") == 503 and "stopped while handling the request" in e["error"] for e in endings)
+    assert requests.get(lmi_dist.url("/ping"), timeout=2).status_code != 200
+    lmi_dist.wait_until(lambda r: r.status_code == 200, timeout=ENGINE_READY_TIMEOUT)
+    assert len(_answer_ids(lmi_dist, PROMPTS[0])) == 24
+    assert processes(session) == {}  # nothing of the old group is left
+    assert "rank 1 of the group went away" in lmi_dist.log()
+
+
+def test_pipeline_parallel_lmi_dist_gives_the_greedy_tokens_of_python_mode(tiny_model, vllm_server):
+    env = {**VLLM_CPU_ENV, **EXACT, "OPTION_ROLLING_BATCH": "lmi-dist", "PIPELINE_PARALLEL_DEGREE": "2"}
+    with Server(tiny_model, env=env, ready_timeout=ENGINE_READY_TIMEOUT) as pipeline:
+        (session,) = pipeline.group_sessions()
+        assert sorted(_ranks(session)) == [0, 1]
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            staged = list(pool.map(lambda p: _streamed_ids(pipeline, p), PROMPTS))
+    assert staged == [_answer_ids(vllm_server, p) for p in PROMPTS]

@@ -1,0 +1,57 @@
+"""Pipeline parallel 2 in Python mode (vLLM's own processes), and a killed EngineCore."""
+
+import json
+import os
+import signal
+import time
+
+import pytest
+import requests
+
+from tests.e2e.conftest import ENGINE_READY_TIMEOUT, EXACT, VLLM_CPU_ENV
+from tests.server import RawStream, Server, processes
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["The quick brown fox", "Hello world", "One two three four"]
+
+
+@pytest.fixture(scope="module")
+def pipeline(tiny_model):
+    with Server(tiny_model, env={**VLLM_CPU_ENV, **EXACT, "PIPELINE_PARALLEL_DEGREE": "2"},
+                ready_timeout=ENGINE_READY_TIMEOUT) as server:
+        yield server
+
+
+def _ids(server, prompt):
+    body = {"inputs": prompt, "parameters": {"max_new_tokens": 24, "ignore_eos": True, "details": True}}
+    return [t["id"] for t in server.invoke(body, timeout=120).json()["details"]["tokens"]]
+
+
+def test_pipeline_parallel_2_gives_the_greedy_tokens_of_1(pipeline, vllm_server):
+    (session,) = pipeline.group_sessions()
+    stages = [cmd for cmd in processes(session).values() if cmd.startswith("VLLM::Worker_PP")]
+    assert sorted(stages) == ["VLLM::Worker_PP0", "VLLM::Worker_PP1"]
+    assert "VLLM_CPU_OMP_THREADS_BIND=" in pipeline.log()  # each stage got its own cores
+    assert [_ids(pipeline, p) for p in PROMPTS] == [_ids(vllm_server, p) for p in PROMPTS]
+
+
+def test_a_killed_engine_core_ends_in_flight_requests_and_the_group_restarts(pipeline):
+    """Last in this module: it restarts the group."""
+    (session,) = pipeline.group_sessions()
+    old = processes(session)
+    engine_core = next(pid for pid, cmd in old.items() if cmd.startswith("VLLM::EngineCore"))
+    body = {"inputs": "Hello", "stream": True, "parameters": {"max_new_tokens": 1000, "ignore_eos": True}}
+    streams = [RawStream(pipeline.port, "/invocations", body) for _ in range(8)]
+    for stream in streams:
+        assert len(stream.read_lines(1)) == 1
+    os.kill(engine_core, signal.SIGKILL)
+    killed = time.monotonic()
+    endings = [json.loads(stream.read_lines(10_000)[-1]) for stream in streams]
+    assert time.monotonic() - killed < 5
+    assert all(e.get("code") in (503, 424) for e in endings), endings
+    assert requests.get(pipeline.url("/ping"), timeout=2).status_code != 200
+    pipeline.wait_until(lambda r: r.status_code == 200, timeout=ENGINE_READY_TIMEOUT)
+    assert len(_ids(pipeline, PROMPTS[0])) == 24
+    assert processes(session) == {}  # the old worker, its EngineCore and both stages are gone
+    assert "its engine died" in pipeline.log()
