@@ -199,3 +199,17 @@ class RawStream:
         """Drop the connection, as a client that goes away does."""
         self.conn.sock.close()
         self.conn.close()
+
+
+def kill_mid_stream(server: Server, pid: int, streams: int) -> tuple[float, list[dict]]:
+    """Open ``streams`` long LMI streams, SIGKILL ``pid`` once each has its first
+    token, read every stream to its end. Returns the seconds from the kill until
+    the last stream ended, and each stream's last line."""
+    body = {"inputs": "Hello", "stream": True, "parameters": {"max_new_tokens": 1000, "ignore_eos": True}}
+    opened = [RawStream(server.port, "/invocations", body) for _ in range(streams)]
+    for stream in opened:
+        assert len(stream.read_lines(1)) == 1
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    endings = [json.loads(stream.read_lines(10_000)[-1]) for stream in opened]
+    return time.monotonic() - killed, endings

@@ -2,9 +2,7 @@
 
 import concurrent.futures
 import json
-import os
 import re
-import signal
 import time
 
 import openai
@@ -13,7 +11,7 @@ import requests
 
 from tests.e2e.conftest import ENGINE_READY_TIMEOUT, EXACT, VLLM_CPU_ENV
 from tests.readme import run_shell, section, serve_settings, shell_commands
-from tests.server import RawStream, Server, mpi_rank, processes
+from tests.server import RawStream, Server, kill_mid_stream, mpi_rank, processes
 
 pytestmark = [pytest.mark.slow, pytest.mark.mpi]
 
@@ -106,19 +104,8 @@ def test_a_dropped_stream_is_aborted_on_both_ranks(lmi_dist, path, body):
 def test_a_killed_rank_ends_in_flight_streams_and_the_group_restarts(lmi_dist):
     """Last in this module: it restarts the group."""
     (session,) = lmi_dist.group_sessions()
-    old = processes(session)
-    rank1 = _ranks(session)[1]
-    body = {"inputs": "Hello", "stream": True, "parameters": {"max_new_tokens": 1000, "ignore_eos": True}}
-    streams = [RawStream(lmi_dist.port, "/invocations", body) for _ in range(12)]
-    for stream in streams:
-        assert len(stream.read_lines(1)) == 1
-    os.kill(rank1, signal.SIGKILL)
-    killed = time.monotonic()
-    endings = []
-    for stream in streams:
-        lines = stream.read_lines(10_000)  # to the end of the stream
-        endings.append(json.loads(lines[-1]))
-    assert time.monotonic() - killed < 5
+    seconds, endings = kill_mid_stream(lmi_dist, _ranks(session)[1], streams=12)
+    assert seconds < 5
     assert all(e.get("code") == 503 and "stopped while handling the request" in e["error"] for e in endings)
     assert requests.get(lmi_dist.url("/ping"), timeout=2).status_code != 200
     lmi_dist.wait_until(lambda r: r.status_code == 200, timeout=ENGINE_READY_TIMEOUT)

@@ -1,15 +1,10 @@
 """Pipeline parallel 2 in Python mode (vLLM's own processes), and a killed EngineCore."""
 
-import json
-import os
-import signal
-import time
-
 import pytest
 import requests
 
 from tests.e2e.conftest import ENGINE_READY_TIMEOUT, EXACT, VLLM_CPU_ENV
-from tests.server import RawStream, Server, processes
+from tests.server import Server, kill_mid_stream, processes
 
 pytestmark = pytest.mark.slow
 
@@ -41,14 +36,8 @@ def test_a_killed_engine_core_ends_in_flight_requests_and_the_group_restarts(pip
     (session,) = pipeline.group_sessions()
     old = processes(session)
     engine_core = next(pid for pid, cmd in old.items() if cmd.startswith("VLLM::EngineCore"))
-    body = {"inputs": "Hello", "stream": True, "parameters": {"max_new_tokens": 1000, "ignore_eos": True}}
-    streams = [RawStream(pipeline.port, "/invocations", body) for _ in range(8)]
-    for stream in streams:
-        assert len(stream.read_lines(1)) == 1
-    os.kill(engine_core, signal.SIGKILL)
-    killed = time.monotonic()
-    endings = [json.loads(stream.read_lines(10_000)[-1]) for stream in streams]
-    assert time.monotonic() - killed < 5
+    seconds, endings = kill_mid_stream(pipeline, engine_core, streams=8)
+    assert seconds < 5
     assert all(e.get("code") in (503, 424) for e in endings), endings
     assert requests.get(pipeline.url("/ping"), timeout=2).status_code != 200
     pipeline.wait_until(lambda r: r.status_code == 200, timeout=ENGINE_READY_TIMEOUT)

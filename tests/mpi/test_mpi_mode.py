@@ -10,7 +10,7 @@ import pytest
 import requests
 
 from tests.mpi.conftest import alive, rank_log, rank_records
-from tests.readme import on_port, run_shell, section, serve_settings, shell_commands
+from tests.readme import run_shell, section, serve_settings, shell_commands
 from tests.server import REPO, MODEL_DIRS, Server
 
 pytestmark = pytest.mark.mpi
