@@ -195,17 +195,21 @@ class RawStream:
                 return complete
             self._buffer += chunk
 
+    def complete(self) -> bool:
+        """Whether the end of the answer has arrived already (LMI's last line, or SSE's [DONE])."""
+        return b'"generated_text"' in self._buffer or b"data: [DONE]" in self._buffer
+
     def close(self) -> None:
         """Drop the connection, as a client that goes away does."""
         self.conn.sock.close()
         self.conn.close()
 
 
-def kill_mid_stream(server: Server, pid: int, streams: int) -> tuple[float, list[dict]]:
-    """Open ``streams`` long LMI streams, SIGKILL ``pid`` once each has its first
-    token, read every stream to its end. Returns the seconds from the kill until
-    the last stream ended, and each stream's last line."""
-    body = {"inputs": "Hello", "stream": True, "parameters": {"max_new_tokens": 1000, "ignore_eos": True}}
+def kill_mid_stream(server: Server, pid: int, streams: int, tokens: int) -> tuple[float, list[dict]]:
+    """Open ``streams`` LMI streams of ``tokens`` tokens, SIGKILL ``pid`` once each
+    has its first token, read every stream to its end. Returns the seconds from
+    the kill until the last stream ended, and each stream's last line."""
+    body = {"inputs": "Hello", "stream": True, "parameters": {"max_new_tokens": tokens, "ignore_eos": True}}
     opened = [RawStream(server.port, "/invocations", body) for _ in range(streams)]
     for stream in opened:
         assert len(stream.read_lines(1)) == 1
@@ -213,3 +217,37 @@ def kill_mid_stream(server: Server, pid: int, streams: int) -> tuple[float, list
     killed = time.monotonic()
     endings = [json.loads(stream.read_lines(10_000)[-1]) for stream in opened]
     return time.monotonic() - killed, endings
+
+
+def metric(server: Server, name: str, **labels: str) -> float:
+    """The sum of the samples of ``name`` on ``/metrics`` whose labels include ``labels``.
+    (On 2 cores vLLM's busy engine processes can delay an answer by seconds: wait long.)"""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = requests.get(server.url("/metrics"), timeout=60).text
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == name and labels.items() <= sample.labels.items())
+
+
+def drop_stream_and_wait_until_idle(server: Server, path: str, body: dict, attempts: int = 5) -> tuple[float, float]:
+    """Start a stream, read its first lines, drop the connection, and wait until
+    ``sagelmi_engine_unfinished_requests`` is 0 (on every rank). Returns the
+    seconds that took and how many tokens vLLM generated meanwhile (to tell an
+    aborted request from one that ran to its end).
+
+    vLLM's CPU engine sometimes hands over a whole answer at once (its busy
+    processes starve the others of the 2 cores): then there is nothing left to
+    abort, and the attempt is made again."""
+    for _ in range(attempts):
+        before = metric(server, "vllm:generation_tokens_total")
+        stream = RawStream(server.port, path, body)
+        assert len(stream.read_lines(3)) == 3
+        whole = stream.complete()
+        stream.close()
+        if whole:
+            continue
+        dropped = time.monotonic()
+        while metric(server, "sagelmi_engine_unfinished_requests") != 0:
+            time.sleep(0.05)
+        return time.monotonic() - dropped, metric(server, "vllm:generation_tokens_total") - before
+    raise AssertionError(f"in {attempts} attempts the engine always delivered the whole answer at once")

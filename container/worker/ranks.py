@@ -89,9 +89,9 @@ def bootstrap(launch_path: Path) -> tuple[RankInfo, bytes, socket.socket | None]
     on_this_machine.Free()
     listener = shared = None
     if rank == 0:
-        # One machine: everything on loopback. Several: rank 0's address, which the
-        # hostfile's first host (this machine) must make reachable.
-        host = "127.0.0.1" if local_size == size else _this_host_address()
+        # One machine: everything on loopback. Several: the address of rank 0's machine (the
+        # hostfile's first host) that the others reach: MASTER_ADDR if set, else its hostname's.
+        host = "127.0.0.1" if local_size == size else os.environ.get("MASTER_ADDR") or _this_host_address()
         listener = socket.create_server(("127.0.0.1" if host == "127.0.0.1" else "0.0.0.0", 0))
         shared = {"host": host, "relay_port": listener.getsockname()[1], "master_port": _free_port(host),
                   "token": secrets.token_bytes(16), "launch": launch_path.read_bytes()}

@@ -12,6 +12,7 @@ VLLM_CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 # Tests that compare greedy tokens across servers whose sums run in a different order (tensor and
 # pipeline shards, other batch shapes) serve in float32: in bfloat16, vLLM's CPU default, near-ties flip.
 EXACT = {"OPTION_DTYPE": "float32"}
+TINY_CONTEXT = 8192
 # A first start compiles the model (later starts reuse vLLM's compile cache): allow for it on 2 busy cores.
 ENGINE_READY_TIMEOUT = 240
 
@@ -19,8 +20,9 @@ ENGINE_READY_TIMEOUT = 240
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tiny-model")
-    subprocess.run([sys.executable, "-m", "container", "tiny-model", str(directory)], check=True, cwd=REPO,
-                   env=clean_env(), capture_output=True, timeout=300)
+    # A long context, so that a request can run for seconds: the tiny model decodes thousands of tokens a second.
+    subprocess.run([sys.executable, "-m", "container", "tiny-model", str(directory), "--max-model-len",
+                    str(TINY_CONTEXT)], check=True, cwd=REPO, env=clean_env(), capture_output=True, timeout=300)
     return directory
 
 

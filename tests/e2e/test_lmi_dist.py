@@ -2,8 +2,6 @@
 
 import concurrent.futures
 import json
-import re
-import time
 
 import openai
 import pytest
@@ -11,7 +9,7 @@ import requests
 
 from tests.e2e.conftest import ENGINE_READY_TIMEOUT, EXACT, VLLM_CPU_ENV
 from tests.readme import run_shell, section, serve_settings, shell_commands
-from tests.server import RawStream, Server, kill_mid_stream, mpi_rank, processes
+from tests.server import Server, drop_stream_and_wait_until_idle, kill_mid_stream, metric, mpi_rank, processes
 
 pytestmark = [pytest.mark.slow, pytest.mark.mpi]
 
@@ -80,9 +78,7 @@ def test_chat_streams_give_the_greedy_answers_of_python_mode(lmi_dist, vllm_serv
 
 
 def _unfinished(server) -> dict[str, float]:
-    text = requests.get(server.url("/metrics"), timeout=5).text
-    return {rank: float(value) for rank, value in re.findall(
-        r'^sagelmi_engine_unfinished_requests\{group="0",rank="(\d)"\} (\S+)$', text, re.M)}
+    return {rank: metric(server, "sagelmi_engine_unfinished_requests", rank=rank) for rank in ("0", "1")}
 
 
 @pytest.mark.parametrize("path,body", [
@@ -91,20 +87,17 @@ def _unfinished(server) -> dict[str, float]:
                               "ignore_eos": True}),
 ], ids=["lmi", "chat"])
 def test_a_dropped_stream_is_aborted_on_both_ranks(lmi_dist, path, body):
-    stream = RawStream(lmi_dist.port, path, body)
-    assert len(stream.read_lines(3)) == 3
-    assert _unfinished(lmi_dist) == {"0": 1, "1": 1}
-    stream.close()
-    dropped = time.monotonic()
-    while _unfinished(lmi_dist) != {"0": 0, "1": 0}:
-        assert time.monotonic() - dropped < 2, f"still running: {_unfinished(lmi_dist)}"
-        time.sleep(0.05)
+    seconds, generated = drop_stream_and_wait_until_idle(lmi_dist, path, body)  # every rank's count at 0
+    assert generated < 1000  # aborted: it never reached its 1000th token
+    assert seconds < 5
+    assert _unfinished(lmi_dist) == {"0": 0, "1": 0}
+    assert len(_answer_ids(lmi_dist, PROMPTS[0])) == 24  # and the ranks are still in step
 
 
 def test_a_killed_rank_ends_in_flight_streams_and_the_group_restarts(lmi_dist):
     """Last in this module: it restarts the group."""
     (session,) = lmi_dist.group_sessions()
-    seconds, endings = kill_mid_stream(lmi_dist, _ranks(session)[1], streams=12)
+    seconds, endings = kill_mid_stream(lmi_dist, _ranks(session)[1], streams=12, tokens=1000)  # the README's model: 1024
     assert seconds < 5
     assert all(e.get("code") == 503 and "stopped while handling the request" in e["error"] for e in endings)
     assert requests.get(lmi_dist.url("/ping"), timeout=2).status_code != 200

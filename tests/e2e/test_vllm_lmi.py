@@ -6,6 +6,8 @@ import time
 import pytest
 import requests
 
+from tests.e2e.conftest import TINY_CONTEXT
+
 pytestmark = pytest.mark.slow
 
 
@@ -115,12 +117,12 @@ def test_bad_bodies_are_400(vllm_server):
 
 def test_over_long_prompt_is_400_quickly_and_the_server_stays_healthy(vllm_server):
     started = time.monotonic()
-    r = vllm_server.invoke({"inputs": "hello " * 1500, "parameters": {"max_new_tokens": 4}})
+    r = vllm_server.invoke({"inputs": "hello " * 9000, "parameters": {"max_new_tokens": 4}})
     assert time.monotonic() - started < 5
     assert r.status_code == 400
-    assert "maximum context length is 1024 tokens" in r.json()["error"]
-    assert "1025" in r.json()["error"] or "1500" in r.json()["error"]
-    streamed = vllm_server.invoke({"inputs": "hello " * 1500, "stream": True})
+    assert f"maximum context length is {TINY_CONTEXT} tokens" in r.json()["error"]
+    assert "9000" in r.json()["error"] or str(TINY_CONTEXT + 1) in r.json()["error"]
+    streamed = vllm_server.invoke({"inputs": "hello " * 9000, "stream": True})
     assert streamed.status_code == 400
     assert requests.get(vllm_server.url("/ping"), timeout=2).status_code == 200
     assert generate(vllm_server, max_new_tokens=2)["generated_text"] is not None

@@ -88,7 +88,7 @@ def test_chat_on_invocations_and_sse(vllm_server):
 
 def test_openai_errors_are_400_and_the_client_raises(client, vllm_server):
     with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi " * 1200}],
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi " * 9000}],
                                        max_tokens=4)
     assert "maximum context length" in str(err.value)
     with pytest.raises(openai.BadRequestError):
