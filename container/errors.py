@@ -62,6 +62,13 @@ class PayloadTooLarge(ServingError):
     message = "payload too large"
 
 
+class ClientClosedRequest(ServingError):
+    """The client went away before its answer was ready (nginx's 499: nobody reads it)."""
+
+    status = 499
+    message = "client closed request"
+
+
 class HandlerError(ServingError):
     """The model's handler raised or returned an error (LMI's 424 contract)."""
 

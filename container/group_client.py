@@ -77,12 +77,24 @@ class PendingRequest:
     def done(self) -> bool:
         return self._finished or self._error is not None
 
+    def has_head(self) -> bool:
+        return self._head is not None or self._error is not None
+
+    def has_data(self) -> bool:
+        return bool(self._chunks) or self._finished or self._error is not None
+
+    def wait_until(self, ready, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for ``ready()`` (``has_head`` or
+        ``has_data``); False if it did not come."""
+        with self._cond:
+            return self._cond.wait_for(ready, timeout)
+
     # -- request thread side
     def wait_head(self, timeout: float) -> Head:
         """Block until the worker answered with a Head; raise its error instead
         if it failed, ``GatewayTimeout`` after ``timeout`` seconds."""
         with self._cond:
-            if not self._cond.wait_for(lambda: self._head is not None or self._error is not None, timeout):
+            if not self._cond.wait_for(self.has_head, timeout):
                 raise GatewayTimeout(f"no answer from the model within {timeout:g}s (option.predict_timeout)")
             if self._head is None:
                 raise self._error
@@ -101,7 +113,7 @@ class PendingRequest:
         the answer is complete. Raises the request's error, or
         ``GatewayTimeout`` when nothing arrives for ``timeout`` seconds."""
         with self._cond:
-            ready = self._cond.wait_for(lambda: self._chunks or self._finished or self._error is not None, timeout)
+            ready = self._cond.wait_for(self.has_data, timeout)
             if self._chunks:
                 data = self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
                 self._chunks.clear()
@@ -123,7 +135,6 @@ class GroupClient:
         self.state = WorkerState.STARTING
         self.detail = ""
         self.incarnation = 0  # which start of the group the last Status came from
-        self.ready_incarnation = 0  # the last start of the group that reported ready (kept after it ends)
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
@@ -231,8 +242,6 @@ class GroupClient:
             for message in frames.feed(data):
                 if isinstance(message, Status):
                     self.incarnation = message.incarnation
-                    if message.state is WorkerState.READY:
-                        self.ready_incarnation = message.incarnation
                     self._set_state(message.state, message.detail)
                 else:
                     batches.setdefault(message.id, []).append(message)

@@ -35,6 +35,7 @@ class WorkerLaunch(msgspec.Struct, frozen=True):
 
     group: int
     socket_path: str
+    ready_path: str  # rank 0 writes the incarnation here once the group is ready
     settings: str
     model_properties: dict[str, str]
     model_location: str  # the model's local path or Hub id (an s3:// prefix already downloaded)

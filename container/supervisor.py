@@ -124,8 +124,9 @@ class WorkerGroup:
     ``tp x pp`` ranks (MPI mode), watched and restarted as a whole.
 
     The supervisor learns the group's state from rank 0 over the wire protocol
-    (a ``GroupClient``); a state counts only when it comes from the current
-    start of the group (its ``incarnation``)."""
+    (a ``GroupClient``) and its readiness from the file rank 0 writes; either
+    counts only when it comes from the current start of the group (its
+    ``incarnation``)."""
 
     def __init__(self, plan: GroupPlan, settings: Settings, runtime: Path, model_location: str,
                  mpirun: str | None, cpu_binding: str | None) -> None:
@@ -136,8 +137,10 @@ class WorkerGroup:
         self.name = f"worker group {plan.index}"
         socket_path = str(runtime / f"group-{plan.index}.sock")
         self.launch_path = runtime / f"group-{plan.index}.json"
+        self.ready_path = runtime / f"group-{plan.index}.ready"
         self.launch_path.write_bytes(encode_launch(WorkerLaunch(
-            group=plan.index, socket_path=socket_path, settings=settings.model_dump_json(),
+            group=plan.index, socket_path=socket_path, ready_path=str(self.ready_path),
+            settings=settings.model_dump_json(),
             model_properties=settings.model_properties(
                 model_id=model_location if model_location != settings.model_dir else None,
                 tensor_parallel_degree=plan.tensor_parallel_degree
@@ -186,6 +189,15 @@ class WorkerGroup:
         log.info("started %s (%s)", self.name, ", ".join(details))
         log.debug("%s command: %s", self.name, " ".join(command))
 
+    def _ready_incarnation(self) -> int:
+        """The last start of this group that became ready: rank 0 writes it to a
+        file, which outlives the process (a status message may not reach us
+        before a group that dies right after becoming ready is gone)."""
+        try:
+            return int(self.ready_path.read_text())
+        except (OSError, ValueError):
+            return 0
+
     def _reports(self, state: WorkerState) -> bool:
         return self.client.state is state and self.client.incarnation == self.incarnation
 
@@ -198,7 +210,7 @@ class WorkerGroup:
                 self.start()
             return
         code = self.process.poll()
-        if not self.ready and self.client.ready_incarnation == self.incarnation:  # even if it died since
+        if not self.ready and self._ready_incarnation() == self.incarnation:  # even if it died since
             self.ready = self.ever_ready = True
             self.crashes = 0
             log.info("%s is ready (%.1fs)", self.name, now - self.started_at)

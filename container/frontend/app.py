@@ -12,16 +12,18 @@ from __future__ import annotations
 
 import json
 import logging
+import select
+import socket
 import time
 import uuid
-from typing import Iterator
+from typing import Callable, Iterator
 
 from flask import Flask, Response, g, request
 from prometheus_client import CONTENT_TYPE_LATEST
 from werkzeug.exceptions import HTTPException
 
-from container.errors import (GatewayTimeout, InputError, MethodNotAllowed, NotFound, PayloadTooLarge,
-                              ServingError, describe, envelope)
+from container.errors import (ClientClosedRequest, GatewayTimeout, InputError, MethodNotAllowed, NotFound,
+                              PayloadTooLarge, ServingError, describe, envelope)
 from container.frontend.metrics import FrontendMetrics
 from container.frontend.router import Router
 from container.group_client import GroupClient, PendingRequest
@@ -32,6 +34,7 @@ from container.protocol import Invoke, WorkerState
 log = logging.getLogger("sagelmi.frontend")
 
 INFERENCE_ID = "X-Amzn-SageMaker-Inference-Id"
+CLIENT_CHECK_INTERVAL = 0.5  # how often a request waiting on its group checks that its client is still there
 CUSTOM_ATTRIBUTES = "X-Amzn-SageMaker-Custom-Attributes"
 
 
@@ -64,13 +67,36 @@ def _in_band_error(exc: ServingError, content_type: str) -> bytes:
     return f"data: {line}\n\n".encode() if content_type.startswith("text/event-stream") else f"{line}\n".encode()
 
 
-class Invocation:
-    """One request in flight: owns its queue slot until the answer is sent."""
+def client_gone(sock: socket.socket | None) -> bool:
+    """Whether the client closed its connection (it is readable, and at its end)."""
+    if sock is None:
+        return False
+    try:
+        poller = select.poll()  # not select(): descriptors past 1024 are common with many threads
+        poller.register(sock, select.POLLIN)
+        if not poller.poll(0):
+            return False
+        return sock.recv(1, socket.MSG_PEEK) == b""
+    except BlockingIOError:
+        return False
+    except (OSError, ValueError):
+        return True
 
-    def __init__(self, router: Router, launch: FrontendLaunch, request_id: str) -> None:
+
+class Invocation:
+    """One request in flight: owns its queue slot until the answer is sent.
+
+    While it waits for its group, it looks every ``CLIENT_CHECK_INTERVAL`` at the
+    client's connection: a client that left has its request cancelled then,
+    not only when the next piece of a stream fails to reach it (an engine may
+    deliver nothing for seconds)."""
+
+    def __init__(self, router: Router, launch: FrontendLaunch, request_id: str,
+                 client: socket.socket | None = None) -> None:
         self.router = router
         self.launch = launch
         self.request_id = request_id
+        self.client = client
         self.wire_id = uuid.uuid4().hex
         self.group: GroupClient | None = None
         self.pending: PendingRequest | None = None
@@ -93,13 +119,13 @@ class Invocation:
             self.pending = self.group.submit(Invoke(id=self.wire_id, properties=request_properties(self.request_id),
                                                    body=body, path=request.path))
             try:
-                head = self.pending.wait_head(self.launch.predict_timeout)
+                self._await(self.pending.has_head, "no answer from the model")
+                head = self.pending.wait_head(0)
                 if head.stream:
                     streaming = True
                     return Response(self._relay(head.headers.get("content-type", "")), status=head.code,
                                     headers=head.headers)
-                return Response(self.pending.read_body(self.launch.predict_timeout), status=head.code,
-                                headers=head.headers)
+                return Response(self._body(), status=head.code, headers=head.headers)
             except ServingError:
                 self.abandon()
                 raise
@@ -107,13 +133,36 @@ class Invocation:
             if not streaming:
                 self.release()
 
+    def _await(self, ready: Callable[[], bool], what: str) -> None:
+        """Wait up to ``predict_timeout`` for ``ready()``; raises ``GatewayTimeout``,
+        or ``ClientClosedRequest`` as soon as the client is seen gone."""
+        deadline = time.monotonic() + self.launch.predict_timeout
+        while not self.pending.wait_until(ready, min(CLIENT_CHECK_INTERVAL, max(deadline - time.monotonic(), 0))):
+            if time.monotonic() >= deadline:
+                raise GatewayTimeout(f"{what} within {self.launch.predict_timeout:g}s (option.predict_timeout)")
+            if client_gone(self.client):
+                raise ClientClosedRequest("the client closed the connection before the answer was ready")
+
+    def _next(self) -> bytes | None:
+        """The next piece of the answer (``None`` at its end), within ``predict_timeout``."""
+        self._await(self.pending.has_data, "the model sent nothing")
+        return self.pending.next_data(0)
+
+    def _body(self) -> bytes:
+        parts = []
+        while (data := self._next()) is not None:
+            parts.append(data)
+        return b"".join(parts)
+
     def _relay(self, content_type: str) -> Iterator[bytes]:
         request_id_var.set(self.request_id)
         finished = False
         try:
-            while (data := self.pending.next_data(self.launch.predict_timeout)) is not None:
+            while (data := self._next()) is not None:
                 yield data
             finished = True
+        except ClientClosedRequest:
+            pass  # cancelled below, as when a write finds the client gone
         except ServingError as exc:
             finished = True
             if isinstance(exc, GatewayTimeout):
@@ -206,6 +255,6 @@ def create_app(launch: FrontendLaunch) -> Flask:
     @app.get("/v1/models")
     def invocations() -> Response:
         body = request.get_data(cache=False)
-        return Invocation(router, launch, g.request_id).run(body)
+        return Invocation(router, launch, g.request_id, request.environ.get("gunicorn.socket")).run(body)
 
     return app

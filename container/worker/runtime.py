@@ -252,6 +252,8 @@ class Worker:
         if status == self.status:
             return
         self.status = status
+        if status.state is WorkerState.READY and self.context.rank == 0:
+            Path(self.context.launch.ready_path).write_text(str(self.incarnation))
         if status.state is WorkerState.FAILED and self.own_state.state is not WorkerState.FAILED:
             log.error("the worker group cannot serve: %s", status.detail)
             self.stopping.set()  # another rank failed to load: this one stops too

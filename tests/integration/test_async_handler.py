@@ -1,5 +1,6 @@
 """Streaming and cancellation with an async handler (tests/model_dirs/async_worker)."""
 
+import http.client
 import json
 import time
 import uuid
@@ -73,3 +74,16 @@ def test_concurrent_requests_run_at_once_on_one_worker(server, tmp_path):
                                 range(8)))
     assert [r.status_code for r in results] == [200] * 8
     assert time.monotonic() - started < 3  # 8 one-second sleeps overlapped
+
+
+def test_a_client_that_leaves_before_its_answer_cancels_the_work(server, tmp_path):
+    marker = tmp_path / "marker"
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn.request("POST", "/invocations", body=json.dumps({"sleep": 30, "marker": str(marker)}),
+                 headers={"Content-Type": "application/json"})
+    server.wait_until(lambda r: r.json()["workers"][0]["in_flight"] == 1, timeout=5)
+    conn.sock.close()  # gone without waiting for the answer (no stream to fail writing to)
+    left = time.monotonic()
+    assert _wait_for_file(marker, 2) == "cancelled"
+    assert time.monotonic() - left < 1.2  # noticed at once, not at predict_timeout (2 s after the request)
+    server.wait_until(lambda r: r.json()["workers"][0]["in_flight"] == 0, timeout=2)
