@@ -87,9 +87,7 @@ def _unfinished(server) -> dict[str, float]:
                               "ignore_eos": True}),
 ], ids=["lmi", "chat"])
 def test_a_dropped_stream_is_aborted_on_both_ranks(lmi_dist, path, body):
-    seconds, generated = drop_stream_and_wait_until_idle(lmi_dist, path, body)  # every rank's count at 0
-    assert generated < 1000  # aborted: it never reached its 1000th token
-    assert seconds < 5
+    drop_stream_and_wait_until_idle(lmi_dist, path, body, tokens=1000)  # idle: every rank's count at 0
     assert _unfinished(lmi_dist) == {"0": 0, "1": 0}
     assert len(_answer_ids(lmi_dist, PROMPTS[0])) == 24  # and the ranks are still in step
 
