@@ -40,8 +40,6 @@ class WorkerLaunch(msgspec.Struct, frozen=True):
     model_properties: dict[str, str]
     model_location: str  # the model's local path or Hub id (an s3:// prefix already downloaded)
     tensor_parallel_degree: int  # what option.tensor_parallel_degree (max included) means in this group
-    pipeline_parallel_degree: int
-    mpi: bool = False
 
 
 def encode_launch(launch: FrontendLaunch | WorkerLaunch) -> bytes:

@@ -145,8 +145,7 @@ class WorkerGroup:
                 model_id=model_location if model_location != settings.model_dir else None,
                 tensor_parallel_degree=plan.tensor_parallel_degree
                 if settings.tensor_parallel_degree == "max" else None),
-            model_location=model_location, tensor_parallel_degree=plan.tensor_parallel_degree,
-            pipeline_parallel_degree=plan.pipeline_parallel_degree, mpi=mpirun is not None)))
+            model_location=model_location, tensor_parallel_degree=plan.tensor_parallel_degree)))
         self.process: subprocess.Popen | None = None
         self.client = GroupClient(str(plan.index), socket_path).start()
         self.incarnation = 0

@@ -87,8 +87,7 @@ def test_truncated_and_garbage_frames_are_protocol_errors():
 def test_worker_launch_round_trips_as_json_with_typed_settings():
     settings = Settings(model_dir="/m", rolling_batch="lmi-dist", tgi_compat=True, tensor_parallel_degree="max")
     launch = WorkerLaunch(group=1, socket_path="/tmp/s", ready_path="/tmp/r", settings=settings.model_dump_json(),
-                          model_properties={"model_id": "x"}, model_location="/m", tensor_parallel_degree=4,
-                          pipeline_parallel_degree=2, mpi=True)
+                          model_properties={"model_id": "x"}, model_location="/m", tensor_parallel_degree=4)
     again = decode_worker_launch(encode_launch(launch))
     assert again == launch
     assert Settings.model_validate_json(again.settings) == settings
