@@ -59,6 +59,11 @@ _HOP_BY_HOP = {"content-length", "transfer-encoding", "connection", "keep-alive"
 _END = object()
 
 
+class PeerGone(Exception):
+    """The frontend's connection closed while an answer was being sent (not an
+    error of the handler's: a handler's own ``OSError`` is a 424 like any other)."""
+
+
 class Connection:
     """One connection from the frontend (or the supervisor) to rank 0.
 
@@ -74,15 +79,19 @@ class Connection:
         self._loop = asyncio.get_running_loop()
 
     async def send(self, message: Message) -> None:
+        """Queue ``message``; raises ``PeerGone`` once the connection is closed."""
         if not self._frames:
             # Flush on the loop's next pass, after the other streams woken by the
             # same engine step have queued their frames too.
             self._loop.call_soon(self._loop.call_soon, self._flush)
         self._frames.append(encode(message))
-        if self.writer.transport.get_write_buffer_size() > WRITE_HIGH_WATER:
-            await self.writer.drain()  # the frontend reads too slowly: wait for it
-        elif self.writer.is_closing():
-            raise ConnectionResetError("the connection to the frontend is closed")
+        try:
+            if self.writer.transport.get_write_buffer_size() > WRITE_HIGH_WATER:
+                await self.writer.drain()  # the frontend reads too slowly: wait for it
+        except (ConnectionError, OSError) as exc:
+            raise PeerGone(str(exc)) from None
+        if self.writer.is_closing():
+            raise PeerGone("the connection to the frontend is closed")
 
     def _flush(self) -> None:
         frames, self._frames = self._frames, []
@@ -260,7 +269,7 @@ class Worker:
         for conn in list(self.connections):
             try:
                 await conn.send(status)
-            except (ConnectionError, OSError):
+            except PeerGone:
                 pass
 
     # -- the other ranks (MPI mode)
@@ -392,7 +401,7 @@ class Worker:
         except asyncio.CancelledError:
             cancelled.set()
             log.info("request abandoned: cancelled by the frontend")
-        except (ConnectionError, OSError) as exc:
+        except PeerGone as exc:
             cancelled.set()
             log.warning("connection lost while answering: %s", exc)
         except Exception as exc:
@@ -405,7 +414,7 @@ class Worker:
                 log.info("rejected with %s: %s", status, detail)
             try:
                 await conn.send(Fail(id=rid, code=status, message=summary, error=detail))
-            except (ConnectionError, OSError):
+            except PeerGone:
                 pass
         finally:
             conn.tasks.pop(rid, None)

@@ -1,6 +1,7 @@
 """Requests against a real server running the LMI-style handler in tests/model_dirs/lmi_echo."""
 
 import concurrent.futures
+import json
 import time
 
 import pytest
@@ -35,6 +36,27 @@ def test_handler_exception_is_424_with_its_message_and_no_traceback(server):
     assert r.status_code == 424
     assert r.json() == {"code": 424, "message": "prediction failure", "error": "the model is unhappy"}
     assert "Traceback" not in r.text and "/model_dirs/" not in r.text
+
+
+def test_a_handlers_own_oserror_is_424_at_once(server, tmp_path):
+    missing = tmp_path / "no-such-file.txt"
+    started = time.monotonic()
+    r = server.invoke({"open": str(missing)})
+    assert time.monotonic() - started < 1
+    assert r.status_code == 424
+    assert r.json()["code"] == 424 and "No such file or directory" in r.json()["error"]
+    assert str(tmp_path) not in r.text  # no local path leaks
+
+
+def test_a_handlers_own_oserror_mid_stream_ends_the_stream_at_once(server, tmp_path):
+    started = time.monotonic()
+    r = server.invoke({"lines_then_open": ["one", "two"], "path": str(tmp_path / "gone.txt")})
+    assert time.monotonic() - started < 1
+    assert r.status_code == 200
+    lines = r.text.splitlines()
+    assert lines[:2] == ["one", "two"]
+    assert json.loads(lines[2])["code"] == 424
+    assert server.invoke({"inputs": "after"}).status_code == 200
 
 
 def test_output_error_is_relayed(server):

@@ -5,7 +5,9 @@ Body fields drive the test cases: {"sleep": s} sleeps, {"fail": "msg"} raises,
 the response's custom attributes header; {"lines": [...], "gate": path} streams
 the lines from a plain generator, waiting for the file at `gate` before the
 last; {"lines_forever": path} streams until the client goes away, then writes
-"closed" to path.
+"closed" to path; {"open": path} reads a file (a missing one raises
+FileNotFoundError), {"lines_then_open": [...], "path": path} streams the lines,
+then reads the file.
 """
 
 import logging
@@ -43,6 +45,12 @@ def _forever(marker):
             f.write("closed")
 
 
+def _lines_then_open(lines, path):
+    yield from (line + "\n" for line in lines)
+    with open(path) as f:
+        yield f.read()
+
+
 def handle(inputs: Input):
     global model
     if model is None:
@@ -56,6 +64,11 @@ def handle(inputs: Input):
         return Output().add_stream_content(_lines(data["lines"], data["gate"]))
     if "lines_forever" in data:
         return Output().add_stream_content(_forever(data["lines_forever"]))
+    if "lines_then_open" in data:
+        return Output().add_stream_content(_lines_then_open(data["lines_then_open"], data["path"]))
+    if "open" in data:
+        with open(data["open"]) as f:
+            data["read"] = f.read()
     if "sleep" in data:
         time.sleep(float(data["sleep"]))
     if "fail" in data:
