@@ -73,7 +73,23 @@ class HandlerError(ServingError):
     """The model's handler raised or returned an error (LMI's 424 contract)."""
 
     status = 424
-    message = "prediction failure"
+    message = "invoke handler failure"
+
+
+class AnswerError(HandlerError):
+    """An answer the handler marked as failed with its own status (an LMI
+    async-mode chunk with ``code`` and ``error``)."""
+
+    def __init__(self, detail: str, status: int = 424) -> None:
+        super().__init__(detail)
+        self.status = status if 400 <= status <= 599 else 424
+
+
+class OutOfMemory(ServingError):
+    """The handler ran out of (device) memory: LMI's 507."""
+
+    status = 507
+    message = "out of memory"
 
 
 class ServiceUnavailable(ServingError):
@@ -91,6 +107,10 @@ class GatewayTimeout(ServingError):
 # Exceptions raised inside a handler that are not ServingErrors: the ones that
 # mean "the client's input was unreadable" become 400, the rest 424.
 _HANDLER_INPUT_ERRORS: tuple[type[BaseException], ...] = (json.JSONDecodeError, UnicodeDecodeError)
+
+# How LMI recognises an out-of-memory error raised by a handler (then 507, not 424).
+_OOM_TYPES = {"OutOfMemoryError", "MemoryError"}
+_OOM_TEXTS = ("No available memory for the cache blocks", "CUDA error: out of memory")
 
 _PATH = re.compile(r"(?<![\w:/.~-])(?:/[\w.+@~-]+){2,}/?")
 
@@ -119,6 +139,8 @@ def describe(exc: BaseException) -> tuple[int, str, str]:
     if isinstance(exc, _HANDLER_INPUT_ERRORS):
         return InputError.status, InputError.message, scrub(f"could not read the request: {exc}")
     text = str(exc) or type(exc).__name__
+    if type(exc).__name__ in _OOM_TYPES or any(t in text for t in _OOM_TEXTS):
+        return OutOfMemory.status, OutOfMemory.message, scrub(text)
     return HandlerError.status, HandlerError.message, scrub(text)
 
 

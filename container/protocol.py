@@ -55,9 +55,17 @@ METRICS_PATH = "/metrics"
 class Invoke(msgspec.Struct, tag="invoke", frozen=True):
     id: str
     properties: dict[str, str]
-    """The ``Input`` properties of the request: headers, custom attributes, request id."""
+    """The ``Input`` properties of the request: headers, custom attributes, ``requestId``."""
     body: bytes
     path: str = "/invocations"  # the HTTP route; METRICS_PATH is answered by the worker itself
+    query: str = ""  # the URL's query string (its parameters become content entries)
+
+
+class InvokeBatch(msgspec.Struct, tag="invoke_batch", frozen=True):
+    """Rank 0 to the other ranks (MPI mode with dynamic batching): the requests
+    of one batch, in the order the handler sees them."""
+
+    items: list[Invoke]
 
 
 class Cancel(msgspec.Struct, tag="cancel", frozen=True):
@@ -120,7 +128,7 @@ class RankMetrics(msgspec.Struct, tag="rank_metrics", frozen=True):
     text: str
 
 
-Message = Union[Invoke, Cancel, Head, Chunk, End, Fail, Status, Broadcast, RankMetrics]
+Message = Union[Invoke, InvokeBatch, Cancel, Head, Chunk, End, Fail, Status, Broadcast, RankMetrics]
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -51,6 +51,7 @@ class Key:
     doc: str
     sagemaker: tuple[str, ...] = ()  # SageMaker platform overrides, strongest first
     engine_arg: str | None = None   # the vLLM engine argument it becomes (built-in engine only)
+    aliases: tuple[str, ...] = ()   # other serving.properties spellings LMI accepts
 
 
 KEYS: tuple[Key, ...] = (
@@ -108,6 +109,14 @@ KEYS: tuple[Key, ...] = (
         "Built-in handler: how LMI-schema streams are framed (json means jsonlines for streams)."),
     Key("tgi_compat", "option.tgi_compat", ("OPTION_TGI_COMPAT",), "true or false",
         "Built-in handler: answer in TGI's forms (lists, details on, server-sent events)."),
+    # -- dynamic batching (handlers that batch: model.py)
+    Key("batch_size", "batch_size", ("SERVING_BATCH_SIZE", "OPTION_BATCH_SIZE"), "a whole number >= 1",
+        "Dynamic batching for a model.py handler: up to this many requests in one Input "
+        "(get_batches()); 1: one request per call. The built-in engines batch continuously instead.",
+        aliases=("max_dynamic_batch_size", "option.batch_size")),
+    Key("max_batch_delay", "max_batch_delay", ("SERVING_MAX_BATCH_DELAY", "OPTION_MAX_BATCH_DELAY"),
+        "milliseconds >= 0", "Dynamic batching: how long a batch waits for more requests after its first.",
+        aliases=("option.max_batch_delay",)),
     # -- server
     Key("port", "port", ("SERVING_PORT",), "a port number 1-65535", "HTTP port.", ("SAGEMAKER_BIND_TO_PORT",)),
     Key("job_queue_size", "job_queue_size", ("SERVING_JOB_QUEUE_SIZE", "MAX_CONCURRENT_REQUESTS"),
@@ -126,6 +135,7 @@ KEYS: tuple[Key, ...] = (
 
 KEY_BY_NAME = {k.key: k for k in KEYS}
 KEY_BY_FIELD = {k.field: k for k in KEYS}
+KEY_BY_ALIAS = {alias: k for k in KEYS for alias in k.aliases}
 
 
 class Settings(BaseModel):
@@ -155,6 +165,8 @@ class Settings(BaseModel):
     output_formatter: Literal["json", "jsonlines", "sse"] = "jsonlines"
     tgi_compat: bool = False
     port: int = Field(8080, ge=1, le=65535)
+    batch_size: int = Field(1, ge=1)
+    max_batch_delay: float = Field(100.0, ge=0)
     job_queue_size: int = Field(1000, ge=1)
     max_payload_in_mb: float = Field(6.0, gt=0)
     predict_timeout: float = Field(120.0, gt=0)
@@ -257,15 +269,24 @@ class Settings(BaseModel):
     def model_properties(self, model_id: str | None = None, tensor_parallel_degree: int | None = None
                          ) -> dict[str, str]:
         """What a handler's initialisation call receives, as LMI gives it: every
-        ``option.*`` as text (name without the prefix) and ``model_dir``.
+        ``option.*`` as text (name without the prefix), the other keys given in
+        ``serving.properties`` (``batch_size`` ...) and ``model_dir``.
         ``model_id``: where the model really is (a downloaded ``s3://`` prefix);
         ``tensor_parallel_degree``: the number ``max`` stands for in this group."""
-        properties = {**self.options, "model_dir": self.model_dir}
+        properties = {k.key: _text(getattr(self, k.field)) for k in KEYS if not k.key.startswith("option.")
+                      and self.sources.get(k.key, "").startswith("serving.properties")}
+        properties.update(self.options)
+        properties["model_dir"] = self.model_dir
         if model_id is not None:
             properties["model_id"] = model_id
         if tensor_parallel_degree is not None:
             properties["tensor_parallel_degree"] = str(tensor_parallel_degree)
         return properties
+
+
+def _text(value) -> str:
+    """A setting's value as ``serving.properties`` text (``100``, not ``100.0``)."""
+    return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
 
 
 def _option_key(name: str) -> str:
@@ -319,6 +340,7 @@ def _read_env(env: Mapping[str, str], layers: _Layers) -> None:
 def _read_file(model_dir: Path, layers: _Layers) -> None:
     for raw_key, (value, line) in read_properties(model_dir / "serving.properties").items():
         key = _canonical(raw_key)
+        key = KEY_BY_ALIAS[key].key if key in KEY_BY_ALIAS else key
         source = f"serving.properties line {line}"
         if key.startswith("option.") or key in KEY_BY_NAME:
             layers.set(key, value, source)

@@ -1,43 +1,98 @@
-"""The handler API: ``Input`` and ``Output``, with the methods and meaning of LMI's
-``djl_python``, so an LMI ``model.py`` runs unchanged.
+"""The handler API: ``Input``, ``Output`` and ``PairList``, with the methods and
+meaning of LMI's ``djl_python``, so an LMI ``model.py`` runs unchanged.
 
 A handler is a module with ``handle(inputs: Input) -> Output | None``. It is
 first called once with an empty ``Input`` whose properties are the model
-properties (``model_dir``, ``model_id``, every ``option.*`` without its prefix):
-that is the initialisation call. Every request then arrives as an ``Input``
-whose properties are the request headers (lower-case names), the pairs of
-``X-Amzn-SageMaker-Custom-Attributes`` and the request id, and whose content is
-the body under the key ``data``.
+properties (every ``option.*`` without its prefix, the other
+``serving.properties`` keys, ``model_dir``, ``device_id``...): that is the
+initialisation call. Every request then arrives as an ``Input`` whose
+properties are the request headers, the pairs of
+``X-Amzn-SageMaker-Custom-Attributes`` and ``requestId``, and whose content is
+the query parameters, then the body under the key ``data`` (or, for a form, one
+entry per field). ``container.worker.requests`` builds it.
+
+Where LMI's classes have a bug that no handler can rely on (a ``PairList``
+constructor form that raises, ``add_all`` of a ``PairList``), these work.
 """
 
 from __future__ import annotations
 
 import csv
+import datetime
 import io
 import json
+import logging
+import struct
 from typing import Any, AsyncIterator, Callable, Iterable
 
 from container.errors import InvalidJSON
 
+log = logging.getLogger(__name__)
+
+_SHORT = struct.Struct(">h")
+_INT = struct.Struct(">i")
+
 
 class PairList:
-    """An ordered list of ``(key, value)`` pairs; keys may repeat."""
+    """An ordered list of ``(key, value)`` pairs; keys may repeat.
 
-    def __init__(self, keys: list | None = None, values: list | None = None) -> None:
-        self.keys: list = list(keys or [])
-        self.values: list = list(values or [])
-        if len(self.keys) != len(self.values):
-            raise ValueError("keys and values must have the same length")
+    ``keys`` and ``values`` are the two parallel lists (public, as in LMI)."""
 
-    def add(self, key: str | None = None, value: Any = None) -> None:
-        self.keys.append(key)
-        self.values.append(value)
+    def __init__(self, keys: list | None = None, values: list | None = None, pair_list: list | None = None,
+                 pair_map: dict | None = None) -> None:
+        if keys and values:
+            if len(keys) != len(values):
+                raise ValueError("key value size mismatch.")
+            self.keys, self.values = keys, values
+            return
+        self.keys: list = []
+        self.values: list = []
+        if pair_list:
+            for pair in pair_list:
+                self.keys.append(pair[0])
+                self.values.append(pair[1])
+        elif pair_map:
+            self.add_all(pair_map)
+
+    def add(self, key: Any = None, value: Any = None, index: int | None = None, pair: tuple | None = None) -> None:
+        """Append ``(key, value)`` (at ``index`` if given), or ``pair``. As in LMI,
+        a ``None`` value is not added (``pair`` may carry one)."""
+        if index is not None and value is not None:
+            self.keys.insert(index, key)
+            self.values.insert(index, value)
+        elif pair:
+            self.keys.append(pair[0])
+            self.values.append(pair[1])
+        elif value is not None:
+            self.keys.append(key)
+            self.values.append(value)
+
+    def add_all(self, other: "dict | PairList | None") -> None:
+        """Append every pair of a dict or of another ``PairList``."""
+        if not other:
+            return
+        if isinstance(other, PairList):
+            self.keys.extend(other.keys)
+            self.values.extend(other.values)
+        else:
+            self.keys.extend(other.keys())
+            self.values.extend(other.values())
 
     def size(self) -> int:
         return len(self.keys)
 
+    def __len__(self) -> int:
+        return len(self.keys)
+
     def is_empty(self) -> bool:
         return not self.keys
+
+    def get(self, key):
+        """The value of the first pair with ``key``, else ``None``."""
+        try:
+            return self.values[self.keys.index(key)]
+        except ValueError:
+            return None
 
     def key_at(self, index: int):
         return self.keys[index]
@@ -51,34 +106,55 @@ class PairList:
     def get_values(self) -> list:
         return self.values
 
-    def get(self, key):
-        """The value of the first pair with ``key`` (``key`` may be an index)."""
-        if isinstance(key, int):
-            return self.values[key]
-        for k, v in zip(self.keys, self.values):
-            if k == key:
-                return v
-        return None
+
+# -- LMI's socket framing (big-endian), used by ``Input.read`` and ``Output.send``
+def retrieve_buffer(conn, length: int) -> bytearray:
+    """Read exactly ``length`` bytes from socket ``conn``."""
+    data = bytearray()
+    while len(data) < length:
+        chunk = conn.recv(length - len(data))
+        if not chunk:
+            raise ValueError("Connection disconnected")
+        data += chunk
+    return data
+
+
+def retrieve_int(conn) -> int:
+    return _INT.unpack(retrieve_buffer(conn, 4))[0]
+
+
+def retrieve_short(conn) -> int:
+    return _SHORT.unpack(retrieve_buffer(conn, 2))[0]
+
+
+def retrieve_utf8(conn) -> str | None:
+    length = retrieve_int(conn)
+    return None if length < 0 else retrieve_buffer(conn, length).decode("utf-8")
+
+
+class _EmptyContent(AttributeError):
+    """Text asked of an Input with no content (the initialisation call). An
+    ``AttributeError``, as LMI raises there, with a message that says what to do."""
 
 
 class Input:
     """One request (or the initialisation call) as a handler sees it."""
 
-    def __init__(self, properties: dict[str, str] | None = None, body: bytes | None = None,
+    def __init__(self, properties: dict | None = None, body: bytes | None = None,
                  request_path: str = "/invocations") -> None:
         self.function_name: str | None = None
         #: The HTTP route the request came in on (``/invocations``, ``/v1/chat/completions``...).
         self.request_path = request_path
-        self.properties: dict[str, str] = dict(properties or {})
+        self.properties: dict = dict(properties or {})
         self.content = PairList()
         if body is not None:  # a request, even with an empty body, is never is_empty()
             self.content.add("data", bytes(body))
 
     def __str__(self) -> str:
         keys = ", ".join(str(k) for k in self.content.get_keys())
-        return f"Input(properties={self.properties}, content keys=[{keys}])"
+        return f"properties: {self.properties}, content keys: [{keys}]"
 
-    # -- batches (the frontend sends one request per Input; kept for LMI handlers)
+    # -- batches: LMI's names (``batch_size``; ``batch_000.<key>`` for item 0 ...)
     def is_batch(self) -> bool:
         return "batch_size" in self.properties
 
@@ -86,10 +162,10 @@ class Input:
         return int(self.properties.get("batch_size", "1"))
 
     def get_batches(self) -> list["Input"]:
-        """Split a batched Input (``batch_NNN_<key>`` names) into single Inputs."""
+        """The items of a batch (``[self]`` when this is not one)."""
         if not self.is_batch():
             return [self]
-        batch = [Input() for _ in range(self.get_batch_size())]
+        batch = [Input(request_path=self.request_path) for _ in range(self.get_batch_size())]
         for key, value in self.properties.items():
             if key.startswith("batch_") and key != "batch_size":
                 batch[int(key[6:9])].properties[key[10:]] = value
@@ -101,10 +177,10 @@ class Input:
     def get_function_name(self) -> str | None:
         return self.function_name
 
-    def get_properties(self) -> dict[str, str]:
+    def get_properties(self) -> dict:
         return self.properties
 
-    def get_property(self, key: str) -> str | None:
+    def get_property(self, key: str) -> Any:
         """The value of property ``key``, matched without regard to case."""
         wanted = key.lower()
         return next((v for k, v in self.properties.items() if k.lower() == wanted), None)
@@ -119,8 +195,25 @@ class Input:
     def is_empty(self) -> bool:
         return self.content.is_empty()
 
+    def get_data(self, key: str | None = None) -> Any:
+        """The content decoded after the request's content type, as LMI does."""
+        content_type = self.get_property("content-type") or ""
+        if content_type == "tensor/ndlist":
+            return self.get_as_numpy(key)
+        if content_type == "tensor/npz":
+            return self.get_as_npz(key)
+        if content_type.startswith("application/json"):
+            return self.get_as_json(key)
+        if content_type.startswith("text/"):
+            return self.get_as_string(key)
+        if content_type.startswith("image/"):
+            return self.get_as_image(key)
+        if self.is_empty():
+            return None
+        return self.get_as_bytes(key=key)
+
     def get_as_bytes(self, key: str | None = None) -> bytes | None:
-        """The body (or the content under ``key``) as bytes; ``None`` when empty."""
+        """The body (or the content under ``key``); ``None`` when there is no content."""
         if self.content.is_empty():
             return None
         if key:
@@ -131,12 +224,18 @@ class Input:
         value = self.content.get("data")
         return value if value is not None else self.content.value_at(0)
 
-    def get_as_string(self, key: str | None = None) -> str:
+    def _required_bytes(self, key: str | None) -> bytes:
         data = self.get_as_bytes(key=key)
-        return "" if data is None else bytes(data).decode("utf-8")
+        if data is None:
+            raise _EmptyContent("this Input has no content (the initialisation call has none): "
+                                "check inputs.is_empty() before reading it")
+        return data
+
+    def get_as_string(self, key: str | None = None) -> str:
+        return bytes(self._required_bytes(key)).decode("utf-8")
 
     def get_as_json(self, key: str | None = None) -> Any:
-        """The body parsed as JSON. Malformed JSON raises ``InvalidJSON`` (a
+        """The content parsed as JSON. Malformed JSON raises ``InvalidJSON`` (a
         ``json.JSONDecodeError`` that the server answers with 400)."""
         text = self.get_as_string(key=key)
         try:
@@ -147,28 +246,66 @@ class Input:
     def get_as_csv(self, key: str | None = None) -> list[dict]:
         return list(csv.DictReader(io.StringIO(self.get_as_string(key=key))))
 
-    def get_data(self, key: str | None = None) -> Any:
-        """The body decoded after its content type (JSON, text, else bytes)."""
-        content_type = self.get_property("content-type") or ""
-        if content_type.startswith("application/json"):
-            return self.get_as_json(key)
-        if content_type.startswith("text/"):
-            return self.get_as_string(key)
-        return self.get_as_bytes(key)
+    def get_as_image(self, key: str | None = None):
+        """The content as a ``PIL.Image``."""
+        from PIL import Image
+        return Image.open(io.BytesIO(self._required_bytes(key)))
+
+    def get_as_numpy(self, key: str | None = None) -> list:
+        """The content (DJL's ``tensor/ndlist``, or npz) as a list of numpy arrays."""
+        from djl_python.np_util import from_nd_list
+        return from_nd_list(self._required_bytes(key))
+
+    def get_as_npz(self, key: str | None = None) -> list:
+        """The content (numpy's ``.npz``) as a list of arrays, in file order."""
+        import numpy as np
+        with np.load(io.BytesIO(self._required_bytes(key))) as npz:
+            return [npz[name] for name in npz.files]
+
+    def read(self, conn) -> None:
+        """Read one request from ``conn`` in DJL's socket framing."""
+        for _ in range(retrieve_short(conn)):
+            key = retrieve_utf8(conn)
+            self.properties[key] = retrieve_utf8(conn)
+        for _ in range(retrieve_short(conn)):
+            key = retrieve_utf8(conn)
+            self.content.add(key=key, value=retrieve_buffer(conn, retrieve_int(conn)))
+        self.function_name = self.properties.get("handler")
 
 
-def _json_bytes(value: Any) -> bytes:
-    return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
+class _JSONEncoder(json.JSONEncoder):
+    """LMI's encoder: numpy numbers and arrays, and datetimes, become JSON."""
+
+    def default(self, obj):
+        if isinstance(obj, datetime.datetime):
+            return str(obj)
+        try:
+            import numpy as np
+        except ImportError:  # pragma: no cover - numpy is always installed with vLLM
+            return super().default(obj)
+        if isinstance(obj, np.bool_):
+            return bool(obj)
+        if isinstance(obj, np.integer):
+            return int(obj)
+        if isinstance(obj, np.floating):
+            return float(obj)
+        if isinstance(obj, np.ndarray):
+            return obj.tolist()
+        return super().default(obj)
 
 
-def default_stream_item(item: Any) -> bytes:
-    """How a streamed item becomes bytes when no formatter is given: bytes pass
-    through, text is UTF-8 encoded, anything else becomes one JSON line."""
-    if isinstance(item, (bytes, bytearray, memoryview)):
-        return bytes(item)
-    if isinstance(item, str):
-        return item.encode("utf-8")
-    return _json_bytes(item) + b"\n"
+def json_line(item: Any) -> bytes:
+    """``item`` as one compact line of JSON (numpy values included)."""
+    return json.dumps(item, ensure_ascii=False, allow_nan=False, cls=_JSONEncoder,
+                      separators=(",", ":")).encode("utf-8") + b"\n"
+
+
+def _default_stream_item(item: Any) -> bytearray:
+    """LMI's default stream formatter: each item as ``{"outputs": item}`` and a newline."""
+    return bytearray((json.dumps({"outputs": item}) + "\n").encode("utf-8"))
+
+
+_DEFAULT = _default_stream_item
 
 
 class Output:
@@ -177,15 +314,20 @@ class Output:
     def __init__(self, code: int = 200, message: str = "OK") -> None:
         self.code = code
         self.message = message
-        self.properties: dict[str, str] = {}
+        self.properties: dict = {}
         self.content = PairList()
         self.stream_content: Iterable | AsyncIterator | None = None
-        self.stream_formatter: Callable[[Any], bytes] | None = None
+        self.stream_output_formatter: Callable[[Any], Any] | None = None
+        self.finalize_function: Callable | None = None
+        self.finalize_args: tuple = ()
+        #: Per-item status of a batched answer (``error(..., batch_index=i)``): index -> code.
+        self.item_codes: dict[int, int] = {}
         self._content_type_hint: str | None = None
 
     def __str__(self) -> str:
-        return (f"Output(code={self.code}, message={self.message!r}, properties={self.properties}, "
-                f"content keys={self.content.get_keys()}, stream={self.stream_content is not None})")
+        return json.dumps({"code": self.code, "message": self.message, "properties": self.properties,
+                           "content": {str(k): f"type: {type(v)}" for k, v in
+                                       zip(self.content.get_keys(), self.content.get_values())}}, indent=2)
 
     def set_code(self, code: int) -> "Output":
         self.code = int(code)
@@ -195,54 +337,144 @@ class Output:
         self.message = message
         return self
 
-    def error(self, error: str, code: int = 424, message: str = "prediction failure") -> "Output":
-        """Make this an error answer with LMI's JSON envelope."""
+    def error(self, error: str, code: int = 424, message: str = "invoke handler failure",
+              batch_index: int | None = None) -> "Output":
+        """Make this an error answer with LMI's JSON envelope. With ``batch_index``
+        (sagelmi's addition), only that item of a batch fails."""
+        body = {"code": code, "message": message, "error": error}
+        if batch_index is not None:
+            self.item_codes[batch_index] = code
+            return self.add_as_json(body, batch_index=batch_index)
         self.code = code
         self.message = message
         self.add_property("content-type", "application/json")
-        self.add_as_json({"code": code, "message": message, "error": error})
+        return self.add_as_json(body)
+
+    def add_property(self, key: str, val: Any) -> "Output":
+        """Set a response header (``Content-Type``, custom attributes, ...)."""
+        self.properties[key] = val
         return self
 
-    def add_property(self, key: str, val: str) -> "Output":
-        """Set a response header (``content-type``, custom attributes, ...)."""
-        self.properties[key] = str(val)
-        return self
+    def get_properties(self) -> dict:
+        return self.properties
+
+    def get_property(self, key: str) -> Any:
+        return self.properties.get(key)
 
     def add(self, value: Any, key: str | None = None, batch_index: int | None = None) -> "Output":
-        """Add content: bytes and text as they are, anything else as JSON."""
+        """Add content: text as UTF-8, bytes as they are, anything else as JSON
+        (``None`` too: it becomes ``null``)."""
         if key is not None and not isinstance(key, str):
+            log.warning("Output key should be str type, got %s", type(key).__name__)
             key = str(key)
         if batch_index is not None:
-            key = f"batch_{batch_index:03d}_{key or 'data'}"
-        if isinstance(value, (bytes, bytearray, memoryview)):
-            self.content.add(key, bytes(value))
-            self._hint("application/octet-stream")
-        elif isinstance(value, str):
+            key = f"batch_{batch_index}.{key or ''}"
+        if isinstance(value, str):
             self.content.add(key, value.encode("utf-8"))
             self._hint("text/plain; charset=utf-8")
+        elif isinstance(value, bytearray):
+            self.content.add(key, value)
+            self._hint("application/octet-stream")
+        elif isinstance(value, (bytes, memoryview)):
+            self.content.add(key, bytearray(value))
+            self._hint("application/octet-stream")
         else:
-            self.content.add(key, _json_bytes(value))
+            self.content.add(key, self._encode_json(value))
             self._hint("application/json")
         return self
 
     def add_as_json(self, val: Any, key: str | None = None, batch_index: int | None = None) -> "Output":
-        if batch_index is not None:
-            key = f"batch_{batch_index:03d}_{key or 'data'}"
-        self.content.add(key, _json_bytes(val))
         self._hint("application/json")
-        return self
+        return self.add(self._encode_json(val), key=key, batch_index=batch_index)
 
     def add_as_string(self, val: str, key: str | None = None, batch_index: int | None = None) -> "Output":
         return self.add(str(val), key=key, batch_index=batch_index)
 
-    def add_stream_content(self, stream: Iterable | AsyncIterator,
-                           output_formatter: Callable[[Any], bytes] | None = None) -> "Output":
-        """Stream the items of ``stream`` (a sync or async iterable) to the client,
-        each as one chunk. ``output_formatter`` turns an item into bytes; without
-        one, see ``default_stream_item``."""
-        self.stream_content = stream
-        self.stream_formatter = output_formatter
+    def add_as_numpy(self, np_list: Any, key: str | None = None, batch_index: int | None = None) -> "Output":
+        """Add numpy arrays in DJL's ``tensor/ndlist`` encoding."""
+        from djl_python.np_util import to_nd_list
+        return self.add(to_nd_list(np_list), key=key, batch_index=batch_index)
+
+    def add_as_npz(self, np_list: Any, key: str | None = None, batch_index: int | None = None) -> "Output":
+        """Add numpy arrays as an ``.npz`` file (``arr_0``, ``arr_1`` ...)."""
+        import numpy as np
+        buffer = io.BytesIO()
+        np.savez(buffer, *np_list)
+        return self.add(buffer.getvalue(), key=key, batch_index=batch_index)
+
+    def add_stream_content(self, stream_content: Iterable | AsyncIterator,
+                           output_formatter: Callable[[Any], Any] | None = _DEFAULT) -> "Output":
+        """Stream the items of ``stream_content`` (a sync or async iterable), each
+        as one chunk. By default each item goes out as ``{"outputs": item}`` and a
+        newline, as in LMI; ``output_formatter`` turns an item into text or bytes
+        instead, and ``None`` sends items as they are."""
+        self.stream_content = stream_content
+        self.stream_output_formatter = output_formatter
         return self
+
+    @staticmethod
+    def _encode_json(val: Any) -> bytearray:
+        return bytearray(json.dumps(val, ensure_ascii=False, allow_nan=False, indent=2, cls=_JSONEncoder,
+                                    separators=(",", ":")).encode("utf-8"))
+
+    @staticmethod
+    def write_utf8(msg: bytearray, val: str | None) -> None:
+        """Append ``val`` to ``msg`` as DJL writes text: its length, then UTF-8 (-1 for None)."""
+        if val is None:
+            msg += _INT.pack(-1)
+        else:
+            data = val.encode("utf-8")
+            msg += _INT.pack(len(data))
+            msg += data
+
+    @staticmethod
+    def binary_encode(data: dict) -> bytearray:
+        """A dict of strings in DJL's binary form (what async-mode answers carry)."""
+        msg = bytearray(_SHORT.pack(len(data)))
+        for key, value in data.items():
+            Output.write_utf8(msg, key)
+            Output.write_utf8(msg, str(value))
+        return msg
+
+    def finalize(self, finalize_function: Callable, *args: Any) -> "Output":
+        """Run ``finalize_function(*args)`` once the answer has been sent."""
+        self.finalize_function = finalize_function
+        self.finalize_args = args
+        return self
+
+    def execute_finalize(self) -> Any:
+        if self.finalize_function is None:
+            return None
+        return self.finalize_function(*self.finalize_args)
+
+    def send(self, sock) -> None:
+        """Write this answer to socket ``sock`` in DJL's framing (streams item by item)."""
+        msg = bytearray(_SHORT.pack(self.code))
+        self.write_utf8(msg, self.message)
+        msg += _SHORT.pack(len(self.properties))
+        for key, value in self.properties.items():
+            self.write_utf8(msg, key)
+            self.write_utf8(msg, str(value))
+        if self.stream_content is None:
+            msg += _SHORT.pack(self.content.size())
+            for key, value in zip(self.content.get_keys(), self.content.get_values()):
+                self.write_utf8(msg, key)
+                msg += _INT.pack(len(value))
+                msg += value
+            sock.sendall(msg)
+            return
+        msg += _SHORT.pack(-1)
+        sock.sendall(msg)
+        try:
+            for item in self.stream_content:
+                data = self.format_stream_item(item)
+                sock.sendall(b"\x01" + _INT.pack(len(data)) + data)
+        except Exception as exc:
+            log.exception("Failed read streaming content from output")
+            text = str(exc).encode("utf-8")
+            sock.sendall(b"\x00" + _INT.pack(len(text)) + text)
+            return
+        sock.sendall(b"\x00" + _INT.pack(0))
 
     def _hint(self, content_type: str) -> None:
         if self._content_type_hint is None:
@@ -257,16 +489,23 @@ class Output:
         return bytes(value if value is not None else self.content.value_at(0))
 
     def headers(self) -> dict[str, str]:
-        headers = dict(self.properties)
+        """The response headers: the properties, and a content type when the
+        handler set none (LMI sends none; a client is better told what came)."""
+        headers = {str(k): str(v) for k, v in self.properties.items()}
         if not any(k.lower() == "content-type" for k in headers):
             if self.stream_content is not None:
-                headers["content-type"] = "application/jsonlines" if self.stream_formatter is None else \
-                    "application/octet-stream"
-            elif self._content_type_hint:
+                headers["content-type"] = ("application/jsonlines" if self.stream_output_formatter is _DEFAULT
+                                           else "application/octet-stream")
+            elif self._content_type_hint and not self.content.is_empty():
                 headers["content-type"] = self._content_type_hint
         return headers
 
     def format_stream_item(self, item: Any) -> bytes:
-        if self.stream_formatter is None:
-            return default_stream_item(item)
-        return bytes(self.stream_formatter(item))
+        """One streamed item as bytes, as LMI sends it."""
+        if self.stream_output_formatter is not None:
+            item = self.stream_output_formatter(item)
+        if isinstance(item, str):
+            return item.encode("utf-8")
+        if isinstance(item, (bytes, bytearray, memoryview)):
+            return bytes(item)
+        return bytes(self._encode_json(item))

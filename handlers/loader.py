@@ -2,10 +2,16 @@
 
 The handler is ``model.py`` in the model directory, or what ``option.entryPoint``
 names: a ``.py`` file (relative to the model directory or absolute) or an
-importable module. It must define ``handle``. Without either, a built-in
+importable module. It must define ``handle``, or (as LMI allows) only an
+``@input_formatter`` and/or ``@output_formatter``: then the built-in handler
+serves the model with those formatters. Without a ``model.py``, the built-in
 handler serves the model: vLLM in Python mode, ``lmi-dist`` in MPI mode.
 Anything else stops start-up with the reason: there is no silent fallback to
 another handler.
+
+The formatters a ``model.py`` defines reach every call of the handler as the
+properties ``input_formatter`` and ``output_formatter`` (the functions), as in
+LMI.
 
 A built-in handler module may define, besides ``handle`` and ``shutdown``:
 ``initialize(context)`` (a coroutine run instead of LMI's initialisation call,
@@ -55,6 +61,9 @@ class Handler:
     initialize: Callable[[Any], Awaitable[None]] | None = None  # built-in: replaces the initialisation call
     check_health: Callable[[], None] | None = None  # built-in: raises once the handler cannot serve
     requests_on_rank0_only: bool = False  # built-in: distributes work to its MPI ranks itself
+    builtin: bool = False  # one of sagelmi's built-in handlers (vLLM, lmi-dist)
+    input_formatter: Callable[..., Any] | None = None  # model.py's @input_formatter
+    output_formatter: Callable[..., Any] | None = None  # model.py's @output_formatter
 
 
 def _kind(fn: Callable[..., Any]) -> str:
@@ -131,20 +140,41 @@ def load_handler(settings: Settings) -> Handler:
     except BaseException as exc:  # SystemExit from a module is a failed import too
         log.exception("importing the handler (%s) failed", origin)
         raise HandlerLoadError(f"importing {origin} failed: {type(exc).__name__}: {exc}") from exc
+    formatters = {"input_formatter": _decorated(module, "is_input_formatter"),
+                  "output_formatter": _decorated(module, "is_output_formatter")}
     fn = getattr(module, "handle", None)
-    if fn is None:
+    if fn is None and any(formatters.values()):
+        found = " and ".join(f"@{name}" for name, f in formatters.items() if f)
+        origin, _, module_name = _builtin(settings)
+        log.info("%s has no handle() but %s: serving with %s and those formatters", path or module_name,
+                 found, origin)
+        module = importlib.import_module(module_name)
+        fn = module.handle
+        origin = f"{origin} with the {found} of model.py"
+    elif fn is None:
         public = sorted(n for n in vars(module) if not n.startswith("_") and callable(getattr(module, n)))
         raise HandlerLoadError(
-            f"{origin} defines no function 'handle' (callables found: {', '.join(public) or 'none'})")
+            f"{origin} defines no function 'handle' and no @input_formatter/@output_formatter "
+            f"(callables found: {', '.join(public) or 'none'})")
     if not callable(fn):
         raise HandlerLoadError(f"{origin}: 'handle' is a {type(fn).__name__}, not a function")
-    builtin = module_name in BUILTIN.values()
+    builtin = module.__name__ in BUILTIN.values()
     handler = Handler(fn=fn, origin=origin, kind=_kind(fn), shutdown=_optional(module, "shutdown"),
                       initialize=_optional(module, "initialize") if builtin else None,
                       check_health=_optional(module, "check_health") if builtin else None,
-                      requests_on_rank0_only=builtin and bool(getattr(module, "REQUESTS_ON_RANK0_ONLY", False)))
+                      requests_on_rank0_only=builtin and bool(getattr(module, "REQUESTS_ON_RANK0_ONLY", False)),
+                      builtin=builtin, **formatters)
     log.info("handler %s loaded (%s handle)", origin, handler.kind.replace("_", " "))
     return handler
+
+
+def _decorated(module: Any, marker: str) -> Callable | None:
+    """The first function (by name, as LMI looks) marked by a djl_python decorator."""
+    for name in sorted(dir(module)):
+        value = getattr(module, name, None)
+        if callable(value) and getattr(value, marker, False) is True:
+            return value
+    return None
 
 
 def _optional(module: Any, name: str) -> Callable | None:

@@ -42,7 +42,7 @@ from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 
-from container.errors import InputError, ServiceUnavailable
+from container.errors import HandlerError, InputError, ServiceUnavailable
 from container.worker.context import WorkerContext
 from handlers.api import Input, Output
 from handlers.lmi_schema import Formatter, Generation, LmiRequest, TokenInfo, finish_reason, parse_request
@@ -119,6 +119,29 @@ class VllmService:
 
     # -- requests
     async def invoke(self, inputs: Input) -> Output:
+        """Answer one request, with model.py's ``@input_formatter`` /
+        ``@output_formatter`` when it has them (LMI's vLLM signatures: the
+        decoded payload and the tokenizer in, a payload out; an answer as a dict
+        in, a dict or text out, once per stream chunk when streaming)."""
+        input_formatter = inputs.get_property("input_formatter")
+        output_formatter = inputs.get_property("output_formatter")
+        if not callable(input_formatter) and not callable(output_formatter):
+            return await self._invoke(inputs)
+        if callable(input_formatter) and inputs.request_path != "/v1/models":
+            try:
+                payload = input_formatter(inputs.get_as_json(), tokenizer=self.engine.tokenizer)
+            except InputError:
+                raise
+            except Exception as exc:
+                raise HandlerError(f"Custom formatter failed: {type(exc).__name__}: {exc}") from None
+            inputs = Input(properties=inputs.properties, body=json.dumps(payload).encode(),
+                           request_path=inputs.request_path)
+        output = await self._invoke(inputs)
+        if callable(output_formatter) and output.code < 300:
+            output = _formatted(output, output_formatter)
+        return output
+
+    async def _invoke(self, inputs: Input) -> Output:
         path = inputs.request_path
         if path == "/v1/models":
             listing = await self.models.show_available_models()
@@ -131,7 +154,7 @@ class VllmService:
         if path == "/v1/completions" or (path == "/invocations" and "prompt" in body and "inputs" not in body):
             return await self._openai("completion", body)
         if "inputs" in body:
-            return await self._lmi(body, inputs.get_property("x-amzn-sagemaker-inference-id"))
+            return await self._lmi(body, inputs.get_property("requestId"))
         raise InputError("the body needs 'inputs' (LMI schema), 'messages' (OpenAI chat) "
                          "or 'prompt' (OpenAI completion)")
 
@@ -154,7 +177,7 @@ class VllmService:
             return _openai_error(result.error.code, result.error.message, result.error.type, result.error.param)
         if hasattr(result, "model_dump_json"):
             return Output().add_property("content-type", "application/json").add(result.model_dump_json())
-        return Output().add_property("content-type", "text/event-stream").add_stream_content(result)
+        return Output().add_property("content-type", "text/event-stream").add_stream_content(result, None)
 
     # -- LMI
     async def _lmi(self, body: dict, inference_id: str | None) -> Output:
@@ -173,7 +196,7 @@ class VllmService:
         outputs = self._generate(request.prompts[0], sampling, tag)
         first = await anext(outputs)  # errors before the first token become a 400, not a broken stream
         return (Output().add_property("content-type", self.formatter.stream_content_type)
-                .add_stream_content(self._stream(request, first, outputs)))
+                .add_stream_content(self._stream(request, first, outputs), None))
 
     async def _generate(self, prompt: str, sampling, request_id: str) -> AsyncIterator[Any]:
         try:
@@ -223,6 +246,49 @@ class VllmService:
                 yield self.formatter.stream_item(token, gen, params, last=output.finished and i == len(tokens) - 1)
             if output.finished and not tokens:
                 yield self.formatter.stream_item(None, gen, params, last=True)
+
+
+def _apply(formatter, data: Any) -> bytes:
+    try:
+        result = formatter(data)
+    except Exception as exc:
+        raise HandlerError(f"Custom formatter failed: {type(exc).__name__}: {exc}") from None
+    if hasattr(result, "model_dump_json"):
+        return result.model_dump_json().encode()
+    if isinstance(result, (bytes, bytearray)):
+        return bytes(result)
+    if isinstance(result, str):
+        return result.encode()
+    return json.dumps(result, ensure_ascii=False).encode()
+
+
+def _formatted(output: Output, formatter) -> Output:
+    """``output`` with each answer (or stream chunk) passed through ``formatter``."""
+    if output.stream_content is None:
+        data = output.body()
+        output.content = type(output.content)()
+        output.content.add("data", _apply(formatter, json.loads(data)))
+        return output
+    sse = "text/event-stream" in str(output.get_property("content-type") or "")
+    output.stream_content = _formatted_stream(output.stream_content, formatter, sse)
+    return output
+
+
+async def _formatted_stream(chunks: AsyncIterator[Any], formatter, sse: bool) -> AsyncIterator[bytes]:
+    async for chunk in chunks:
+        text = chunk.decode() if isinstance(chunk, (bytes, bytearray)) else str(chunk)
+        out = []
+        for line in text.splitlines():
+            if not line.strip():
+                continue
+            if sse:
+                payload = line.removeprefix("data:").strip()
+                out.append(line if payload == "[DONE]" else "data: " + _apply(formatter, json.loads(payload)).decode())
+                out.append("")
+            else:
+                out.append(_apply(formatter, json.loads(line)).decode())
+        if out:
+            yield ("\n".join(out) + "\n").encode()
 
 
 async def _prepend(first, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:

@@ -44,19 +44,19 @@ def _error_response(exc: BaseException) -> Response:
 
 
 def request_properties(request_id: str) -> dict[str, str]:
-    """Headers (lower-case names) plus the ``k=v`` pairs of the custom
-    attributes header, as the handler's ``Input`` properties."""
+    """The handler's ``Input`` properties, as DJL Serving builds them: the
+    headers (a repeated one joined with ", "), the ``k=v`` pairs of the custom
+    attributes header (in place of the header itself) and ``requestId``."""
     props: dict[str, str] = {}
-    for pair in request.headers.get(CUSTOM_ATTRIBUTES, "").split(";"):
-        key, sep, value = pair.partition("=")
-        if sep and key.strip():
-            props[key.strip()] = value.strip()
-    headers: dict[str, str] = {}
     for name, value in request.headers.items():
-        key = name.lower()
-        headers[key] = f"{headers[key]}, {value}" if key in headers else value
-    props.update(headers)
-    props[INFERENCE_ID.lower()] = request_id
+        if name.lower() == CUSTOM_ATTRIBUTES.lower():
+            for pair in value.split(";"):
+                key, sep, val = pair.partition("=")
+                if sep and key.strip():
+                    props[key.strip()] = val.strip()
+            continue
+        props[name] = f"{props[name]}, {value}" if name in props else value
+    props["requestId"] = request_id
     return props
 
 
@@ -117,7 +117,8 @@ class Invocation:
         try:
             self.group = self.router.pick()
             self.pending = self.group.submit(Invoke(id=self.wire_id, properties=request_properties(self.request_id),
-                                                   body=body, path=request.path))
+                                                   body=body, path=request.path,
+                                                   query=request.query_string.decode("latin-1")))
             try:
                 self._await(self.pending.has_head, "no answer from the model")
                 head = self.pending.wait_head(0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 from container.launch import WorkerLaunch
@@ -34,3 +35,19 @@ class WorkerContext:
         if self.follower is None:
             raise RuntimeError("only the other ranks of an MPI group receive broadcasts")
         return self.follower.broadcasts.get()
+
+
+_current: "tuple[WorkerContext, asyncio.AbstractEventLoop] | None" = None
+
+
+def set_current(context: WorkerContext, loop: "asyncio.AbstractEventLoop") -> None:
+    """Record the running worker's context and loop (one worker per process)."""
+    global _current
+    _current = (context, loop)
+
+
+def current() -> "tuple[WorkerContext, asyncio.AbstractEventLoop]":
+    """The running worker's context and loop, for code a handler calls (``djl_python.huggingface``)."""
+    if _current is None:
+        raise RuntimeError("no sagelmi worker is running in this process")
+    return _current

@@ -39,13 +39,15 @@ from typing import Any, AsyncIterator
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from container import logs
-from container.errors import ServiceUnavailable, describe
+from container.errors import ServiceUnavailable, describe, scrub
 from container.metrics_text import merge
 from container.protocol import (EXIT_ENGINE_DEAD, EXIT_LOAD_FAILED, EXIT_RANK_LOST, FRAME_HEADER, METRICS_PATH,
-                                Cancel, Chunk, End, Fail, Head, Invoke, Message, ProtocolError, Status, WorkerState,
-                                decode, encode, frame_length)
-from container.worker.context import WorkerContext
-from handlers.api import Input, Output
+                                Cancel, Chunk, End, Fail, Head, Invoke, InvokeBatch, Message, ProtocolError, Status,
+                                WorkerState, decode, encode, frame_length)
+from container.worker.batching import Batcher
+from container.worker.context import WorkerContext, set_current
+from container.worker.requests import batch_input, chunk_of, request_input, split_batch, to_output
+from handlers.api import Input, Output, json_line
 from handlers.loader import Handler, HandlerLoadError, load_handler
 
 log = logging.getLogger("sagelmi.worker")
@@ -125,15 +127,20 @@ class DroppedAnswers:
         pass
 
 
-def to_output(result: Any) -> Output:
-    """Normalise what ``handle`` returned into an ``Output``."""
-    if isinstance(result, Output):
-        return result
-    if result is None:
-        return Output()
-    if hasattr(result, "__aiter__") or (hasattr(result, "__next__") and hasattr(result, "__iter__")):
-        return Output().add_stream_content(result)
-    return Output().add(result)
+def generator_item(item: Any) -> bytes:
+    """How an item of a ``handle()`` that is itself a generator goes out: bytes
+    and text as they are, anything else as one JSON line."""
+    if isinstance(item, (bytes, bytearray, memoryview)):
+        return bytes(item)
+    if isinstance(item, str):
+        return item.encode("utf-8")
+    return json_line(item)
+
+
+async def _prepend(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    yield first
+    async for item in rest:
+        yield item
 
 
 class Worker:
@@ -149,8 +156,11 @@ class Worker:
                                            thread_name_prefix="handler")
         self.connections: set[Connection] = set()
         self.dropped = DroppedAnswers()
+        self.batcher: Batcher | None = None
+        self.common: dict[str, Any] = {}  # properties LMI adds to every call (device_id, model_dir ...)
         self.stopping = asyncio.Event()
         self.loop = asyncio.get_running_loop()
+        set_current(context, self.loop)
 
     # -- lifecycle
     async def run(self) -> int:
@@ -176,6 +186,8 @@ class Worker:
         finally:
             if health is not None:
                 health.cancel()
+            if self.batcher is not None:
+                self.batcher.stop()
             if server is not None:
                 server.close()
             for conn in [*self.connections, self.dropped]:
@@ -215,13 +227,25 @@ class Worker:
                 await asyncio.to_thread(self.context.follower.connect)
             # Import on the loop's thread: some libraries insist on the main thread.
             self.handler = load_handler(self.settings)
+            self.common = self._common_properties()
             if self.handler.initialize is not None:
                 await self.handler.initialize(self.context)
             else:  # LMI's initialisation call: an empty Input with the model properties
-                init = to_output(await self._call(Input(properties=dict(self.context.launch.model_properties))))
+                properties = {**self.context.launch.model_properties, **self.common}
+                init = to_output(await self._call(Input(properties=properties)))
                 if init.stream_content is not None:  # a generator handle(): run its body
                     async for _ in self._stream(init, cancelled=threading.Event()):
                         pass
+                elif init.code >= 300:
+                    raise RuntimeError(f"it answered {init.code} {init.message}: "
+                                       f"{init.body().decode('utf-8', 'replace')[:500]}")
+            if self.settings.batch_size > 1 and not self.handler.builtin:
+                self.batcher = Batcher(self.settings.batch_size, self.settings.max_batch_delay,
+                                       self.settings.sync_handler_threads, self._serve_batch)
+                if self.context.follower is None:  # the other ranks run the batches rank 0 formed
+                    self.batcher.start()
+                log.info("dynamic batching: up to %d requests, waiting up to %g ms",
+                         self.settings.batch_size, self.settings.max_batch_delay)
         except HandlerLoadError as exc:
             return await self._set_own_state(WorkerState.FAILED, str(exc))
         except Exception as exc:
@@ -232,6 +256,21 @@ class Worker:
                                              f"{origin}: {what} failed: {type(exc).__name__}: {exc}")
         log.info("model ready in %.1fs", time.monotonic() - started)
         return await self._set_own_state(WorkerState.READY)
+
+    def _common_properties(self) -> dict[str, Any]:
+        """What LMI's Python engine adds to the properties of every call."""
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+        on_gpu = visible not in ("", "-1") and not self.settings.use_mpi
+        common: dict[str, Any] = {"device_id": "0" if on_gpu else "-1", "model_dir": self.settings.model_dir,
+                                  "cluster_size": 1}
+        if self.settings.use_mpi:
+            common["tensor_parallel_degree"] = self.context.launch.tensor_parallel_degree
+            common["pipeline_parallel_degree"] = self.settings.pipeline_parallel_degree
+        if self.handler.input_formatter is not None:
+            common["input_formatter"] = self.handler.input_formatter
+        if self.handler.output_formatter is not None:
+            common["output_formatter"] = self.handler.output_formatter
+        return common
 
     # -- state: this rank's, and (on rank 0) the group's
     async def _set_own_state(self, state: WorkerState, detail: str = "") -> bool:
@@ -348,12 +387,19 @@ class Worker:
                 if self.context.follower is not None:  # rank 0 collects every rank's metrics
                     self.context.follower.send_metrics(message.id, generate_latest().decode())
                     return
+            elif self.batcher is not None and self.own_state.state is WorkerState.READY:
+                self.batcher.submit(conn, message)  # relayed with its batch (InvokeBatch)
+                return
             elif self._relays():
                 self.context.leader.send(message)
             self._start_request(conn, message)
+        elif isinstance(message, InvokeBatch):  # another rank: the batch rank 0 formed
+            self._start_batch([(conn, item) for item in message.items])
         elif isinstance(message, Cancel):
             task = conn.tasks.get(message.id)
             if task is None:
+                if self.batcher is not None:
+                    self.batcher.cancel(message.id)
                 return
             if self._relays():
                 self.context.leader.send(message)
@@ -367,37 +413,29 @@ class Worker:
         return (self.context.leader is not None and self.handler is not None
                 and not self.handler.requests_on_rank0_only)
 
-    def _start_request(self, conn: Connection | DroppedAnswers, message: Invoke) -> None:
-        request_id = message.properties.get("x-amzn-sagemaker-inference-id", message.id)
+    def _start_request(self, conn: Connection | DroppedAnswers, message: Invoke) -> asyncio.Task:
+        request_id = message.properties.get("requestId", message.id)
         context = contextvars.copy_context()
         context.run(logs.request_id_var.set, request_id)
         task = self.loop.create_task(self._serve_request(conn, message), context=context)
         conn.tasks[message.id] = task
+        return task
+
+    def _start_batch(self, batch: list[tuple[Connection | DroppedAnswers, Invoke]]) -> asyncio.Task:
+        return self.loop.create_task(self._serve_batch(batch))
 
     async def _serve_request(self, conn: Connection | DroppedAnswers, message: Invoke) -> None:
         rid = message.id
-        head_sent = False
         cancelled = threading.Event()  # tells a synchronous generator to stop
+        output = None
         try:
             if message.path == METRICS_PATH:
                 output = Output().add_property("content-type", CONTENT_TYPE_LATEST).add(await self._metrics())
             elif self.own_state.state is not WorkerState.READY:
                 raise ServiceUnavailable("the model worker is not ready")
             else:
-                output = to_output(await self._call(Input(message.properties, message.body, message.path)))
-            headers = {k: v for k, v in output.headers().items() if k.lower() not in _HOP_BY_HOP}
-            streaming = output.stream_content is not None
-            await conn.send(Head(id=rid, code=output.code, headers=headers, stream=streaming))
-            head_sent = True
-            if streaming:
-                async for data in self._stream(output, cancelled):
-                    if data:
-                        await conn.send(Chunk(id=rid, data=data))
-            else:
-                body = output.body()
-                if body:
-                    await conn.send(Chunk(id=rid, data=body))
-            await conn.send(End(id=rid))
+                output = to_output(await self._call(request_input(message, self.common)))
+            await self._send_output(conn, rid, output, cancelled)
         except asyncio.CancelledError:
             cancelled.set()
             log.info("request abandoned: cancelled by the frontend")
@@ -406,18 +444,95 @@ class Worker:
             log.warning("connection lost while answering: %s", exc)
         except Exception as exc:
             cancelled.set()
-            self._check_health()  # an engine that died fails its requests first: restart at once
-            status, summary, detail = describe(exc)
-            if status >= 500 or status == 424:
-                log.exception("handler failed (%s after %s)", status, "streaming began" if head_sent else "start")
-            else:
-                log.info("rejected with %s: %s", status, detail)
-            try:
-                await conn.send(Fail(id=rid, code=status, message=summary, error=detail))
-            except PeerGone:
-                pass
+            await self._fail(conn, rid, exc)
         finally:
             conn.tasks.pop(rid, None)
+            if output is not None and output.finalize_function is not None:
+                await self._finalize(output)
+
+    async def _serve_batch(self, batch: list[tuple[Connection | DroppedAnswers, Invoke]]) -> None:
+        """Run one batch (``container.worker.batching``) and answer each of its requests."""
+        if self._relays():
+            self.context.leader.send(InvokeBatch(items=[message for _, message in batch]))
+        if len(batch) == 1:  # as in DJL Serving: a batch of one is an ordinary request
+            task = self._start_request(*batch[0])
+            await asyncio.wait({task})  # the batch's slot is free once it is answered
+            return
+        output = None
+        try:
+            output = to_output(await self._call(batch_input([message for _, message in batch], self.common)))
+            answers = split_batch(output, len(batch))
+        except asyncio.CancelledError:
+            return
+        except Exception as exc:
+            for conn, message in batch:
+                if not self._dropped(message):
+                    await self._fail(conn, message.id, exc, quiet=conn is not batch[0][0])
+            return
+        finally:
+            if output is not None and output.finalize_function is not None:
+                await self._finalize(output)
+        for (conn, message), answer in zip(batch, answers):
+            if self._dropped(message):
+                continue
+            try:
+                await self._send_output(conn, message.id, answer, threading.Event())
+            except PeerGone:
+                pass
+
+    def _dropped(self, message: Invoke) -> bool:
+        return self.batcher is not None and message.id in self.batcher.dropped
+
+    async def _send_output(self, conn: Connection | DroppedAnswers, rid: str, output: Output,
+                           cancelled: threading.Event) -> None:
+        """Send ``output`` as the answer to request ``rid``: head, body or stream, end."""
+        if getattr(output, "chunked", False):  # LMI async mode: the first chunk's properties are the headers
+            output = await self._peek_chunks(output)
+        headers = {k: v for k, v in output.headers().items() if k.lower() not in _HOP_BY_HOP}
+        streaming = output.stream_content is not None
+        await conn.send(Head(id=rid, code=output.code, headers=headers, stream=streaming))
+        if streaming:
+            async for data in self._stream(output, cancelled):
+                if data:
+                    await conn.send(Chunk(id=rid, data=data))
+        else:
+            body = output.body()
+            if body:
+                await conn.send(Chunk(id=rid, data=body))
+        await conn.send(End(id=rid))
+
+    async def _peek_chunks(self, output: Output) -> Output:
+        stream = aiter(output.stream_content)
+        try:
+            first = await anext(stream)
+        except StopAsyncIteration:
+            return Output(code=204, message="No content")
+        if isinstance(first, Output):
+            output.properties = {**first.properties, **output.properties}
+            chunk_of(first)  # a failed first chunk is the request's error, not a stream's last line
+        output.stream_content = _prepend(first, stream)
+        return output
+
+    async def _fail(self, conn: Connection | DroppedAnswers, rid: str, exc: Exception, quiet: bool = False) -> None:
+        self._check_health()  # an engine that died fails its requests first: restart at once
+        status, summary, detail = describe(exc)
+        if quiet:
+            pass
+        elif status >= 500 or status == 424:
+            log.error("handler failed (%s): %s", status, detail, exc_info=exc)
+        else:
+            log.info("rejected with %s: %s", status, detail)
+        try:
+            await conn.send(Fail(id=rid, code=status, message=summary, error=detail))
+        except PeerGone:
+            pass
+
+    async def _finalize(self, output: Output) -> None:
+        """LMI's ``Output.finalize``: run once the answer has been sent."""
+        try:
+            await self.loop.run_in_executor(self.executor, output.execute_finalize)
+        except Exception:
+            log.exception("the Output's finalize function failed")
 
     async def _metrics(self) -> bytes:
         """This process's Prometheus text; in MPI mode every rank's, labelled ``rank``."""
@@ -431,8 +546,8 @@ class Worker:
     # -- calling the handler
     async def _call(self, inputs: Input) -> Any:
         handler = self.handler
-        if handler.kind in ("async_generator", "generator"):
-            return Output().add_stream_content(handler.fn(inputs))
+        if handler.kind in ("async_generator", "generator"):  # sagelmi's own: handle() itself streams
+            return Output().add_stream_content(handler.fn(inputs), output_formatter=generator_item)
         if handler.kind == "async":
             return await handler.fn(inputs)
         call = self.loop.run_in_executor(self.executor, contextvars.copy_context().run, handler.fn, inputs)
@@ -446,7 +561,13 @@ class Worker:
         stream = output.stream_content
         if hasattr(stream, "__aiter__"):
             async for item in stream:
-                yield output.format_stream_item(item)
+                if isinstance(item, Output):  # LMI async mode: a chunk (async_utils), ending with last=True
+                    data, last = chunk_of(item)
+                    yield data
+                    if last:
+                        break
+                else:
+                    yield output.format_stream_item(item)
             return
         items: asyncio.Queue = asyncio.Queue()
         room = threading.Semaphore(STREAM_QUEUE)  # the generator runs at most this far ahead of its sender

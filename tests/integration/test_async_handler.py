@@ -33,18 +33,18 @@ def test_first_chunk_arrives_before_the_last_is_produced(server, tmp_path):
         assert r.headers["Transfer-Encoding"] == "chunked"
         assert r.headers["content-type"] == "application/jsonlines"
         lines = r.iter_lines()
-        assert json.loads(next(lines)) == {"item": "a"}
-        assert json.loads(next(lines)) == {"item": "b"}
+        assert json.loads(next(lines)) == {"outputs": {"item": "a"}}  # LMI's default stream lines
+        assert json.loads(next(lines)) == {"outputs": {"item": "b"}}
         gate.write_text("open")  # only now may the handler produce the last item
-        assert [json.loads(line) for line in lines] == [{"item": "c"}]
+        assert [json.loads(line) for line in lines] == [{"outputs": {"item": "c"}}]
 
 
 def test_an_error_after_the_stream_began_is_the_last_line(server):
     r = server.invoke({"stream_fail": "ran out of tokens"})
     assert r.status_code == 200
     lines = [json.loads(line) for line in r.text.splitlines()]
-    assert lines[0] == {"item": "first"}
-    assert lines[-1] == {"code": 424, "message": "prediction failure", "error": "ran out of tokens"}
+    assert lines[0] == {"outputs": {"item": "first"}}
+    assert lines[-1] == {"code": 424, "message": "invoke handler failure", "error": "ran out of tokens"}
 
 
 def test_timeout_cancels_the_handlers_work(server, tmp_path):

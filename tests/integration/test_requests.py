@@ -34,7 +34,7 @@ def test_lmi_handler_runs_unchanged_with_its_initialisation_call(server):
 def test_handler_exception_is_424_with_its_message_and_no_traceback(server):
     r = server.invoke({"fail": "the model is unhappy"})
     assert r.status_code == 424
-    assert r.json() == {"code": 424, "message": "prediction failure", "error": "the model is unhappy"}
+    assert r.json() == {"code": 424, "message": "invoke handler failure", "error": "the model is unhappy"}
     assert "Traceback" not in r.text and "/model_dirs/" not in r.text
 
 
@@ -53,9 +53,9 @@ def test_a_handlers_own_oserror_mid_stream_ends_the_stream_at_once(server, tmp_p
     r = server.invoke({"lines_then_open": ["one", "two"], "path": str(tmp_path / "gone.txt")})
     assert time.monotonic() - started < 1
     assert r.status_code == 200
-    lines = r.text.splitlines()
-    assert lines[:2] == ["one", "two"]
-    assert json.loads(lines[2])["code"] == 424
+    lines = [json.loads(line) for line in r.text.splitlines()]
+    assert lines[:2] == [{"outputs": "one\n"}, {"outputs": "two\n"}]
+    assert lines[2]["code"] == 424
     assert server.invoke({"inputs": "after"}).status_code == 200
 
 
@@ -88,9 +88,11 @@ def test_custom_attributes_and_inference_id_reach_the_handler_and_come_back(serv
     assert r.status_code == 200
     props = r.json()["properties"]
     assert props["trace_id"] == "abc" and props["accept_eula"] == "true"
-    assert props["x-amzn-sagemaker-custom-attributes"] == "trace_id=abc; accept_eula=true"
-    assert props["x-amzn-sagemaker-inference-id"] == "req-12345"
-    assert props["content-type"] == "application/json"
+    # as DJL Serving: the attributes header itself is not a property; headers keep their names
+    assert not any(k.lower() == "x-amzn-sagemaker-custom-attributes" for k in props)
+    assert props["requestId"] == "req-12345"
+    assert props["Content-Type"] == "application/json"
+    assert props["device_id"] == "-1" and props["model_dir"] == str(MODEL_DIRS / "lmi_echo")
     assert r.headers["X-Amzn-SageMaker-Inference-Id"] == "req-12345"
     assert r.headers["X-Amzn-SageMaker-Custom-Attributes"] == "handler_says=hi"
     log = server.log()
@@ -101,7 +103,7 @@ def test_request_id_is_generated_when_absent_and_is_on_worker_log_lines(server):
     r = server.invoke({"inputs": "x"})
     rid = r.headers["X-Amzn-SageMaker-Inference-Id"]
     assert len(rid) >= 16
-    assert r.json()["properties"]["x-amzn-sagemaker-inference-id"] == rid
+    assert r.json()["properties"]["requestId"] == rid
     server.invoke({"fail": "logged"}, headers={"X-Amzn-SageMaker-Inference-Id": "req-fail-1"})
     assert any("worker-0 [req-fail-1]" in line and "handler failed" in line for line in server.log().splitlines())
 
@@ -149,10 +151,10 @@ def test_execution_parameters(server):
 def test_a_plain_generator_streams_each_item_as_it_comes(server, tmp_path):
     gate = tmp_path / "gate"
     with server.invoke({"lines": ["a", "b", "c"], "gate": str(gate)}, stream=True, timeout=10) as r:
-        lines = r.iter_lines()
-        assert [next(lines), next(lines)] == [b"a", b"b"]
+        lines = (json.loads(line) for line in r.iter_lines())  # LMI's default: {"outputs": item} lines
+        assert [next(lines), next(lines)] == [{"outputs": "a\n"}, {"outputs": "b\n"}]
         gate.write_text("open")  # only now may the generator produce the last line
-        assert list(lines) == [b"c"]
+        assert list(lines) == [{"outputs": "c\n"}]
 
 
 def test_a_plain_generator_stops_when_its_client_goes_away(server, tmp_path):

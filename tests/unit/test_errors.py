@@ -7,7 +7,7 @@ def test_status_table():
     assert describe(PayloadTooLarge("big"))[:2] == (413, "payload too large")
     assert describe(ServiceUnavailable("full"))[0] == 503
     assert describe(GatewayTimeout())[0] == 504
-    assert describe(RuntimeError("boom")) == (424, "prediction failure", "boom")
+    assert describe(RuntimeError("boom")) == (424, "invoke handler failure", "boom")
     assert describe(json.JSONDecodeError("bad", "{", 0))[0] == 400
     assert describe(KeyError())[2] == "KeyError"
 
@@ -20,4 +20,4 @@ def test_paths_are_scrubbed_but_urls_are_not():
 
 
 def test_envelope_shape():
-    assert envelope(424, "prediction failure", "x") == {"code": 424, "message": "prediction failure", "error": "x"}
+    assert envelope(424, "invoke handler failure", "x") == {"code": 424, "message": "invoke handler failure", "error": "x"}

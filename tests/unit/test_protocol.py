@@ -14,7 +14,7 @@ MESSAGES = [
     Head(id="r1", code=200, headers={"content-type": "text/plain"}, stream=True),
     Chunk(id="r1", data=b"\x00\xffbytes"),
     End(id="r1"),
-    Fail(id="r1", code=424, message="prediction failure", error="boom"),
+    Fail(id="r1", code=424, message="invoke handler failure", error="boom"),
     Status(state=WorkerState.READY, detail="", incarnation=3, rank=1),
     Broadcast(data=b"\x01step"),
 ]

@@ -5,7 +5,7 @@ import sys
 import pytest
 
 from container.serving_properties import parse_properties
-from container.settings import KEYS, SettingsError, describe_settings, resolve_settings
+from container.settings import KEY_BY_FIELD, KEYS, SettingsError, describe_settings, resolve_settings
 from tests.server import REPO, clean_env
 
 
@@ -68,7 +68,23 @@ ALIASES = [
     ("OPTION_OUTPUT_FORMATTER", "SSE", "output_formatter", "sse"),
     ("OPTION_TGI_COMPAT", "true", "tgi_compat", True),
     ("OPTION_ROLLING_BATCH", "LMI-Dist", "rolling_batch", "lmi-dist"),
+    ("SERVING_BATCH_SIZE", "4", "batch_size", 4),
+    ("OPTION_BATCH_SIZE", "8", "batch_size", 8),
+    ("SERVING_MAX_BATCH_DELAY", "250", "max_batch_delay", 250),
+    ("OPTION_MAX_BATCH_DELAY", "50", "max_batch_delay", 50),
 ]
+
+
+@pytest.mark.parametrize("line,field,expected", [
+    ("batch_size=4", "batch_size", 4), ("max_dynamic_batch_size=3", "batch_size", 3),
+    ("option.batch_size=2", "batch_size", 2), ("max_batch_delay=20", "max_batch_delay", 20),
+    ("option.max_batch_delay=30", "max_batch_delay", 30)])
+def test_batching_spellings_in_serving_properties(tmp_path, line, field, expected):
+    (tmp_path / "serving.properties").write_text(line + "\n")
+    settings = resolve({}, tmp_path=tmp_path)
+    assert getattr(settings, field) == expected
+    # as in LMI, the handler's initialisation call sees the serving.properties keys
+    assert settings.model_properties()[KEY_BY_FIELD[field].key] == str(expected)
 
 
 @pytest.mark.parametrize("name,value,field,expected", ALIASES)

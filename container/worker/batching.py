@@ -1,0 +1,100 @@
+"""Dynamic batching for a ``model.py`` handler (``batch_size`` > 1), as DJL
+Serving's batch aggregator does it.
+
+When the handler can take a batch (fewer than ``sync_handler_threads`` batches
+are running), the batcher waits for a request, takes the ones already waiting
+(up to ``batch_size``), then waits up to ``max_batch_delay`` ms from the first
+for more. The batch then goes to the handler as one call; a batch of one is an
+ordinary request. A request cancelled while it waits leaves the queue; one
+cancelled once its batch runs has its answer dropped (the batch runs to its
+end for the others).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Awaitable, Callable
+
+from container.protocol import Invoke
+
+log = logging.getLogger("sagelmi.worker")
+
+Entry = tuple[object, Invoke]  # (the connection to answer on, the request)
+
+
+class Batcher:
+    def __init__(self, size: int, delay_ms: float, slots: int,
+                 run: Callable[[list[Entry]], Awaitable[None]]) -> None:
+        self.size = size
+        self.delay = delay_ms / 1000
+        self.slots = asyncio.Semaphore(slots)
+        self.run = run
+        self.queue: asyncio.Queue[Entry] = asyncio.Queue()
+        self.dropped: set[str] = set()  # ids cancelled while queued or running
+        self.running: set[asyncio.Task] = set()
+        self._loop_task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._loop_task = asyncio.get_running_loop().create_task(self._form_batches())
+
+    def submit(self, conn: object, message: Invoke) -> None:
+        self.queue.put_nowait((conn, message))
+
+    def cancel(self, message_id: str) -> None:
+        self.dropped.add(message_id)
+
+    def forget(self, message_id: str) -> None:
+        self.dropped.discard(message_id)
+
+    def stop(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+        for task in list(self.running):
+            task.cancel()
+
+    async def _take(self, timeout: float | None) -> Entry | None:
+        """The next request still wanted; ``None`` when ``timeout`` passed first."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while True:
+            if deadline is None:
+                entry = await self.queue.get()
+            elif not self.queue.empty():
+                entry = self.queue.get_nowait()
+            else:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    return None
+                try:
+                    entry = await asyncio.wait_for(self.queue.get(), remaining)
+                except TimeoutError:
+                    return None
+            if entry[1].id in self.dropped:
+                self.dropped.discard(entry[1].id)
+                continue
+            return entry
+
+    async def _form_batches(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self.slots.acquire()
+            batch = [await self._take(None)]
+            deadline = loop.time() + self.delay
+            while len(batch) < self.size:
+                entry = await self._take(max(deadline - loop.time(), 0))
+                if entry is None:
+                    break
+                batch.append(entry)
+            log.debug("batch of %d", len(batch))
+            task = loop.create_task(self._run(batch))
+            self.running.add(task)
+            task.add_done_callback(self.running.discard)
+
+    async def _run(self, batch: list[Entry]) -> None:
+        try:
+            await self.run(batch)
+        finally:
+            self.slots.release()
+            for _, message in batch:
+                self.dropped.discard(message.id)

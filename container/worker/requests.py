@@ -1,0 +1,197 @@
+"""From a request on the wire to the ``Input`` a handler sees, and from the
+handler's ``Output`` to what the client gets, as DJL Serving does it.
+
+Request: the properties are the request's (headers, custom attributes,
+``requestId``) plus what LMI's Python engine adds to every call (``device_id``,
+``model_dir``, ``cluster_size``; in MPI mode ``tensor_parallel_degree`` and
+``pipeline_parallel_degree``; the ``input_formatter`` / ``output_formatter``
+functions of ``model.py``). The content is the query parameters, in order, then
+the body: one entry per field for ``multipart/form-data`` and
+``application/x-www-form-urlencoded``, else the whole body under ``data``.
+
+Batch (``batch_size`` > 1): the items' properties and content keys get the
+prefix ``batch_000.``, ``batch_001.`` ..., and ``batch_size`` is set; the
+handler answers each item under ``batch_<i>.<key>``.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from email.parser import BytesParser
+from email.policy import HTTP
+from urllib.parse import parse_qsl
+
+from container.errors import AnswerError, HandlerError, InputError
+from container.protocol import Invoke
+from handlers.api import Input, Output
+
+_BATCH_KEY = re.compile(r"^batch_(\d+)\.(.*)$", re.S)
+
+
+def _content_type(properties: dict[str, str]) -> str:
+    return next((v for k, v in properties.items() if k.lower() == "content-type"), "")
+
+
+def _form_fields(body: bytes, content_type: str) -> list[tuple[str, bytes]]:
+    """The fields of a ``multipart/form-data`` body, in order (files as their bytes)."""
+    message = BytesParser(policy=HTTP).parsebytes(
+        b"Content-Type: " + content_type.encode("latin-1") + b"\r\n\r\n" + body)
+    if not message.is_multipart():
+        raise InputError("the multipart/form-data body could not be read (is its boundary right?)")
+    fields = []
+    for part in message.iter_parts():
+        name = part.get_param("name", header="content-disposition")
+        if name is None:
+            raise InputError("a part of the multipart/form-data body has no name")
+        fields.append((str(name), part.get_payload(decode=True) or b""))
+    return fields
+
+
+def request_content(message: Invoke) -> list[tuple[str, bytes]]:
+    """The content entries of a request, in DJL Serving's order."""
+    content = [(k, v.encode("utf-8")) for k, v in parse_qsl(message.query, keep_blank_values=True)]
+    content_type = _content_type(message.properties).lower()
+    if content_type.startswith("multipart/form-data"):
+        content += _form_fields(message.body, _content_type(message.properties))
+    elif content_type.split(";")[0].strip() == "application/x-www-form-urlencoded" and _is_form(message.body):
+        content += [(k, v.encode("utf-8")) for k, v in
+                    parse_qsl(message.body.decode("utf-8"), keep_blank_values=True)]
+    else:
+        content.append(("data", message.body))
+    return content
+
+
+def _is_form(body: bytes) -> bool:
+    """Whether a body labelled as a form really is ``k=v&...`` (``curl -d '{...}'``
+    labels JSON as a form: that body stays whole under ``data``)."""
+    try:
+        return bool(body) and bool(parse_qsl(body.decode("utf-8"), keep_blank_values=True, strict_parsing=True))
+    except (UnicodeDecodeError, ValueError):
+        return False
+
+
+def request_input(message: Invoke, common: dict) -> Input:
+    """The ``Input`` of one request; ``common`` holds the per-call properties."""
+    inputs = Input(properties={**message.properties, **common}, request_path=message.path)
+    for key, value in request_content(message):
+        inputs.content.keys.append(key)
+        inputs.content.values.append(value)
+    return inputs
+
+
+def batch_prefix(index: int) -> str:
+    return f"batch_{index:03d}."
+
+
+def batch_input(messages: list[Invoke], common: dict) -> Input:
+    """One ``Input`` holding the requests of a batch (two or more)."""
+    batch = Input(properties={**common, "batch_size": str(len(messages))}, request_path=messages[0].path)
+    for i, message in enumerate(messages):
+        prefix = batch_prefix(i)
+        for key, value in message.properties.items():
+            batch.properties[prefix + key] = value
+        for key, value in request_content(message):
+            batch.content.keys.append(prefix + key)
+            batch.content.values.append(value)
+    return batch
+
+
+def split_batch(output: Output, size: int) -> list[Output]:
+    """Each request's answer from the handler's answer to a batch of ``size``.
+
+    An answer with a status of 300 or more is every request's (LMI does the
+    same); otherwise it must hold one entry per request, keyed ``batch_<i>.``.
+    ``Output.error(..., batch_index=i)`` fails item ``i`` alone."""
+    if output.stream_content is not None:
+        raise HandlerError("the handler answered a batch with a stream; a batched answer holds one entry "
+                           "per request (Output.add(..., batch_index=i))")
+    if output.code >= 300:
+        return [output] * size
+    if output.content.size() != size:
+        raise HandlerError(f"Batch output size mismatch, expected: {size}, actual: {output.content.size()} "
+                           f"(add one entry per request with Output.add(..., batch_index=i))")
+    answers: list[Output | None] = [None] * size
+    for key, value in zip(output.content.get_keys(), output.content.get_values()):
+        match = _BATCH_KEY.match(key or "")
+        if match is None or int(match.group(1)) >= size:
+            raise HandlerError(f"Unexpected batch output key: {key} (expected batch_0. to batch_{size - 1}.)")
+        index = int(match.group(1))
+        answer = Output(code=output.item_codes.get(index, output.code), message=output.message)
+        answer.properties = dict(output.properties)
+        if index in output.item_codes:
+            answer.properties = {k: v for k, v in answer.properties.items() if k.lower() != "content-type"}
+            answer.properties["content-type"] = "application/json"
+        answer._content_type_hint = output._content_type_hint
+        answer.content.add(match.group(2) or "data", value)
+        answers[index] = answer
+    return answers
+
+
+def binary_decode(data: bytes) -> dict[str, str] | None:
+    """The dict in ``data`` if it is exactly ``Output.binary_encode``'s form with
+    ``data`` and ``last`` (what LMI's async-mode answers carry), else ``None``."""
+    try:
+        (count,) = struct.unpack_from(">h", data, 0)
+        at, fields = 2, {}
+        for _ in range(count * 2):
+            (length,) = struct.unpack_from(">i", data, at)
+            at += 4
+            if length < 0 or at + length > len(data):
+                return None
+            fields.setdefault("_items", []).append(bytes(data[at:at + length]).decode("utf-8"))
+            at += length
+    except (struct.error, UnicodeDecodeError):
+        return None
+    if at != len(data) or count <= 0:
+        return None
+    items = fields["_items"]
+    decoded = dict(zip(items[0::2], items[1::2]))
+    return decoded if {"data", "last"} <= decoded.keys() else None
+
+
+def to_output(result: object) -> Output:
+    """What ``handle`` returned, as the ``Output`` to send, as LMI takes it:
+    ``None`` is 204 "No content"; an async generator is a stream of ``Output``
+    chunks (LMI's async mode); any other non-``Output`` is a handler failure.
+    An ``Output`` carrying an async-mode answer (``async_utils``) is unpacked."""
+    if isinstance(result, Output):
+        return _unpack(result)
+    if result is None:
+        return Output(code=204, message="No content")
+    if hasattr(result, "__aiter__"):
+        output = Output().add_stream_content(result, None)
+        output.chunked = True
+        return output
+    raise HandlerError(f"Invalid output type: {type(result)}")
+
+
+def _unpack(output: Output) -> Output:
+    if output.stream_content is not None or output.content.size() != 1 or output.code >= 300:
+        return output
+    fields = binary_decode(output.content.value_at(0))
+    if fields is None:
+        return output
+    _raise_if_failed(fields)
+    output.content = type(output.content)()
+    output.content.add("data", fields["data"].encode("utf-8"))
+    return output
+
+
+def _raise_if_failed(fields: dict[str, str]) -> None:
+    code = int(fields["code"]) if fields.get("code", "").lstrip("-").isdigit() else None
+    error = fields.get("error")
+    if (error and error != "None") or (code is not None and code >= 300):
+        raise AnswerError(error if error and error != "None" else "the handler reported an error", code or 424)
+
+
+def chunk_of(item: Output) -> tuple[bytes, bool]:
+    """One item of an async-mode stream: ``(bytes to send, whether it was the last)``."""
+    if item.code >= 300:
+        raise AnswerError(bytes(item.body()).decode("utf-8", "replace") or item.message, item.code)
+    body = item.body()
+    fields = binary_decode(body) if item.content.size() == 1 else None
+    if fields is None:
+        return body, False
+    _raise_if_failed(fields)
+    return fields["data"].encode("utf-8"), fields["last"].lower() == "true"

@@ -1,0 +1,236 @@
+"""LMI's ``djl_python.huggingface``: ``HuggingFaceService`` and its ``handle``,
+for ``model.py`` files that wrap LMI's default handler.
+
+Here the service runs the model on sagelmi's built-in vLLM engine (continuous
+batching, LMI and OpenAI schemas), in the worker's own loop. Call it from a
+synchronous ``handle`` (as LMI's examples do). ``option.rolling_batch=disable``
+(the Accelerate engine) and the LoRA adapter calls are not available yet: they
+say so when called. ``get_pipeline`` builds a ``transformers`` pipeline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+from container.worker.context import current
+from handlers.api import Input, Output
+
+log = logging.getLogger(__name__)
+
+# The task a model's architecture (by the end of its name) is served for.
+ARCHITECTURES_2_TASK = {
+    "TapasForQuestionAnswering": "table-question-answering",
+    "ForQuestionAnswering": "question-answering",
+    "ForTokenClassification": "token-classification",
+    "ForSequenceClassification": "text-classification",
+    "ForMultipleChoice": "multiple-choice",
+    "ForMaskedLM": "fill-mask",
+    "ForCausalLM": "text-generation",
+    "ForConditionalGeneration": "text2text-generation",
+    "MTModel": "text2text-generation",
+    "EncoderDecoderModel": "text2text-generation",
+    "GPT2LMHeadModel": "text-generation",
+    "T5WithLMHeadModel": "text2text-generation",
+    "BloomModel": "text-generation",
+}
+
+# Model types whose transformers implementation can use flash attention 2.
+FLASH_2_SUPPORTED_MODELS = {"LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
+                            "GPTNeoXForCausalLM", "GPTBigCodeForCausalLM", "FalconForCausalLM", "PhiForCausalLM"}
+
+# The peft auto class for each task.
+PEFT_MODEL_TASK_TO_CLS = {
+    "text-generation": "AutoPeftModelForCausalLM",
+    "text2text-generation": "AutoPeftModelForSeq2SeqLM",
+    "text-classification": "AutoPeftModelForSequenceClassification",
+    "token-classification": "AutoPeftModelForTokenClassification",
+    "question-answering": "AutoPeftModelForQuestionAnswering",
+    "feature-extraction": "AutoPeftModelForFeatureExtraction",
+}
+
+_NOT_YET = "is not available in this version of sagelmi"
+
+
+def enable_flash() -> bool:
+    """Whether flash attention 2 can be used here (a CUDA device and the package)."""
+    try:
+        import torch
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def get_rolling_batch_class_from_str(rolling_batch_type: str):
+    """The class that serves ``rolling_batch_type``: vLLM's engine for ``vllm``."""
+    if rolling_batch_type in ("vllm", "lmi-dist", "auto"):
+        from handlers.vllm_handler import VllmService
+        return VllmService
+    raise ValueError(f"Invalid rolling batch type: {rolling_batch_type}")
+
+
+class StopWord:
+    """A ``transformers`` stopping criterion: stop once the text ends with ``stop_seq``."""
+
+    def __init__(self, tokenizer, stop_seq: str) -> None:
+        self.tokenizer = tokenizer
+        self.stop_seq = stop_seq
+
+    def __call__(self, input_ids, scores, **kwargs) -> bool:
+        return self.tokenizer.decode(input_ids[0]).endswith(self.stop_seq)
+
+
+class HuggingFaceService:
+    def __init__(self) -> None:
+        self.hf_pipeline = None
+        self.hf_pipeline_unwrapped = None
+        self.initialized = False
+        self.model = None
+        self.tokenizer = None
+        self.rolling_batch = None
+        self.model_config = None
+        self.peft_config = None
+        self.stopping_criteria_list = None
+        self.adapter_registry: dict = {}
+        self.hf_configs: dict = {}
+        self.input_format_args: dict = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _run(self, coroutine):
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self._loop:
+            coroutine.close()
+            raise RuntimeError("HuggingFaceService is synchronous: call it from a plain `def handle`, "
+                               "not from `async def handle`")
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    def initialize(self, properties: dict) -> None:
+        """Start the model's engine (sagelmi's vLLM engine) with the server's settings."""
+        context, self._loop = current()
+        self.hf_configs = dict(properties)
+        rolling_batch = str(properties.get("rolling_batch", context.settings.rolling_batch))
+        if rolling_batch == "disable":
+            raise ValueError(f"option.rolling_batch=disable (the Hugging Face Accelerate engine) {_NOT_YET}; "
+                             "use option.rolling_batch=vllm")
+        service_class = get_rolling_batch_class_from_str(rolling_batch)
+        self.rolling_batch = self._run(service_class.start(context))
+        self.tokenizer = self.rolling_batch.engine.tokenizer
+        self.model_config = self.rolling_batch.engine.model_config
+        if properties.get("stop_sequence"):
+            self.stopping_criteria_list = self.load_stopping_criteria_list(properties["stop_sequence"])
+        self.input_format_args = self.get_input_format_args()
+        self.initialized = True
+
+    def get_input_format_args(self) -> dict:
+        return {"configs": self.hf_configs, "tokenizer": self.tokenizer, "adapter_registry": self.adapter_registry,
+                "model_config": self.model_config, "peft_config": self.peft_config,
+                "rolling_batch": self.rolling_batch, "image_placeholder_token": self.get_image_token(),
+                "is_mistral_tokenizer": False}
+
+    @staticmethod
+    def parse_stop_sequence_input(stop_sequence: str) -> list[str]:
+        """``"[a, b]"`` -> ``["a", "b"]``."""
+        text = stop_sequence.strip()
+        if text.startswith("["):
+            try:
+                return [str(s) for s in json.loads(text)]
+            except json.JSONDecodeError:
+                text = text[1:-1]
+        return [s.strip() for s in text.split(",") if s.strip()]
+
+    def load_stopping_criteria_list(self, stop_sequence: str) -> list[StopWord]:
+        return [StopWord(self.tokenizer, s) for s in self.parse_stop_sequence_input(stop_sequence)]
+
+    def inference(self, inputs: Input) -> Output:
+        """Answer ``inputs`` (one request, or a batch: one answer per item)."""
+        if not inputs.is_batch():
+            return self._run(self.rolling_batch.invoke(inputs))
+        outputs = Output()
+        for i, item in enumerate(inputs.get_batches()):
+            try:
+                answer = self._run(self.rolling_batch.invoke(item))
+                outputs.add(answer.body(), key="data", batch_index=i)
+            except Exception as exc:  # as LMI: the item's answer is its error text
+                outputs.add(str(exc), key="data", batch_index=i)
+        return outputs
+
+    def add_lora(self, lora_name: str, lora_alias: str, lora_path: str) -> bool:
+        raise NotImplementedError(f"LoRA adapters {_NOT_YET}")
+
+    def remove_lora(self, lora_name: str, lora_alias: str) -> bool:
+        raise NotImplementedError(f"LoRA adapters {_NOT_YET}")
+
+    def pin_lora(self, lora_name: str, lora_alias: str) -> bool:
+        raise NotImplementedError(f"LoRA adapters {_NOT_YET}")
+
+    def get_pipeline(self, task: str, model_id_or_path: str, kwargs: dict):
+        """A ``transformers`` pipeline for ``task`` (text generation wrapped to LMI's answer)."""
+        from transformers import pipeline
+        self.hf_pipeline_unwrapped = pipeline(task=task, model=model_id_or_path, **kwargs)
+        self.model = self.hf_pipeline_unwrapped.model
+        self.tokenizer = self.hf_pipeline_unwrapped.tokenizer
+        if task == "text-generation":
+            return self.wrap_text_generation_pipeline(self.hf_pipeline_unwrapped)
+        return self.hf_pipeline_unwrapped
+
+    @staticmethod
+    def wrap_text_generation_pipeline(hf_pipeline):
+        """A text-generation pipeline that answers ``[{"generated_text": ...}]`` per input."""
+        def wrapped(text_inputs, **kwargs):
+            results = hf_pipeline(text_inputs, **kwargs)
+            if isinstance(text_inputs, str):
+                results = [results]
+            return [r[0] if isinstance(r, list) else r for r in results]
+        return wrapped
+
+    def infer_task_from_model_architecture(self, model_config_path: str | None = None) -> str:
+        from transformers import AutoConfig
+        path = model_config_path or self.hf_configs.get("model_id") or self.hf_configs.get("model_dir")
+        config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+        architecture = (getattr(config, "architectures", None) or [""])[0]
+        for suffix, task in ARCHITECTURES_2_TASK.items():
+            if architecture.endswith(suffix):
+                return task
+        raise ValueError(f"Task couldn't be inferred from {architecture}. Please manually set `task` option.")
+
+    def get_image_token(self) -> str | None:
+        config = getattr(self.model_config, "hf_config", None)
+        token_index = getattr(config, "image_token_index", None)
+        if token_index is None or self.tokenizer is None:
+            return None
+        return self.tokenizer.decode([token_index])
+
+
+_service = HuggingFaceService()
+
+
+def _adapter_answer(inputs: Input, verb: str) -> Output:
+    name = inputs.get_property("name") or "?"
+    return Output().error(f"cannot {verb} adapter {name}: LoRA adapters {_NOT_YET}", code=501,
+                          message="not implemented")
+
+
+def register_adapter(inputs: Input) -> Output:
+    return _adapter_answer(inputs, "register")
+
+
+def update_adapter(inputs: Input) -> Output:
+    return _adapter_answer(inputs, "update")
+
+
+def unregister_adapter(inputs: Input) -> Output:
+    return _adapter_answer(inputs, "unregister")
+
+
+def handle(inputs: Input) -> Output | None:
+    """LMI's default handler: start the service on the first call, then answer."""
+    if not _service.initialized:
+        _service.initialize(inputs.get_properties())
+    if inputs.is_empty():
+        return None
+    return _service.inference(inputs)
