@@ -1,0 +1,51 @@
+"""LMI custom handlers on the real vLLM engine: a model.py with only formatters, and one
+wrapping djl_python.huggingface. Both must answer as the built-in handler does."""
+
+import json
+import shutil
+
+import pytest
+
+from tests.e2e.conftest import ENGINE_READY_TIMEOUT, EXACT, VLLM_CPU_ENV
+from tests.server import MODEL_DIRS, Server
+
+pytestmark = pytest.mark.slow
+
+
+def _serve(tiny_model, tmp_path, handler_dir):
+    model_dir = tmp_path / handler_dir
+    shutil.copytree(tiny_model, model_dir)
+    shutil.copy(MODEL_DIRS / handler_dir / "model.py", model_dir / "model.py")
+    return Server(model_dir, env={**VLLM_CPU_ENV, **EXACT}, ready_timeout=ENGINE_READY_TIMEOUT)
+
+
+def _reference(vllm_server, prompt):
+    r = vllm_server.invoke({"inputs": prompt, "parameters": {"max_new_tokens": 6, "ignore_eos": True}})
+    assert r.status_code == 200, r.text
+    return r.json()["generated_text"]
+
+
+def test_formatters_only_model_py_runs_the_builtin_handler(tiny_model, vllm_server, tmp_path):
+    expected = _reference(vllm_server, "Q: why? A:")
+    with _serve(tiny_model, tmp_path, "lmi_formatters") as server:
+        r = server.invoke({"question": "why?"})
+        assert r.status_code == 200, r.text
+        assert r.json() == {"answer": expected}
+        with server.invoke({"question": "why?", "stream": True}, stream=True) as s:
+            lines = [json.loads(line) for line in s.iter_lines() if line]
+        reference = vllm_server.invoke({"inputs": "Q: why? A:", "stream": True,
+                                        "parameters": {"max_new_tokens": 6, "ignore_eos": True}})
+        assert [line["t"] for line in lines] == [json.loads(line)["token"]["text"]
+                                                 for line in reference.text.splitlines()]
+        bad = server.invoke({"prompt_is_missing": True})
+        assert bad.status_code == 424 and "Custom formatter failed: ValueError: send a 'question'" in bad.text
+        assert "with the @input_formatter and @output_formatter of model.py" in server.log()
+
+
+def test_model_py_wrapping_the_huggingface_service(tiny_model, vllm_server, tmp_path):
+    expected = _reference(vllm_server, "Hello there")
+    with _serve(tiny_model, tmp_path, "lmi_hf_service") as server:
+        r = server.invoke({"inputs": "Hello there", "parameters": {"max_new_tokens": 6, "ignore_eos": True}})
+        assert r.status_code == 200, r.text
+        assert r.json()["generated_text"] == expected
+        assert r.headers["X-Wrapped-By"] == "model.py"
