@@ -117,3 +117,20 @@ def test_a_rank_that_fails_to_start_stops_start_up_with_its_error(tmp_path):
     log = server.log()
     assert "rank 1 refuses to start (fail_init_on_rank)" in log
     assert "start-up failed" in log
+
+
+def test_dynamic_batches_are_the_same_on_every_rank(tmp_path):
+    with Server(MODEL_DIRS / "lmi_batching", env={**MPI, "OPTION_RECORD_DIR": str(tmp_path)}) as server:
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda i: server.invoke({"id": i}), range(8)))
+        assert [r.json()["id"] for r in answers] == list(range(8))
+        deadline = time.monotonic() + 10
+        while True:  # the other rank's answers are dropped: wait for it to finish its batches
+            batches = [(tmp_path / f"rank-{rank}.batches").read_text().splitlines()
+                       if (tmp_path / f"rank-{rank}.batches").exists() else [] for rank in (0, 1)]
+            if batches[0] == batches[1] or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+    assert batches[0] == batches[1]  # rank 0 formed the batches; rank 1 ran exactly those
+    assert sorted(i for line in batches[0] for i in json.loads(line)) == list(range(8))
+    assert max(len(json.loads(line)) for line in batches[0]) > 1
