@@ -63,7 +63,7 @@ def test_every_rank_gets_every_request_and_cancel_in_the_same_order(ranks):
     # only rank 0 answers, streams included
     assert {a.json()["rank"] for a in answers[:8]} == {0}
     for stream in answers[8:11]:
-        assert [json.loads(line)["rank"] for line in stream.text.splitlines()] == [0] * 5
+        assert [json.loads(line)["outputs"]["rank"] for line in stream.text.splitlines()] == [0] * 5  # LMI lines
     time.sleep(0.5)  # the cancels reach both ranks
     logs = [rank_log(ranks.record, r["pid"]) for r in rank_records(ranks.record)]
     assert len(logs[0]) == 8 * 2 + 3 * 2 + 3 * 2  # start and end/cancel of each
