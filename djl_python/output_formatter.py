@@ -11,7 +11,7 @@ import json
 import logging
 from typing import Any, Callable
 
-from djl_python.request_io import RequestInput, RequestOutput, Sequence, TextGenerationOutput
+from djl_python.request_io import RequestOutput, Sequence, TextGenerationOutput
 
 log = logging.getLogger(__name__)
 

@@ -44,6 +44,7 @@ from vllm.v1.engine.exceptions import EngineDeadError
 
 from container.errors import HandlerError, InputError, ServiceUnavailable
 from container.worker.context import WorkerContext
+from container.worker.requests import prepend
 from handlers.api import Input, Output
 from handlers.lmi_schema import Formatter, Generation, LmiRequest, TokenInfo, finish_reason, parse_request
 from handlers.vllm_args import build_engine_kwargs
@@ -123,8 +124,8 @@ class VllmService:
         ``@output_formatter`` when it has them (LMI's vLLM signatures: the
         decoded payload and the tokenizer in, a payload out; an answer as a dict
         in, a dict or text out, once per stream chunk when streaming)."""
-        input_formatter = inputs.get_property("input_formatter")
-        output_formatter = inputs.get_property("output_formatter")
+        input_formatter = inputs.properties.get("input_formatter")  # set by the worker (model.py), exact key
+        output_formatter = inputs.properties.get("output_formatter")
         if not callable(input_formatter) and not callable(output_formatter):
             return await self._invoke(inputs)
         if callable(input_formatter) and inputs.request_path != "/v1/models":
@@ -240,7 +241,7 @@ class VllmService:
     async def _stream(self, request: LmiRequest, first, outputs: AsyncIterator[Any]) -> AsyncIterator[bytes]:
         gen = Generation(prompt=request.prompts[0])
         params = request.parameters
-        async for output in _prepend(first, outputs):
+        async for output in prepend(first, outputs):
             tokens = self._absorb(gen, output, params.top_n_tokens)
             for i, token in enumerate(tokens):
                 yield self.formatter.stream_item(token, gen, params, last=output.finished and i == len(tokens) - 1)
@@ -289,12 +290,6 @@ async def _formatted_stream(chunks: AsyncIterator[Any], formatter, sse: bool) ->
                 out.append(_apply(formatter, json.loads(line)).decode())
         if out:
             yield ("\n".join(out) + "\n").encode()
-
-
-async def _prepend(first, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
-    yield first
-    async for item in rest:
-        yield item
 
 
 def engine_kwargs(context: WorkerContext, **overrides: Any) -> dict[str, Any]:

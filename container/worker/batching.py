@@ -44,9 +44,6 @@ class Batcher:
     def cancel(self, message_id: str) -> None:
         self.dropped.add(message_id)
 
-    def forget(self, message_id: str) -> None:
-        self.dropped.discard(message_id)
-
     def stop(self) -> None:
         if self._loop_task is not None:
             self._loop_task.cancel()

@@ -20,6 +20,7 @@ import re
 import struct
 from email.parser import BytesParser
 from email.policy import HTTP
+from typing import AsyncIterator
 from urllib.parse import parse_qsl
 
 from container.errors import AnswerError, HandlerError, InputError
@@ -51,32 +52,31 @@ def _form_fields(body: bytes, content_type: str) -> list[tuple[str, bytes]]:
 def request_content(message: Invoke) -> list[tuple[str, bytes]]:
     """The content entries of a request, in DJL Serving's order."""
     content = [(k, v.encode("utf-8")) for k, v in parse_qsl(message.query, keep_blank_values=True)]
-    content_type = _content_type(message.properties).lower()
-    if content_type.startswith("multipart/form-data"):
-        content += _form_fields(message.body, _content_type(message.properties))
-    elif content_type.split(";")[0].strip() == "application/x-www-form-urlencoded" and _is_form(message.body):
-        content += [(k, v.encode("utf-8")) for k, v in
-                    parse_qsl(message.body.decode("utf-8"), keep_blank_values=True)]
-    else:
-        content.append(("data", message.body))
-    return content
+    content_type = _content_type(message.properties)
+    kind = content_type.split(";")[0].strip().lower()
+    fields = None
+    if kind == "multipart/form-data":
+        fields = _form_fields(message.body, content_type)
+    elif kind == "application/x-www-form-urlencoded":
+        fields = _url_form_fields(message.body)
+    return content + (fields if fields is not None else [("data", message.body)])
 
 
-def _is_form(body: bytes) -> bool:
-    """Whether a body labelled as a form really is ``k=v&...`` (``curl -d '{...}'``
-    labels JSON as a form: that body stays whole under ``data``)."""
+def _url_form_fields(body: bytes) -> list[tuple[str, bytes]] | None:
+    """The fields of a body labelled as a form, or ``None`` when it is not
+    ``k=v&...`` (``curl -d '{...}'`` labels JSON as a form: it stays whole under ``data``)."""
     try:
-        return bool(body) and bool(parse_qsl(body.decode("utf-8"), keep_blank_values=True, strict_parsing=True))
+        pairs = parse_qsl(body.decode("utf-8"), keep_blank_values=True, strict_parsing=True)
     except (UnicodeDecodeError, ValueError):
-        return False
+        return None
+    return [(k, v.encode("utf-8")) for k, v in pairs] or None
 
 
 def request_input(message: Invoke, common: dict) -> Input:
     """The ``Input`` of one request; ``common`` holds the per-call properties."""
     inputs = Input(properties={**message.properties, **common}, request_path=message.path)
     for key, value in request_content(message):
-        inputs.content.keys.append(key)
-        inputs.content.values.append(value)
+        inputs.content.add(key, value)
     return inputs
 
 
@@ -92,8 +92,7 @@ def batch_input(messages: list[Invoke], common: dict) -> Input:
         for key, value in message.properties.items():
             batch.properties[prefix + key] = value
         for key, value in request_content(message):
-            batch.content.keys.append(prefix + key)
-            batch.content.values.append(value)
+            batch.content.add(prefix + key, value)
     return batch
 
 
@@ -133,19 +132,18 @@ def binary_decode(data: bytes) -> dict[str, str] | None:
     ``data`` and ``last`` (what LMI's async-mode answers carry), else ``None``."""
     try:
         (count,) = struct.unpack_from(">h", data, 0)
-        at, fields = 2, {}
+        at, items = 2, []
         for _ in range(count * 2):
             (length,) = struct.unpack_from(">i", data, at)
             at += 4
             if length < 0 or at + length > len(data):
                 return None
-            fields.setdefault("_items", []).append(bytes(data[at:at + length]).decode("utf-8"))
+            items.append(bytes(data[at:at + length]).decode("utf-8"))
             at += length
     except (struct.error, UnicodeDecodeError):
         return None
     if at != len(data) or count <= 0:
         return None
-    items = fields["_items"]
     decoded = dict(zip(items[0::2], items[1::2]))
     return decoded if {"data", "last"} <= decoded.keys() else None
 
@@ -183,6 +181,13 @@ def _raise_if_failed(fields: dict[str, str]) -> None:
     error = fields.get("error")
     if (error and error != "None") or (code is not None and code >= 300):
         raise AnswerError(error if error and error != "None" else "the handler reported an error", code or 424)
+
+
+async def prepend(first: object, rest: AsyncIterator) -> AsyncIterator:
+    """``first``, then the items of ``rest``: a stream whose first item was looked at."""
+    yield first
+    async for item in rest:
+        yield item
 
 
 def chunk_of(item: Output) -> tuple[bytes, bool]:

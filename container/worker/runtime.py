@@ -39,14 +39,14 @@ from typing import Any, AsyncIterator
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from container import logs
-from container.errors import ServiceUnavailable, describe, scrub
+from container.errors import ServiceUnavailable, describe
 from container.metrics_text import merge
 from container.protocol import (EXIT_ENGINE_DEAD, EXIT_LOAD_FAILED, EXIT_RANK_LOST, FRAME_HEADER, METRICS_PATH,
                                 Cancel, Chunk, End, Fail, Head, Invoke, InvokeBatch, Message, ProtocolError, Status,
                                 WorkerState, decode, encode, frame_length)
 from container.worker.batching import Batcher
 from container.worker.context import WorkerContext, set_current
-from container.worker.requests import batch_input, chunk_of, request_input, split_batch, to_output
+from container.worker.requests import batch_input, chunk_of, prepend, request_input, split_batch, to_output
 from handlers.api import Input, Output, json_line
 from handlers.loader import Handler, HandlerLoadError, load_handler
 
@@ -127,20 +127,11 @@ class DroppedAnswers:
         pass
 
 
-def generator_item(item: Any) -> bytes:
+def generator_item(item: Any) -> Any:
     """How an item of a ``handle()`` that is itself a generator goes out: bytes
-    and text as they are, anything else as one JSON line."""
-    if isinstance(item, (bytes, bytearray, memoryview)):
-        return bytes(item)
-    if isinstance(item, str):
-        return item.encode("utf-8")
-    return json_line(item)
-
-
-async def _prepend(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
-    yield first
-    async for item in rest:
-        yield item
+    and text as they are (``Output.format_stream_item`` sends them), anything else
+    as one JSON line."""
+    return item if isinstance(item, (str, bytes, bytearray, memoryview)) else json_line(item)
 
 
 class Worker:
@@ -447,8 +438,7 @@ class Worker:
             await self._fail(conn, rid, exc)
         finally:
             conn.tasks.pop(rid, None)
-            if output is not None and output.finalize_function is not None:
-                await self._finalize(output)
+            await self._finalize(output)
 
     async def _serve_batch(self, batch: list[tuple[Connection | DroppedAnswers, Invoke]]) -> None:
         """Run one batch (``container.worker.batching``) and answer each of its requests."""
@@ -470,8 +460,7 @@ class Worker:
                     await self._fail(conn, message.id, exc, quiet=conn is not batch[0][0])
             return
         finally:
-            if output is not None and output.finalize_function is not None:
-                await self._finalize(output)
+            await self._finalize(output)
         for (conn, message), answer in zip(batch, answers):
             if self._dropped(message):
                 continue
@@ -510,25 +499,26 @@ class Worker:
         if isinstance(first, Output):
             output.properties = {**first.properties, **output.properties}
             chunk_of(first)  # a failed first chunk is the request's error, not a stream's last line
-        output.stream_content = _prepend(first, stream)
+        output.stream_content = prepend(first, stream)
         return output
 
     async def _fail(self, conn: Connection | DroppedAnswers, rid: str, exc: Exception, quiet: bool = False) -> None:
         self._check_health()  # an engine that died fails its requests first: restart at once
         status, summary, detail = describe(exc)
-        if quiet:
-            pass
-        elif status >= 500 or status == 424:
-            log.error("handler failed (%s): %s", status, detail, exc_info=exc)
-        else:
-            log.info("rejected with %s: %s", status, detail)
+        if not quiet:
+            if status >= 500 or status == 424:
+                log.error("handler failed (%s): %s", status, detail, exc_info=exc)
+            else:
+                log.info("rejected with %s: %s", status, detail)
         try:
             await conn.send(Fail(id=rid, code=status, message=summary, error=detail))
         except PeerGone:
             pass
 
-    async def _finalize(self, output: Output) -> None:
+    async def _finalize(self, output: Output | None) -> None:
         """LMI's ``Output.finalize``: run once the answer has been sent."""
+        if output is None or output.finalize_function is None:
+            return
         try:
             await self.loop.run_in_executor(self.executor, output.execute_finalize)
         except Exception:

@@ -1,9 +1,5 @@
 """LMI custom handlers on the real vLLM engine: a model.py with only formatters, and one
-wrapping djl_python.huggingface. Both must answer as the built-in handler does.
-
-This module runs after test_vllm_engine.py (by name): when it ran first, the shared server's
-OpenAI dropped-stream test then saw its stream run to the end 5 times out of 5 (not seen
-when this module runs after it, nor alone); not yet understood."""
+wrapping djl_python.huggingface. Both must answer as the built-in handler does."""
 
 import json
 import shutil
