@@ -3,6 +3,7 @@
     sagelmi serve  [--model-dir DIR] [--port N]   run the server (what the image runs)
     sagelmi config [--model-dir DIR] [--json]     print the resolved settings and their sources
     sagelmi tiny-model DIR                        write a tiny random Llama to try the engine offline
+    sagelmi engine-args [--write]                 vLLM's engine arguments, as the packaged list holds them
 """
 
 from __future__ import annotations
@@ -38,7 +39,25 @@ def _parser() -> argparse.ArgumentParser:
     tiny = sub.add_parser("tiny-model", help="write a tiny random-weight Llama (no download) to try the engine")
     tiny.add_argument("directory", help="where to write it")
     tiny.add_argument("--max-model-len", type=int, default=1024, help="context length (default 1024)")
+    engine_args = sub.add_parser("engine-args", help="print the list of vLLM engine arguments built from the "
+                                 "installed vLLM (what handlers/vllm_engine_args.json holds)")
+    engine_args.add_argument("--write", action="store_true", help="write it to handlers/vllm_engine_args.json")
     return parser
+
+
+def _engine_args(write: bool) -> int:
+    from handlers.vllm_args import ENGINE_ARGS_FILE, engine_arg_list
+
+    listing = engine_arg_list()
+    # One argument a line, so that a vLLM upgrade shows as a readable diff.
+    rows = ",\n".join(f"  {json.dumps(name)}: {json.dumps(kind)}" for name, kind in listing["engine_args"].items())
+    text = f'{{\n "vllm_version": {json.dumps(listing["vllm_version"])},\n "engine_args": {{\n{rows}\n }}\n}}\n'
+    if write:
+        ENGINE_ARGS_FILE.write_text(text)
+        print(ENGINE_ARGS_FILE)
+    else:
+        print(text, end="")
+    return 0
 
 
 def _print_config(settings, as_json: bool) -> None:
@@ -64,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
 
         print(write_tiny_model(args.directory, args.max_model_len))
         return 0
+    if args.command == "engine-args":
+        return _engine_args(args.write)
     try:
         settings = resolve_settings(os.environ, args.model_dir, port=getattr(args, "port", None))
     except SettingsError as exc:

@@ -8,15 +8,26 @@ arguments are translated (``dtype`` words, ``cpu_offload_gb_per_gpu``, the
 speculative-decoding trio -> ``speculative_config``), and any name that is a vLLM
 engine argument passes through, its text converted to the argument's type. A
 name that is neither stops start-up, naming the nearest valid names.
+
+Which names are vLLM engine arguments is read from ``vllm_engine_args.json``
+next to this module (name -> a simple kind of value), generated from the
+installed vLLM's ``AsyncEngineArgs`` by ``sagelmi engine-args --write``. The
+list lets ``check_engine_option`` run without vLLM: the container runs it
+before building the engine, and the SDK (``sagemaker_sdk``) runs it on a laptop
+before anything reaches AWS, with the same message.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import json
 import logging
-from typing import Any
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Union
 
 from pydantic import TypeAdapter, ValidationError
 
@@ -70,14 +81,100 @@ def _convert(name: str, raw: str, target: str, tp: Any) -> Any:
     raise EngineOptionError(f"option.{name}={raw!r} is not a valid value for vLLM's {target}: {errors[-1]}")
 
 
-def _unknown(name: str, fields: dict[str, dataclasses.Field]) -> EngineOptionError:
-    valid = set(fields) | set(RENAMED) | set(SPECULATIVE) | {"dtype"} | {
+def _unknown(name: str, engine_args: typing.Iterable[str]) -> EngineOptionError:
+    valid = set(engine_args) | set(RENAMED) | set(SPECULATIVE) | {"dtype"} | {
         k.key[len("option."):] for k in KEYS if k.key.startswith("option.")}
     close = difflib.get_close_matches(name, sorted(valid), n=3, cutoff=0.6)
     hint = f"; did you mean {', '.join('option.' + c for c in close)}?" if close else ""
     return EngineOptionError(
         f"option.{name} is neither an LMI option nor a vLLM engine argument{hint} "
         f"(vLLM's engine arguments are listed at https://docs.vllm.ai/en/latest/configuration/engine_args.html)")
+
+
+# -- the packaged list of vLLM's engine arguments ---------------------------------------
+
+ENGINE_ARGS_FILE = Path(__file__).with_name("vllm_engine_args.json")
+# The kinds of value the list knows; a list of values instead of a kind means "one of these".
+SIMPLE_KINDS = {bool: "bool", int: "int", float: "float", str: "str"}
+KIND_TYPES = {"bool": bool, "int": int, "float": float}
+
+
+def _value_kind(tp: Any) -> str | list:
+    """A simple kind for an engine argument's annotation: ``bool``, ``int``,
+    ``float``, ``str``, ``json`` (a dict, list or set), the allowed values of a
+    ``Literal``, or ``any`` (unions, classes, unresolved names: not checked)."""
+    origin = typing.get_origin(tp)
+    members = [a for a in typing.get_args(tp) if a is not type(None)] \
+        if origin in (Union, types.UnionType) else [tp]
+    literals = [m for m in members if typing.get_origin(m) is Literal]
+    others = [m for m in members if typing.get_origin(m) is not Literal]
+    if literals and not others:
+        return list(dict.fromkeys(v for m in literals for v in typing.get_args(m)))
+    if literals and others == [str]:
+        return "str"
+    if len(others) != 1:
+        return "any"
+    (member,) = others
+    if member in SIMPLE_KINDS:
+        return SIMPLE_KINDS[member]
+    return "json" if (typing.get_origin(member) or member) in (dict, list, set) else "any"
+
+
+def engine_arg_list() -> dict[str, Any]:
+    """What ``vllm_engine_args.json`` holds, built from the installed vLLM
+    (imports it): its version and each public ``AsyncEngineArgs`` field's kind."""
+    import vllm
+
+    args = {name: _value_kind(f.type) for name, f in sorted(engine_fields().items()) if not name.startswith("_")}
+    return {"vllm_version": vllm.__version__, "engine_args": args}
+
+
+def _packaged_version() -> str:
+    return json.loads(ENGINE_ARGS_FILE.read_text())["vllm_version"]
+
+
+@functools.cache
+def packaged_engine_args() -> dict[str, str | list]:
+    """vLLM's engine arguments by name, with their kinds, from the packaged list."""
+    return json.loads(ENGINE_ARGS_FILE.read_text())["engine_args"]
+
+
+def _check_value(name: str, raw: str, target: str, kind: str | list) -> None:
+    if isinstance(kind, list):
+        _convert(name, raw, target, Literal[tuple(kind)])
+    elif kind in KIND_TYPES:
+        _convert(name, raw, target, KIND_TYPES[kind])
+    elif kind == "json":
+        try:
+            json.loads(raw)
+        except ValueError:
+            raise EngineOptionError(f"option.{name}={raw!r} is not a valid value for vLLM's {target}: "
+                                    f"expected JSON (an object or a list)") from None
+
+
+def check_engine_option(name: str, raw: str | None = None) -> None:
+    """Refuse ``option.<name>`` (an option that is not a sagelmi setting) for the
+    built-in engine unless it is an LMI option or a vLLM engine argument in the
+    packaged list; with ``raw``, also check its text against the argument's kind
+    (the container converts to vLLM's real type afterwards).
+
+    The one check the container (``build_engine_kwargs``) and the SDK run.
+    Raises ``EngineOptionError``."""
+    engine_args = packaged_engine_args()
+    if name in IGNORED:
+        return
+    if name in SPECULATIVE:
+        target, kind = SPECULATIVE[name], "str" if name == "speculative_draft_model" else "int"
+    elif name == "dtype":
+        target, kind = "dtype", engine_args.get("dtype", "any")
+        raw = raw if raw is None else DTYPES.get(raw.lower(), raw)
+    else:
+        target = RENAMED.get(name, name)
+        if target not in engine_args:
+            raise _unknown(name, engine_args)
+        kind = engine_args[target]
+    if raw is not None:
+        _check_value(name, raw, target, kind)
 
 
 # On vLLM's CPU build gpu_memory_utilization is the share of CPU memory vLLM reserves;
@@ -107,9 +204,12 @@ def build_engine_kwargs(settings: Settings, model: str, tensor_parallel_degree: 
             value = DTYPES.get(raw.lower(), raw)
             kwargs["dtype"] = _convert(name, value, "dtype", fields["dtype"].type)
             continue
+        check_engine_option(name)
         target = RENAMED.get(name, name)
-        if target not in fields:
-            raise _unknown(name, fields)
+        if target not in fields:  # in the packaged list, but not in the vLLM that runs
+            raise EngineOptionError(
+                f"option.{name}: the installed vLLM has no engine argument {target} (sagelmi's list of "
+                f"engine arguments is for vLLM {_packaged_version()}; regenerate it: sagelmi engine-args --write)")
         kwargs[target] = _convert(name, raw, target, fields[target].type)
     if speculative:
         if "model" not in speculative:

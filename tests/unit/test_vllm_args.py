@@ -1,7 +1,9 @@
+import json
+
 import pytest
 
 from container.settings import resolve_settings
-from handlers.vllm_args import EngineOptionError, build_engine_kwargs
+from handlers.vllm_args import EngineOptionError, build_engine_kwargs, check_engine_option
 
 
 def build(cpu=False, tp=1, model="/opt/ml/model", **options):
@@ -73,3 +75,58 @@ def test_bad_values_are_refused():
         build(dtype="fp8")
     with pytest.raises(EngineOptionError, match="max_lora_rank"):
         build(max_lora_rank=7)
+
+
+def test_packaged_engine_argument_list_matches_the_installed_vllm():
+    from handlers.vllm_args import ENGINE_ARGS_FILE, engine_arg_list
+
+    packaged = json.loads(ENGINE_ARGS_FILE.read_text())
+    assert packaged == engine_arg_list(), "regenerate it: python -m container engine-args --write"
+    assert {"max_model_len", "max_num_seqs", "enable_prefix_caching"} <= set(packaged["engine_args"])
+
+
+def test_engine_args_command_prints_the_list(capsys):
+    from container.cli import main
+    from handlers.vllm_args import ENGINE_ARGS_FILE
+
+    assert main(["engine-args"]) == 0
+    assert capsys.readouterr().out == ENGINE_ARGS_FILE.read_text()
+
+
+@pytest.mark.parametrize("name, raw", [("max_model_len", "4096"), ("enforce_eager", "true"), ("dtype", "fp16"),
+                                       ("max_lora_rank", "16"), ("hf_overrides", '{"rope_theta": 1}'),
+                                       ("cpu_offload_gb_per_gpu", "2"), ("speculative_length", "4"),
+                                       ("enable_streaming", "anything"), ("cpu_offload_params", '["a"]')])
+def test_the_shared_check_accepts_engine_arguments_and_lmi_names(name, raw):
+    check_engine_option(name, raw)
+    check_engine_option(name)
+
+
+@pytest.mark.parametrize("name, raw, message", [
+    ("max_num_seq", "8", "option.max_num_seq is neither an LMI option nor a vLLM engine argument; "
+                         "did you mean option.max_num_seqs"),
+    ("max_model_len", "long", "option.max_model_len='long' is not a valid value for vLLM's max_model_len: "
+                              "Input should be a valid integer"),
+    ("max_lora_rank", "7", "option.max_lora_rank='7' is not a valid value for vLLM's max_lora_rank"),
+    ("dtype", "fp8", "option.dtype='fp8' is not a valid value for vLLM's dtype"),
+    ("enforce_eager", "maybe", "option.enforce_eager='maybe' is not a valid value for vLLM's enforce_eager"),
+    ("speculative_length", "x", "option.speculative_length='x' is not a valid value for vLLM's num_speculative"),
+    ("cpu_offload_params", "a,b", "expected JSON"),
+])
+def test_the_shared_check_refuses_unknown_names_and_values_of_the_wrong_kind(name, raw, message):
+    with pytest.raises(EngineOptionError) as refused:
+        check_engine_option(name, raw)
+    assert message in str(refused.value)
+
+
+def test_the_container_and_the_shared_check_say_the_same():
+    with pytest.raises(EngineOptionError) as container:
+        build(max_num_seq=8)
+    with pytest.raises(EngineOptionError) as shared:
+        check_engine_option("max_num_seq")
+    assert str(container.value) == str(shared.value)
+    with pytest.raises(EngineOptionError) as container:
+        build(max_model_len="long")
+    with pytest.raises(EngineOptionError) as shared:
+        check_engine_option("max_model_len", "long")
+    assert str(container.value) == str(shared.value)
