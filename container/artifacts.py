@@ -1,29 +1,111 @@
-"""Model artifacts on S3: ``option.model_id=s3://bucket/prefix`` is downloaded
-once, before the workers start, and handlers see the local directory.
+"""Model artifacts: what ``option.model_id`` names is on this machine before
+the workers start, and start-up logs how the download goes.
 
-Hub ids and local paths need nothing here (vLLM and transformers read them).
-The download lands in ``<temp dir>/sagelmi-models/<hash of the URI>`` and is
-reused by a later start in the same container once complete. boto3 finds
-credentials and endpoints the usual way (instance role, ``AWS_*`` variables,
-``AWS_ENDPOINT_URL_S3``).
+- ``s3://bucket/prefix``: every object under the prefix is downloaded into
+  ``<temp dir>/sagelmi-models/<hash of the URI>`` (reused by a later start in
+  the same container once complete); handlers and the engine get that directory.
+  boto3 finds credentials and endpoints the usual way (instance role, ``AWS_*``
+  variables, ``AWS_ENDPOINT_URL_S3``).
+- a Hugging Face Hub id (``org/name``): the model's files are downloaded into the
+  Hub cache (``HF_HOME``; ``HF_TOKEN`` for gated and private models,
+  ``HF_ENDPOINT`` for a mirror, ``HF_HUB_OFFLINE=1`` to use the cache alone) and
+  the id is handed on unchanged: vLLM and transformers find the files in the cache.
+  When the repository has safetensors weights, the other weight formats are skipped.
+- a local directory: used as it is.
+
+Both downloads log their size first, progress (bytes, rate, time left) every
+``PROGRESS_INTERVAL`` seconds, and a summary. A download that cannot happen
+raises ``ArtifactError`` saying which part is missing (bucket, prefix, repository,
+revision, credentials).
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import re
 import tempfile
+import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 log = logging.getLogger("sagelmi.artifacts")
 
 _COMPLETE = ".sagelmi-download-complete"
+PROGRESS_INTERVAL = 10.0
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+# Weight formats no engine here loads; and, when safetensors are there, the other formats of the same weights.
+_NEVER = ("*.msgpack", "*.h5", "*.ot", "*.onnx", "*.onnx_data", "*.tflite", "*.mlmodel")
+_DUPLICATES_OF_SAFETENSORS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "original/*")
 
 
 class ArtifactError(Exception):
     """The model could not be fetched; the message says why."""
 
+
+# -- progress
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds + 0.5)
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+
+class Progress:
+    """Bytes of one download: ``add``/``set`` from any thread; a log line at most
+    every ``interval`` seconds, and ``finish`` for the summary."""
+
+    def __init__(self, what: str, total: int, files: int, interval: float = PROGRESS_INTERVAL,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.what, self.total, self.interval, self.clock = what, total, interval, clock
+        self.done = 0
+        self._lock = threading.Lock()
+        self.started = self._last = clock()
+        log.info("downloading %s: %d file(s), %s", what, files, _size(total))
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self._update(self.done + n)
+
+    def set(self, done: int) -> None:
+        with self._lock:
+            self._update(done)
+
+    def _update(self, done: int) -> None:
+        self.done = done
+        now = self.clock()
+        if now - self._last >= self.interval:
+            self._last = now
+            log.info("%s", self.line(now))
+
+    def line(self, now: float) -> str:
+        elapsed = max(now - self.started, 1e-9)
+        rate = self.done / elapsed
+        text = f"downloading {self.what}: {_size(self.done)} of {_size(self.total)}"
+        if self.total:
+            text += f" ({100 * self.done / self.total:.0f}%)"
+        text += f", {_size(rate)}/s"
+        if rate > 0 and self.total > self.done:
+            text += f", about {_duration((self.total - self.done) / rate)} left"
+        return text
+
+    def finish(self) -> None:
+        elapsed = self.clock() - self.started
+        log.info("downloaded %s: %s in %.1fs (%s/s)", self.what, _size(self.done), elapsed,
+                 _size(self.done / max(elapsed, 1e-9)))
+
+
+# -- S3
 
 def parse_s3_uri(uri: str) -> tuple[str, str]:
     rest = uri[len("s3://"):]
@@ -37,7 +119,27 @@ def download_dir(uri: str) -> Path:
     return Path(tempfile.gettempdir()) / "sagelmi-models" / hashlib.sha256(uri.encode()).hexdigest()[:16]
 
 
-def fetch_s3(uri: str) -> Path:
+def _s3_error(uri: str, bucket: str, exc: Exception) -> ArtifactError:
+    from botocore.exceptions import ClientError, EndpointConnectionError, NoCredentialsError
+
+    if isinstance(exc, NoCredentialsError):
+        return ArtifactError(f"cannot download {uri}: no AWS credentials found (on SageMaker: the execution role; "
+                             f"elsewhere: AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE)")
+    if isinstance(exc, EndpointConnectionError):
+        return ArtifactError(f"cannot download {uri}: S3 is not reachable ({exc})")
+    if isinstance(exc, ClientError):
+        code = exc.response.get("Error", {}).get("Code", "")
+        if code == "NoSuchBucket":
+            return ArtifactError(f"cannot download {uri}: bucket {bucket!r} does not exist")
+        if code in ("AccessDenied", "403", "AllAccessDisabled"):
+            return ArtifactError(f"cannot download {uri}: access denied (the credentials need s3:ListBucket on "
+                                 f"{bucket!r} and s3:GetObject under the prefix)")
+        if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken"):
+            return ArtifactError(f"cannot download {uri}: the AWS credentials were refused ({code})")
+    return ArtifactError(f"cannot download {uri}: {exc}")
+
+
+def fetch_s3(uri: str, interval: float = PROGRESS_INTERVAL) -> Path:
     """Download every object under the ``s3://`` prefix; return the local directory.
 
     Raises ``ArtifactError`` (no credentials, no bucket, no objects, ...)."""
@@ -51,23 +153,136 @@ def fetch_s3(uri: str) -> Path:
         return target
     if prefix and not prefix.endswith("/"):
         prefix += "/"
-    started, count, size = time.monotonic(), 0, 0
     try:
-        s3 = boto3.client("s3")
-        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
-            for item in page.get("Contents", []):
-                relative = item["Key"][len(prefix):]
-                if not relative or relative.endswith("/"):
-                    continue
-                destination = target / relative
-                destination.parent.mkdir(parents=True, exist_ok=True)
-                s3.download_file(bucket, item["Key"], str(destination))
-                count, size = count + 1, size + item["Size"]
+        s3 = boto3.session.Session().client("s3")  # credentials looked up now, not cached from an earlier call
+        objects = [(item["Key"], item["Size"])
+                   for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+                   for item in page.get("Contents", [])
+                   if item["Key"][len(prefix):] and not item["Key"].endswith("/")]
+        if not objects:
+            raise ArtifactError(f"cannot download {uri}: no objects under the prefix {prefix or '/'!r} "
+                                f"in bucket {bucket!r}")
+        progress = Progress(uri, sum(size for _, size in objects), len(objects), interval)
+        for key, _ in objects:
+            destination = target / key[len(prefix):]
+            destination.parent.mkdir(parents=True, exist_ok=True)
+            s3.download_file(bucket, key, str(destination), Callback=progress.add)
     except (ClientError, BotoCoreError) as exc:
-        raise ArtifactError(f"cannot download {uri}: {exc}") from None
-    if count == 0:
-        raise ArtifactError(f"no objects under {uri}")
+        raise _s3_error(uri, bucket, exc) from None
+    progress.finish()
     (target / _COMPLETE).touch()
-    log.info("downloaded %d files (%.1f MiB) from %s in %.1fs", count, size / 2 ** 20, uri,
-             time.monotonic() - started)
     return target
+
+
+# -- Hugging Face Hub
+
+def _selected(files: list[str]) -> list[str]:
+    """The repository's files worth downloading (see the module docstring)."""
+    from fnmatch import fnmatch
+
+    skip = _NEVER + (_DUPLICATES_OF_SAFETENSORS if any(f.endswith(".safetensors") for f in files) else ())
+    return [f for f in files if not any(fnmatch(f, pattern) for pattern in skip)]
+
+
+def _hub_error(repo_id: str, revision: str | None, exc: Exception) -> ArtifactError:
+    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
+
+    where = f"Hub model {repo_id!r}"
+    if isinstance(exc, GatedRepoError):
+        return ArtifactError(f"{where} is gated: set HF_TOKEN to a token of an account that was granted access")
+    if isinstance(exc, RepositoryNotFoundError):
+        return ArtifactError(f"{where} not found (a private model needs HF_TOKEN; check the spelling of "
+                             f"option.model_id / HF_MODEL_ID)")
+    if isinstance(exc, RevisionNotFoundError):
+        return ArtifactError(f"{where} has no revision {revision!r} (option.revision / HF_REVISION)")
+    if isinstance(exc, LocalEntryNotFoundError):
+        return ArtifactError(f"{where} is not in the cache and the Hub could not be reached "
+                             f"(HF_ENDPOINT, proxy settings, HF_HUB_OFFLINE)")
+    if isinstance(exc, HfHubHTTPError) and exc.response is not None and exc.response.status_code == 401:
+        return ArtifactError(f"{where}: the Hub refused HF_TOKEN (401)")
+    return ArtifactError(f"cannot download {where}: {exc}")
+
+
+class _CacheWatcher:
+    """Feeds ``progress`` with the bytes under a Hub cache folder (downloads in
+    flight included), polled once a second from a thread."""
+
+    def __init__(self, folder: Path, progress: Progress) -> None:
+        self.folder, self.progress = folder, progress
+        self.initial = self._bytes()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="download-progress", daemon=True)
+
+    def _bytes(self) -> int:
+        blobs = self.folder / "blobs"
+        return sum(p.stat().st_size for p in blobs.iterdir() if p.is_file()) if blobs.is_dir() else 0
+
+    def _run(self) -> None:
+        while not self._stop.wait(1.0):
+            try:
+                self.progress.set(self._bytes() - self.initial)
+            except OSError:  # a file renamed between listing and stat
+                pass
+
+    def __enter__(self) -> "_CacheWatcher":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.progress.set(self._bytes() - self.initial)
+
+
+def fetch_hub(repo_id: str, revision: str | None = None, interval: float = PROGRESS_INTERVAL) -> str:
+    """Download a Hub model into the Hub cache; return its local snapshot directory.
+
+    Raises ``ArtifactError`` (repository, revision or token problems, Hub unreachable
+    and nothing cached)."""
+    try:
+        from huggingface_hub import constants, snapshot_download
+        from huggingface_hub.errors import DryRunError, HfHubHTTPError, LocalEntryNotFoundError
+        from huggingface_hub.file_download import repo_folder_name
+    except ImportError:
+        raise ArtifactError(f"option.model_id={repo_id!r} is a Hub model id, and downloading it needs the "
+                            f"huggingface_hub package (installed with the cpu and gpu extras)") from None
+
+    try:
+        listing = None if constants.HF_HUB_OFFLINE else snapshot_download(repo_id, revision=revision, dry_run=True)
+    except DryRunError:
+        listing = None  # unreachable, or refused: the real call below says which, or finds the cache
+    except (HfHubHTTPError, LocalEntryNotFoundError, ValueError) as exc:
+        raise _hub_error(repo_id, revision, exc) from None
+    try:
+        if listing is None:
+            return snapshot_download(repo_id, revision=revision)
+        wanted = _selected([f.filename for f in listing])
+        pending = [f for f in listing if f.filename in wanted and f.will_download]
+        if not pending:
+            log.info("Hub model %s is in the cache", repo_id)
+            return snapshot_download(repo_id, revision=revision, allow_patterns=wanted)
+        progress = Progress(f"{repo_id} from the Hub", sum(f.file_size or 0 for f in pending), len(pending),
+                            interval)
+        folder = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="model")
+        with _CacheWatcher(folder, progress):
+            path = snapshot_download(repo_id, revision=revision, allow_patterns=wanted)
+        progress.finish()
+        return path
+    except (HfHubHTTPError, LocalEntryNotFoundError, ValueError) as exc:
+        raise _hub_error(repo_id, revision, exc) from None
+
+
+def fetch_model(model_id: str, revision: str | None = None) -> str:
+    """Where the engine and the handler find the model named by ``option.model_id``:
+    a downloaded ``s3://`` prefix's directory, a Hub id (now in the cache) or a
+    local directory. Raises ``ArtifactError``."""
+    if model_id.startswith("s3://"):
+        return str(fetch_s3(model_id))
+    if Path(model_id).exists():
+        return model_id
+    if model_id.startswith(("/", ".", "~")) or not HUB_ID.match(model_id):
+        raise ArtifactError(f"option.model_id={model_id!r} is neither a directory here, an s3:// URI nor a "
+                            f"Hub model id (org/name)")
+    fetch_hub(model_id, revision)
+    return model_id

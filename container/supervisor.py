@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from container import proc
-from container.artifacts import ArtifactError, fetch_s3
+from container.artifacts import ArtifactError, fetch_model
 from container.devices import GroupPlan, cpu_binding, discover_devices, plan_groups
 from container.group_client import GroupClient
 from container.launch import FrontendLaunch, GroupAddress, WorkerLaunch, encode_launch
@@ -308,14 +308,12 @@ class Supervisor:
         log.info("requirements installed (%.1fs)", time.monotonic() - started)
 
     def _fetch_model(self) -> str:
-        """Where the model is: a local path or Hub id (an ``s3://`` prefix is downloaded first)."""
-        model_id = self.settings.model_id
-        if not model_id:
+        """Where the model is: the model directory, or what ``option.model_id`` names,
+        downloaded first when it is an ``s3://`` prefix or a Hub id."""
+        if not self.settings.model_id:
             return self.settings.model_dir
-        if not model_id.startswith("s3://"):
-            return model_id
         try:
-            return str(fetch_s3(model_id))
+            return fetch_model(self.settings.model_id, self.settings.revision)
         except ArtifactError as exc:
             raise StartupError(str(exc)) from None
 

@@ -36,7 +36,7 @@ def test_s3_prefix_is_downloaded_and_handed_to_the_handler(s3_endpoint, tmp_path
         files = sorted(p.relative_to(local).as_posix() for p in Path(local).rglob("*")
                        if p.is_file() and not p.name.startswith(".sagelmi"))
         assert files == ["config.json", "tokenizer/vocab.txt"]
-        assert "downloaded 2 files" in server.log()
+        assert "downloading s3://models/llama/v1: 2 file(s), 28 B" in server.log()
 
 
 def test_missing_s3_prefix_stops_start_up(s3_endpoint, tmp_path):
@@ -45,4 +45,4 @@ def test_missing_s3_prefix_stops_start_up(s3_endpoint, tmp_path):
     env = {**AWS, "AWS_ENDPOINT_URL_S3": s3_endpoint, "HF_MODEL_ID": "s3://empty/nothing", "TMPDIR": str(tmp_path)}
     server = Server(MODEL_DIRS / "lmi_echo", env=env).start(wait_ready=False)
     assert server.wait_exit(30) == 1
-    assert "no objects under s3://empty/nothing" in server.log()
+    assert "cannot download s3://empty/nothing: no objects under the prefix 'nothing/' in bucket 'empty'" in server.log()
