@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import datetime
 import http.client
 import json
@@ -77,11 +78,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_ready(port: int, process: subprocess.Popen, path: str, timeout: float = 300) -> None:
+def wait_ready(port: int, process: subprocess.Popen, path: str, log: str, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise SystemExit(f"server on port {port} exited with {process.returncode}")
+            tail = "".join(Path(log).read_text(errors="replace").splitlines(keepends=True)[-20:])
+            raise SystemExit(f"server on port {port} exited with {process.returncode}; its log ends:\n{tail}")
         try:
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
             conn.request("GET", path)
@@ -177,7 +179,7 @@ def bench_server(name: str, command: list[str], env: dict, ready_path: str, work
     rows = []
     try:
         started = time.monotonic()
-        wait_ready(port, process, ready_path)
+        wait_ready(port, process, ready_path, log.name)
         print(f"  ready in {time.monotonic() - started:.0f}s (log: {log.name})", flush=True)
         for workload in workloads:
             path, body, lmi = WORKLOADS[workload]
@@ -196,7 +198,8 @@ def bench_server(name: str, command: list[str], env: dict, ready_path: str, work
                       f"({row.tokens_per_s_range})  TTFT p50 {row.ttft_p50_ms:7.1f} ms  ITL {row.itl_mean_ms:6.2f} ms  "
                       f"errors {row.errors}", flush=True)
     finally:
-        os.killpg(process.pid, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):  # a server that failed to start is gone already
+            os.killpg(process.pid, signal.SIGTERM)
         try:
             process.wait(60)
         except subprocess.TimeoutExpired:
