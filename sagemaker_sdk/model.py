@@ -1,0 +1,235 @@
+"""``SagelmiModel``: a ``sagemaker`` ``Model`` for the sagelmi image, with the
+container's settings as typed keyword arguments."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import logging
+import tarfile
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from sagemaker import s3
+from sagemaker.model import Model
+
+from sagemaker_sdk import sizing
+from sagemaker_sdk.env import ContainerEnv, build_container_env, env_name, env_text
+from sagemaker_sdk.predictor import SagelmiPredictor
+
+log = logging.getLogger(__name__)
+
+# SagelmiModel keyword -> the serving.properties key it sets
+TYPED_SETTINGS = {
+    "model_id": "option.model_id",
+    "tensor_parallel_degree": "option.tensor_parallel_degree",
+    "pipeline_parallel_degree": "option.pipeline_parallel_degree",
+    "max_rolling_batch_size": "option.max_rolling_batch_size",
+    "dtype": "option.dtype",
+    "mpi_mode": "option.mpi_mode",
+    "rolling_batch": "option.rolling_batch",
+}
+# sagemaker Model arguments for its script mode (code in /opt/ml/code, SAGEMAKER_PROGRAM): the
+# container reads its handler from the model directory instead.
+_SCRIPT_MODE = ("entry_point", "source_dir", "dependencies", "git_config")
+
+
+def _option_key(name: str) -> str:
+    name = name[len("option."):] if name.lower().startswith("option.") else name
+    return f"option.{name}"
+
+
+def _model_data_source(model_data: Any) -> Any:
+    """``s3://.../`` (a prefix: the model's files as they are) -> an uncompressed
+    ``ModelDataSource``, which SageMaker copies to /opt/ml/model; a ``.tar.gz`` or
+    a dict is passed on as it is."""
+    if isinstance(model_data, str) and model_data.startswith("s3://") and model_data.endswith("/"):
+        return {"S3DataSource": {"S3Uri": model_data, "S3DataType": "S3Prefix", "CompressionType": "None"}}
+    return model_data
+
+
+def _gb(size: float | None) -> str:
+    return "unknown" if size is None else f"{size:.3g}"
+
+
+def pack_directory(directory: Path) -> bytes:
+    """``directory``'s files as a gzipped tar with the files at its root (what
+    SageMaker unpacks into /opt/ml/model); the same files give the same bytes."""
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w") as tar:
+        for path in sorted(directory.rglob("*")):
+            relative = path.relative_to(directory)
+            if "__pycache__" in relative.parts or not (path.is_file() or path.is_dir()):
+                continue
+            info = tar.gettarinfo(str(path), arcname=str(relative))
+            info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
+            if path.is_file():
+                with path.open("rb") as f:
+                    tar.addfile(info, f)
+            else:
+                tar.addfile(info)
+    return gzip.compress(raw.getvalue(), mtime=0)
+
+
+class SagelmiModel(Model):
+    """The sagelmi image on SageMaker, with the container's settings as arguments.
+
+    The model: ``model_id`` (a Hub id, or an ``s3://`` prefix the container
+    downloads), ``model_data`` (S3 data SageMaker puts in /opt/ml/model: a
+    ``model.tar.gz``, or a prefix ending in ``/`` copied as it is), and/or
+    ``handler_dir`` (a local directory with ``model.py``, ``serving.properties``,
+    ``requirements.txt`` ..., packed and uploaded to the session's default bucket
+    as the model data).
+
+    Settings: ``tensor_parallel_degree`` (a number or ``"max"``),
+    ``pipeline_parallel_degree``, ``max_rolling_batch_size``, ``dtype``,
+    ``mpi_mode``, ``rolling_batch`` (``"vllm"`` / ``"lmi-dist"``), ``options``
+    (any other ``option.<name>``: engine arguments such as ``max_model_len``, or
+    your handler's properties) and ``env`` (more variables, passed as they are).
+    They become the variables the container reads (``OPTION_*``, ``SERVING_*``)
+    and are checked here as the container checks them: a value it would refuse
+    raises ``SettingsError``, an engine option it does not know
+    ``EngineOptionError``, with the container's message, before any AWS call.
+    Engine options are checked when the built-in engine serves (no ``model.py``
+    with ``handle`` in ``handler_dir``, no ``option.entryPoint``; a ``model_data``
+    that holds a ``model.py`` should say ``options={"entryPoint": "model.py"}``).
+
+    ``model_size_gb`` sizes the deploy timeouts (``sagemaker_sdk.sizing``); the
+    other keyword arguments are ``sagemaker.model.Model``'s (``image_uri``,
+    ``role``, ``name``, ``sagemaker_session``, ``vpc_config`` ...)."""
+
+    def __init__(self, *, model_id: str | None = None, model_data: Any = None, handler_dir: str | Path | None = None,
+                 tensor_parallel_degree: int | str | None = None, pipeline_parallel_degree: int | None = None,
+                 max_rolling_batch_size: int | None = None, dtype: str | None = None, mpi_mode: bool | None = None,
+                 rolling_batch: str | None = None, options: dict[str, Any] | None = None,
+                 env: dict[str, Any] | None = None, model_size_gb: float | None = None,
+                 image_uri: str | None = None, role: str | None = None, predictor_cls=SagelmiPredictor,
+                 **kwargs) -> None:
+        for name in _SCRIPT_MODE:
+            if kwargs.get(name) is not None:
+                raise TypeError(f"SagelmiModel takes no {name}=: the container reads its handler from the model "
+                                f"directory; pass handler_dir= (a directory with model.py)")
+        if handler_dir is not None and model_data is not None:
+            raise ValueError("give handler_dir or model_data, not both: both become /opt/ml/model. Put the handler "
+                             "files into the model data, or give the weights as model_id='s3://...'")
+        if model_id is not None and model_data is not None:
+            raise ValueError("give model_id or model_data, not both: model_id names where the weights are, "
+                             "model_data what SageMaker puts in /opt/ml/model (use handler_dir for handler files)")
+        self.handler_dir = Path(handler_dir).absolute() if handler_dir is not None else None
+        self.model_size_gb = model_size_gb
+        self.container = self._container_env(
+            dict(model_id=model_id, tensor_parallel_degree=tensor_parallel_degree,
+                 pipeline_parallel_degree=pipeline_parallel_degree, max_rolling_batch_size=max_rolling_batch_size,
+                 dtype=dtype, mpi_mode=mpi_mode, rolling_batch=rolling_batch), options or {}, env or {})
+        if not self.container.settings.model_id and model_data is None and self.handler_dir is None:
+            raise ValueError("nothing to serve: give model_id (a Hub id or s3:// prefix), model_data or handler_dir")
+        # Checked before this: the sagemaker Model may read config files and sessions.
+        super().__init__(image_uri=image_uri, model_data=_model_data_source(model_data), role=role,
+                         predictor_cls=predictor_cls, env=dict(self.container.env), **kwargs)
+
+    def _container_env(self, typed: dict[str, Any], options: dict[str, Any], env: dict[str, Any]) -> ContainerEnv:
+        settings = {TYPED_SETTINGS[name]: value for name, value in typed.items() if value is not None}
+        for name, value in options.items():
+            key = _option_key(name)
+            if key in settings:
+                given = next(n for n, k in TYPED_SETTINGS.items() if k == key)
+                raise ValueError(f"{key} is given twice: {given}={value!r} and options[{name!r}]; give it once")
+            settings[key] = value
+        return build_container_env(settings, env, self.handler_dir)
+
+    @property
+    def settings(self):
+        """The settings the container will resolve (``container.settings.Settings``)."""
+        return self.container.settings
+
+    # -- model data --------------------------------------------------------------------
+
+    def prepare_container_def(self, *args, **kwargs):
+        if self.handler_dir is not None and self.model_data is None:
+            self.model_data = self._upload_handler_dir()
+        return super().prepare_container_def(*args, **kwargs)
+
+    def _upload_handler_dir(self) -> str:
+        """Pack ``handler_dir`` and upload it to the session's default bucket (or
+        ``code_location``); the S3 URI of the ``model.tar.gz``."""
+        session = self.sagemaker_session
+        if session.local_mode:
+            return f"file://{self.handler_dir}"
+        packed = pack_directory(self.handler_dir)
+        digest = hashlib.sha256(packed).hexdigest()[:12]
+        bucket, key_prefix = s3.determine_bucket_and_prefix(
+            bucket=self.bucket, key_prefix=f"{self.key_prefix or 'sagelmi'}/handler-{digest}",
+            sagemaker_session=session)
+        with tempfile.TemporaryDirectory(prefix="sagelmi-sdk-") as tmp:
+            archive = Path(tmp) / "model.tar.gz"
+            archive.write_bytes(packed)
+            uri = session.upload_data(str(archive), bucket=bucket, key_prefix=key_prefix)
+        log.info("uploaded %s (%d bytes) to %s", self.handler_dir, len(packed), uri)
+        return uri
+
+    # -- deploy ------------------------------------------------------------------------
+
+    def model_data_size(self) -> float | None:
+        """The size of what SageMaker copies to /opt/ml/model, in GB (None: unknown)."""
+        data = self.model_data
+        if isinstance(data, dict):
+            data = data.get("S3DataSource", {}).get("S3Uri")
+        if self.settings.model_id is None and self.model_size_gb is not None:
+            return float(self.model_size_gb)  # the model is the model data
+        if isinstance(data, str) and data.startswith("s3://"):
+            return sizing.s3_gb(self.sagemaker_session.s3_client, data)
+        if self.handler_dir is not None:
+            return sizing.directory_gb(self.handler_dir)
+        return None
+
+    def model_size(self) -> float | None:
+        """The model's size in GB (None: unknown): ``model_size_gb``, else the S3
+        objects of an ``s3://`` ``model_id``, else the model data when the model is in
+        it. A Hub model is not sized."""
+        model_id = self.settings.model_id
+        if self.model_size_gb is not None:
+            return float(self.model_size_gb)
+        if model_id is None:
+            return self.model_data_size()
+        if model_id.startswith("s3://"):
+            return sizing.s3_gb(self.sagemaker_session.s3_client, model_id)
+        return None
+
+    def deploy(self, initial_instance_count: int | None = 1, instance_type: str | None = None, *args,
+               model_data_download_timeout: int | None = None,
+               container_startup_health_check_timeout: int | None = None, **kwargs):
+        """``sagemaker.model.Model.deploy`` (returns a ``SagelmiPredictor``), with
+        ``container_startup_health_check_timeout`` and ``model_data_download_timeout``
+        set from the model's size unless given (see ``sagemaker_sdk.sizing``); the
+        container's ``option.model_loading_timeout``, unless set, follows a startup
+        timeout longer than its default."""
+        if not self.image_uri:
+            raise ValueError("image_uri is required: the sagelmi image in your ECR registry "
+                             "(<account>.dkr.ecr.<region>.amazonaws.com/<repository>:<tag>)")
+        self._init_sagemaker_session_if_does_not_exist(instance_type)
+        if instance_type not in ("local", "local_gpu") and kwargs.get("serverless_inference_config") is None:
+            model_gb = data_gb = None
+            if container_startup_health_check_timeout is None:
+                model_gb = self.model_size()
+                container_startup_health_check_timeout = sizing.startup_timeout(model_gb)
+            if model_data_download_timeout is None and (self.model_data is not None or self.handler_dir is not None):
+                data_gb = self.model_data_size()
+                model_data_download_timeout = sizing.download_timeout(data_gb)
+            log.info("container_startup_health_check_timeout=%s (model: %s GB), model_data_download_timeout=%s "
+                     "(model data: %s GB)", container_startup_health_check_timeout, _gb(model_gb),
+                     model_data_download_timeout, _gb(data_gb))
+            self._follow_startup_timeout(container_startup_health_check_timeout)
+        return super().deploy(initial_instance_count, instance_type, *args,
+                              model_data_download_timeout=model_data_download_timeout,
+                              container_startup_health_check_timeout=container_startup_health_check_timeout,
+                              **kwargs)
+
+    def _follow_startup_timeout(self, startup: int) -> None:
+        key = "option.model_loading_timeout"
+        if self.settings.sources.get(key) != "default" or startup <= self.settings.model_loading_timeout:
+            return
+        self.env[env_name(key)] = env_text(startup)
+        self.container = build_container_env({}, self.env, self.handler_dir)
+        log.info("%s=%s follows the startup timeout", key, startup)

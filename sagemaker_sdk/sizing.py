@@ -1,0 +1,79 @@
+"""How long SageMaker should wait for a model, from its size.
+
+SageMaker stops an endpoint whose container does not answer ``/ping`` within
+``container_startup_health_check_timeout`` seconds, and one whose model data it
+could not copy within ``model_data_download_timeout``; both default to values
+too short for large models and both are capped at 3600 s. ``deploy()`` sets them
+from the model's size unless given:
+
+- startup: 600 s (engine start-up, compilation) + 20 s per GB of model (a Hub or
+  ``s3://`` download by the container, then loading), at most 3600 s;
+- model data download: 600 s + 10 s per GB of model data, at most 3600 s;
+- size unknown (a Hub id without ``model_size_gb``, or S3 objects that cannot be
+  listed): 1800 s each.
+
+Both are whole seconds. The model's size is ``model_size_gb`` when
+given, else the S3 objects of an ``s3://`` ``model_id``, else the model data's when
+the model is in it; the model data's is the S3 objects of ``model_data`` or the
+handler directory's files. A Hub model is not sized (the Hub may not be reachable
+from where the SDK runs): pass ``model_size_gb`` for it.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+MAX_TIMEOUT = 3600  # SageMaker's upper bound for both timeouts
+MIN_TIMEOUT = 60
+STARTUP_BASE, STARTUP_PER_GB = 600, 20
+DOWNLOAD_BASE, DOWNLOAD_PER_GB = 600, 10
+UNKNOWN_SIZE_TIMEOUT = 1800
+
+
+def _bounded(seconds: float) -> int:
+    """Whole seconds, within SageMaker's bounds."""
+    return int(min(MAX_TIMEOUT, max(MIN_TIMEOUT, round(seconds))))
+
+
+def startup_timeout(size_gb: float | None) -> int:
+    """``container_startup_health_check_timeout`` for a model of ``size_gb`` GB (None: unknown)."""
+    return UNKNOWN_SIZE_TIMEOUT if size_gb is None else _bounded(STARTUP_BASE + STARTUP_PER_GB * size_gb)
+
+
+def download_timeout(size_gb: float | None) -> int:
+    """``model_data_download_timeout`` for model data of ``size_gb`` GB (None: unknown)."""
+    return UNKNOWN_SIZE_TIMEOUT if size_gb is None else _bounded(DOWNLOAD_BASE + DOWNLOAD_PER_GB * size_gb)
+
+
+def directory_gb(directory: Path) -> float:
+    return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file()) / 1e9
+
+
+def _split_s3(uri: str) -> tuple[str, str]:
+    bucket, _, key = uri[len("s3://"):].partition("/")
+    return bucket, key
+
+
+def s3_gb(s3_client: Any, uri: str) -> float | None:
+    """The size of an S3 object, or of every object under an S3 prefix, in GB;
+    None when it cannot be listed (logged)."""
+    bucket, key = _split_s3(uri)
+    try:
+        if key and not key.endswith("/"):
+            try:
+                return s3_client.head_object(Bucket=bucket, Key=key)["ContentLength"] / 1e9
+            except s3_client.exceptions.ClientError as exc:
+                if exc.response.get("Error", {}).get("Code") not in ("404", "NoSuchKey"):
+                    raise
+                key += "/"  # not an object: a prefix without its trailing slash
+        total = 0
+        for page in s3_client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=key):
+            total += sum(obj["Size"] for obj in page.get("Contents", []))
+        return total / 1e9
+    except Exception as exc:  # no permission, no such bucket: the size stays unknown, said once
+        log.warning("cannot size %s (%s); using the timeouts for an unknown size", uri, exc)
+        return None

@@ -1,0 +1,136 @@
+"""SagelmiModel.deploy() under moto's mock of AWS, with the real sagemaker SDK:
+model, endpoint config and endpoint are created; the environment SageMaker
+records is what the container resolves to the settings asked for; a bad setting
+never reaches AWS."""
+
+import gzip
+import io
+import tarfile
+
+import pytest
+import sagemaker
+
+from container.settings import SettingsError, resolve_settings
+from handlers.vllm_args import EngineOptionError
+from sagemaker_sdk import SagelmiModel, SagelmiPredictor
+from sagemaker_sdk import sizing
+from tests.sdk.conftest import IMAGE, INSTANCE_TYPE, ROLE, TEXTGEN
+
+
+class CallCounter:
+    """Counts the AWS API calls a boto3 session makes (botocore's before-call event)."""
+
+    def __init__(self, boto_session) -> None:
+        self.calls: list[str] = []
+        boto_session.events.register("before-call.*.*", self._count)
+
+    def _count(self, model, **_):
+        self.calls.append(f"{model.service_model.service_name}.{model.name}")
+
+
+@pytest.fixture
+def session(aws):
+    counter = CallCounter(aws)
+    sagemaker_session = sagemaker.Session(boto_session=aws)
+    counter.calls.clear()
+    sagemaker_session.counter = counter
+    return sagemaker_session
+
+
+def described(session, model):
+    client = session.sagemaker_client
+    description = client.describe_model(ModelName=model.name)
+    config = client.describe_endpoint_config(EndpointConfigName=model.endpoint_name)
+    endpoint = client.describe_endpoint(EndpointName=model.endpoint_name)
+    return description["PrimaryContainer"], config["ProductionVariants"][0], endpoint
+
+
+def test_deploy_creates_model_config_and_endpoint_with_the_settings_asked_for(session, tmp_path):
+    model = SagelmiModel(handler_dir=TEXTGEN, tensor_parallel_degree=2, max_rolling_batch_size=16,
+                         options={"output_formatter": "sse", "knob": "on"}, env={"SERVING_JOB_QUEUE_SIZE": "64"},
+                         image_uri=IMAGE, role=ROLE, sagemaker_session=session)
+    predictor = model.deploy(instance_type=INSTANCE_TYPE, wait=False)
+    assert isinstance(predictor, SagelmiPredictor) and predictor.endpoint_name == model.endpoint_name
+
+    container, variant, endpoint = described(session, model)
+    assert container["Image"] == IMAGE and endpoint["EndpointName"] == model.endpoint_name
+    assert variant["InstanceType"] == INSTANCE_TYPE and variant["InitialInstanceCount"] == 1
+    # What the container reads: the recorded environment and the unpacked model data.
+    uri = container["ModelDataUrl"]
+    assert uri.startswith(f"s3://{session.default_bucket()}/sagelmi/handler-") and uri.endswith("/model.tar.gz")
+    bucket, key = uri[len("s3://"):].split("/", 1)
+    packed = session.boto_session.client("s3").get_object(Bucket=bucket, Key=key)["Body"].read()
+    with tarfile.open(fileobj=io.BytesIO(gzip.decompress(packed))) as tar:
+        tar.extractall(tmp_path / "opt-ml-model")
+    assert (tmp_path / "opt-ml-model" / "model.py").read_bytes() == (TEXTGEN / "model.py").read_bytes()
+    settings = resolve_settings(container["Environment"], tmp_path / "opt-ml-model")
+    assert (settings.tensor_parallel_degree, settings.max_rolling_batch_size, settings.output_formatter,
+            settings.job_queue_size, settings.options["knob"]) == (2, 16, "sse", 64, "on")
+    # A tiny model data directory: the timeouts for a small model.
+    assert variant["ModelDataDownloadTimeoutInSeconds"] == sizing.download_timeout(0) == 600
+    assert variant["ContainerStartupHealthCheckTimeoutInSeconds"] == sizing.startup_timeout(0) == 600
+
+
+def test_timeouts_follow_the_models_size(session):
+    model = SagelmiModel(model_id="org/big", model_size_gb=100, image_uri=IMAGE, role=ROLE,
+                         sagemaker_session=session)
+    model.deploy(instance_type=INSTANCE_TYPE, wait=False)
+    container, variant, _ = described(session, model)
+    assert variant["ContainerStartupHealthCheckTimeoutInSeconds"] == 600 + 20 * 100
+    assert "ModelDataDownloadTimeoutInSeconds" not in variant  # no model data: nothing for SageMaker to copy
+    # The container waits for its model as long as SageMaker does.
+    assert resolve_settings(container["Environment"], "/nonexistent").model_loading_timeout == 2600
+
+    huge = SagelmiModel(model_id="org/huge", model_size_gb=1000, image_uri=IMAGE, role=ROLE,
+                        sagemaker_session=session)
+    huge.deploy(instance_type=INSTANCE_TYPE, wait=False, container_startup_health_check_timeout=1200)
+    _, variant, _ = described(session, huge)
+    assert variant["ContainerStartupHealthCheckTimeoutInSeconds"] == 1200  # given: kept
+
+    hub = SagelmiModel(model_id="org/unknown-size", image_uri=IMAGE, role=ROLE, sagemaker_session=session)
+    hub.deploy(instance_type=INSTANCE_TYPE, wait=False)
+    _, variant, _ = described(session, hub)
+    assert variant["ContainerStartupHealthCheckTimeoutInSeconds"] == sizing.UNKNOWN_SIZE_TIMEOUT
+
+
+def test_s3_model_data_is_sized_from_its_objects(session):
+    s3 = session.boto_session.client("s3")
+    s3.create_bucket(Bucket="weights")
+    for index in range(3):
+        s3.put_object(Bucket="weights", Key=f"llama/model-{index}.safetensors", Body=b"\0" * 2_000_000)
+    s3.put_object(Bucket="weights", Key="other/model.safetensors", Body=b"\0" * 5_000_000)
+    model = SagelmiModel(model_data="s3://weights/llama/", image_uri=IMAGE, role=ROLE, sagemaker_session=session)
+    assert model.model_data_size() == model.model_size() == pytest.approx(0.006)
+    assert SagelmiModel(model_id="s3://weights/other", image_uri=IMAGE, role=ROLE,
+                        sagemaker_session=session).model_size() == pytest.approx(0.005)
+    model.deploy(instance_type=INSTANCE_TYPE, wait=False)
+    container, variant, _ = described(session, model)
+    assert container["ModelDataSource"]["S3DataSource"] == {
+        "S3Uri": "s3://weights/llama/", "S3DataType": "S3Prefix", "CompressionType": "None"}
+    assert variant["ModelDataDownloadTimeoutInSeconds"] == 600
+    # Objects that cannot be listed leave the size unknown, said in the log.
+    assert SagelmiModel(model_data="s3://no-such-bucket/x/", image_uri=IMAGE, role=ROLE,
+                        sagemaker_session=session).model_data_size() is None
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    ({"tensor_parallel_degree": 0}, SettingsError),
+    ({"options": {"max_num_seq": 8}}, EngineOptionError),
+    ({"rolling_batch": "vlm"}, SettingsError),
+])
+def test_an_invalid_setting_never_reaches_aws(session, kwargs, error):
+    with pytest.raises(error):
+        SagelmiModel(model_id="org/model", image_uri=IMAGE, role=ROLE, sagemaker_session=session,
+                     **kwargs).deploy(instance_type=INSTANCE_TYPE, wait=False)
+    assert session.counter.calls == []
+    assert session.sagemaker_client.list_models()["Models"] == []
+    # The counter does see calls: a valid model makes them.
+    SagelmiModel(model_id="org/model", image_uri=IMAGE, role=ROLE,
+                 sagemaker_session=session).deploy(instance_type=INSTANCE_TYPE, wait=False)
+    assert "sagemaker.CreateModel" in session.counter.calls and "sagemaker.CreateEndpoint" in session.counter.calls
+
+
+def test_deploy_without_an_image_is_refused_before_aws(session):
+    with pytest.raises(ValueError, match="image_uri is required"):
+        SagelmiModel(model_id="org/model", role=ROLE, sagemaker_session=session).deploy(instance_type=INSTANCE_TYPE)
+    assert session.counter.calls == []
