@@ -249,17 +249,31 @@ def drop_stream_and_wait_until_idle(server: Server, path: str, body: dict, token
     a prompt abort, the test fails with what each attempt saw."""
     seen = []
     for _ in range(attempts):
+        wait_idle(server)  # what earlier tests left in the engine would count as this stream's
         before = metric(server, "vllm:generation_tokens_total")
+        sent = time.monotonic()
         stream = RawStream(server.port, path, body)
         assert len(stream.read_lines(3)) == 3
+        first_lines = time.monotonic() - sent
         whole = stream.complete()
         stream.close()
         dropped = time.monotonic()
-        while metric(server, "sagelmi_engine_unfinished_requests") != 0:
-            time.sleep(0.05)
+        wait_idle(server)
         seconds = time.monotonic() - dropped
         generated = metric(server, "vllm:generation_tokens_total") - before
         if not whole and generated < tokens and seconds < within:
             return seconds, generated
-        seen.append((whole, round(seconds, 2), generated))
-    raise AssertionError(f"no attempt dropped a stream that was still running (whole, seconds, tokens): {seen}")
+        seen.append({"whole": whole, "first_lines_s": round(first_lines, 2), "idle_after_drop_s": round(seconds, 2),
+                     "tokens": generated})
+    busiest = subprocess.run(["ps", "-eo", "pid,pcpu,psr,etime,args", "--sort=-pcpu"], capture_output=True,
+                             text=True).stdout.splitlines()[:12]
+    raise AssertionError(f"no attempt dropped a stream that was still running: {seen}; test process on cores "
+                         f"{sorted(os.sched_getaffinity(0))}; busiest processes:\n" + "\n".join(busiest))
+
+
+def wait_idle(server: Server, timeout: float = 120) -> None:
+    """Wait until no request is in the engine (``sagelmi_engine_unfinished_requests`` is 0 on every rank)."""
+    deadline = time.monotonic() + timeout
+    while metric(server, "sagelmi_engine_unfinished_requests") != 0:
+        assert time.monotonic() < deadline, f"requests still in the engine after {timeout}s"
+        time.sleep(0.05)
