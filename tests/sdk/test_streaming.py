@@ -5,63 +5,28 @@ multi-cuts; and the whole path through the real boto3 client and botocore's
 event-stream decoding."""
 
 import json
-import random
 
 import boto3
 import pytest
 import requests
 import sagemaker
 from botocore.exceptions import EventStreamError
-from sagemaker.iterators import ByteIterator
 
 from sagemaker_sdk import SagelmiPredictor, StreamError, StreamParser, parse_stream
 from sagemaker_sdk.streaming import item_text, stream_texts
 from tests.sdk.conftest import REGION
 from tests.sdk.fake_runtime import FakeRuntime, model_stream_error
+from tests.sdk.streams import MULTI_BYTE, assert_every_cut_gives, capture, json_lines, sagemaker_items, sse_events
 
 PROMPT = "hello world"
 LMI = {"inputs": PROMPT, "stream": True, "parameters": {"max_new_tokens": 12}}
 CHAT = {"messages": [{"role": "user", "content": PROMPT}], "stream": True, "max_tokens": 12}
-MULTI_BYTE = "☃".encode()  # three bytes; the handler's answers hold it and other multi-byte characters
-
-
-def capture(server, body) -> bytes:
-    """The bytes of a real streamed answer."""
-    response = requests.post(server.url("/invocations"), json=body, stream=True, timeout=60)
-    assert response.status_code == 200, response.text
-    return response.content
-
-
-def json_lines(raw: bytes) -> list:
-    return [json.loads(line) for line in raw.decode().splitlines() if line]
-
-
-def sse_events(raw: bytes) -> list:
-    return [json.loads(line[len("data: "):]) for line in raw.decode().split("\n")
-            if line.startswith("data: ") and line != "data: [DONE]"]
-
-
-def sagemaker_items(pieces: list[bytes]) -> list:
-    """The items predict_stream reads from PayloadParts holding ``pieces`` (through sagemaker's ByteIterator)."""
-    return list(parse_stream(ByteIterator([{"PayloadPart": {"Bytes": piece}} for piece in pieces])))
-
-
-def assert_every_cut_gives(raw: bytes, expected: list) -> None:
-    assert MULTI_BYTE in raw  # some cuts below fall inside a multi-byte character
-    for offset in range(len(raw) + 1):
-        assert sagemaker_items([raw[:offset], raw[offset:]]) == expected, f"cut at byte {offset}"
-    assert sagemaker_items([raw[i:i + 1] for i in range(len(raw))]) == expected
-    rng = random.Random(8)
-    for _ in range(300):
-        cuts = sorted(rng.sample(range(1, len(raw)), rng.randint(2, 40)))
-        pieces = [raw[a:b] for a, b in zip([0, *cuts], [*cuts, len(raw)])]
-        assert sagemaker_items(pieces) == expected, f"cuts at {cuts}"
 
 
 # -- real streams, cut everywhere ---------------------------------------------------------
 
 def test_lmi_json_lines_cut_at_every_byte(textgen_server):
-    raw = capture(textgen_server, LMI)
+    raw = capture(textgen_server.port, LMI)
     expected = json_lines(raw)
     assert len(expected) == 12 and "token" in expected[0] and "generated_text" in expected[-1]
     assert_every_cut_gives(raw, expected)
@@ -70,7 +35,7 @@ def test_lmi_json_lines_cut_at_every_byte(textgen_server):
 
 
 def test_lmi_server_sent_events_cut_at_every_byte(textgen_sse_server):
-    raw = capture(textgen_sse_server, LMI)
+    raw = capture(textgen_sse_server.port, LMI)
     assert raw.startswith(b"data: {") and raw.endswith(b"\n\n")
     expected = sse_events(raw)
     assert len(expected) == 12
@@ -79,7 +44,7 @@ def test_lmi_server_sent_events_cut_at_every_byte(textgen_sse_server):
 
 
 def test_openai_chat_chunks_cut_at_every_byte(textgen_server):
-    raw = capture(textgen_server, CHAT)
+    raw = capture(textgen_server.port, CHAT)
     assert raw.endswith(b"data: [DONE]\n\n")
     expected = sse_events(raw)
     assert_every_cut_gives(raw, expected)
@@ -88,7 +53,7 @@ def test_openai_chat_chunks_cut_at_every_byte(textgen_server):
 
 
 def test_an_error_after_the_stream_began_raises_after_the_text_before_it(textgen_server):
-    raw = capture(textgen_server, {**LMI, "fail_after": 3})
+    raw = capture(textgen_server.port, {**LMI, "fail_after": 3})
     texts = stream_texts(sagemaker_items([raw[i:i + 7] for i in range(0, len(raw), 7)]))
     assert [next(texts) for _ in range(3)] == ["hello", " world", " größer"]
     with pytest.raises(StreamError, match="^424 invoke handler failure: generation failed on purpose$"):
@@ -148,7 +113,7 @@ def runtime(monkeypatch):
 
 
 def test_predict_stream_through_boto3(runtime, textgen_server):
-    raw = capture(textgen_server, {**LMI, "parameters": {"max_new_tokens": 8}})
+    raw = capture(textgen_server.port, {**LMI, "parameters": {"max_new_tokens": 8}})
     expected = list(stream_texts(json_lines(raw)))
     inside = raw.index(MULTI_BYTE) + 1
     for pieces in ([raw], [raw[:inside], raw[inside:]], [raw[i:i + 1] for i in range(len(raw))],
@@ -166,7 +131,7 @@ def test_predict_stream_through_boto3(runtime, textgen_server):
 
 
 def test_chat_stream_through_boto3(runtime, textgen_server):
-    raw = capture(textgen_server, CHAT)
+    raw = capture(textgen_server.port, CHAT)
     runtime.respond([raw[i:i + 3] for i in range(0, len(raw), 3)], content_type="text/event-stream")
     reply = list(runtime.predictor.chat_stream(CHAT["messages"], max_tokens=12))
     assert reply == list(stream_texts(sse_events(raw)))
@@ -174,7 +139,7 @@ def test_chat_stream_through_boto3(runtime, textgen_server):
 
 
 def test_a_model_stream_error_event_raises(runtime, textgen_server):
-    raw = capture(textgen_server, LMI)
+    raw = capture(textgen_server.port, LMI)
     runtime.respond([raw[:40]], error=model_stream_error("the model took too long"))
     stream = runtime.predictor.predict_stream(PROMPT)
     with pytest.raises(EventStreamError, match="the model took too long"):
