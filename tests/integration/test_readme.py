@@ -21,6 +21,7 @@ STREAMING_EXAMPLE = [
 def test_every_readme_command_is_covered():
     from tests.e2e.test_lmi_dist import README_COMMANDS as LMI_DIST_TRY_OUT
     from tests.mpi.test_mpi_mode import TENSOR_PARALLEL_EXAMPLE
+    from tests.sdk.test_readme import SNIPPETS as SDK_SNIPPETS
 
     covered = {
         *LMI_DIST_TRY_OUT,  # tests/e2e/test_lmi_dist.py (its server fixture)
@@ -33,7 +34,8 @@ def test_every_readme_command_is_covered():
         *STREAMING_EXAMPLE,  # test_streaming_example
     }
     assert sorted(shell_commands()) == sorted(covered)
-    assert len(python_snippets()) == 2  # the handler sketch (shape only) and the OpenAI client (run in e2e)
+    # The handler sketch (shape only) and the OpenAI client (run in e2e); "Deploy to SageMaker" (tests/sdk/test_readme.py).
+    assert len(python_snippets()) == 2 + len(SDK_SNIPPETS)
 
 
 def test_ci_runs_the_readme_test_command():
