@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from container.settings import KEY_BY_NAME, KEYS, Settings, SettingsError, resolve_settings
+from container.settings import KEY_BY_NAME, KEYS, Settings, SettingsError, _option_key, resolve_settings
 from handlers.loader import LMI_BUILTIN_NAMES
 from handlers.vllm_args import check_engine_option
 
@@ -39,6 +39,12 @@ def env_name(key: str) -> str:
         return "OPTION_" + key[len("option."):].upper()
     known = [k.key for k in KEYS if not k.key.startswith("option.")]
     raise SettingsError(f"{key} is not a sagelmi setting (settings: option.<name>, {', '.join(known)})")
+
+
+def option_key(name: str) -> str:
+    """``max_model_len`` or ``option.max_model_len`` -> ``option.max_model_len``, spelled
+    as the container spells an ``OPTION_*`` variable's key (lower case; ``entryPoint``)."""
+    return _option_key(name[len("option."):] if name.lower().startswith("option.") else name)
 
 
 def env_text(value: Any) -> str:

@@ -164,7 +164,9 @@ class LocalEndpoint:
         self.env = endpoint_env(model.env)
         self.process: subprocess.Popen | None = None
         self._empty_dir: tempfile.TemporaryDirectory | None = None
-        self.log_path = Path(tempfile.mkstemp(prefix="sagelmi-local-", suffix=".log")[1])
+        descriptor, log_path = tempfile.mkstemp(prefix="sagelmi-local-", suffix=".log")
+        os.close(descriptor)
+        self.log_path = Path(log_path)
 
     def command(self) -> list[str]:
         if self.mode == "process":

@@ -16,7 +16,8 @@ from sagemaker import s3
 from sagemaker.model import Model
 
 from sagemaker_sdk import sizing
-from sagemaker_sdk.env import ContainerEnv, build_container_env, env_name, env_text
+from container.settings import SettingsError
+from sagemaker_sdk.env import ContainerEnv, build_container_env, env_name, env_text, option_key
 from sagemaker_sdk.predictor import SagelmiPredictor
 
 log = logging.getLogger(__name__)
@@ -34,11 +35,6 @@ TYPED_SETTINGS = {
 # sagemaker Model arguments for its script mode (code in /opt/ml/code, SAGEMAKER_PROGRAM): the
 # container reads its handler from the model directory instead.
 _SCRIPT_MODE = ("entry_point", "source_dir", "dependencies", "git_config")
-
-
-def _option_key(name: str) -> str:
-    name = name[len("option."):] if name.lower().startswith("option.") else name
-    return f"option.{name}"
 
 
 def _model_data_source(model_data: Any) -> Any:
@@ -132,10 +128,11 @@ class SagelmiModel(Model):
     def _container_env(self, typed: dict[str, Any], options: dict[str, Any], env: dict[str, Any]) -> ContainerEnv:
         settings = {TYPED_SETTINGS[name]: value for name, value in typed.items() if value is not None}
         for name, value in options.items():
-            key = _option_key(name)
+            key = option_key(name)
             if key in settings:
-                given = next(n for n, k in TYPED_SETTINGS.items() if k == key)
-                raise ValueError(f"{key} is given twice: {given}={value!r} and options[{name!r}]; give it once")
+                given = next((n for n, k in TYPED_SETTINGS.items() if k == key), None)
+                first = f"{given}={settings[key]!r}" if given else f"options[...]={settings[key]!r}"
+                raise SettingsError(f"{key} is given twice: {first} and options[{name!r}]={value!r}; give it once")
             settings[key] = value
         return build_container_env(settings, env, self.handler_dir)
 

@@ -113,8 +113,12 @@ def test_a_setting_given_twice_is_refused():
     with pytest.raises(SettingsError, match="option.tensor_parallel_degree is given twice: '2' here and '4' as "
                                             "env TENSOR_PARALLEL_DEGREE"):
         model(model_id="org/model", tensor_parallel_degree=2, env={"TENSOR_PARALLEL_DEGREE": "4"})
-    with pytest.raises(ValueError, match="option.dtype is given twice"):
+    with pytest.raises(SettingsError, match="option.dtype is given twice: dtype='fp16' and options.'dtype'.='bf16'"):
         model(model_id="org/model", dtype="fp16", options={"dtype": "bf16"})
+    with pytest.raises(SettingsError, match="option.max_model_len is given twice"):
+        model(model_id="org/model", options={"max_model_len": 1, "option.MAX_MODEL_LEN": 2})
+    assert model(model_id="org/model", options={"Max_Model_Len": 8, "entrypoint": "djl_python.huggingface"}).env == {
+        "OPTION_MODEL_ID": "org/model", "OPTION_MAX_MODEL_LEN": "8", "OPTION_ENTRYPOINT": "djl_python.huggingface"}
 
 
 def test_serving_properties_in_the_handler_dir_count(tmp_path):

@@ -8,7 +8,6 @@ import json
 
 import boto3
 import pytest
-import requests
 import sagemaker
 from botocore.exceptions import EventStreamError
 
