@@ -1,6 +1,7 @@
 # The README's two commands:
 #   make run    install (CPU build of vLLM included) and serve the built-in tiny model on :8080
 #   make test   install and run the whole test suite (what CI runs: .ci/run)
+# and the image: make image [DEVICE=cpu] (the Dockerfile; README "Test the image locally")
 PYTHON ?= python3
 VENV ?= .venv
 PORT ?= 8080
@@ -13,7 +14,7 @@ STAMP := $(VENV)/.sagelmi-installed
 TORCH := torch==2.13.0+cpu
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: install run test test-fast bench
+.PHONY: install run test test-fast bench image
 
 install: $(STAMP)
 
@@ -47,3 +48,17 @@ test-fast: install
 BENCH_ARGS ?=
 bench: install
 	$(BIN)/python benchmarks/bench.py $(BENCH_ARGS)
+
+# The serving image (Dockerfile): DEVICE=gpu (default, NVIDIA's CUDA base image) or cpu (a plain
+# Ubuntu base). CONTAINER: docker when a Docker engine answers, else podman. IMAGE_BUILD_FLAGS:
+# more build options (the container tests pass --pull=never and a wheel folder).
+DEVICE ?= gpu
+IMAGE ?= sagelmi:$(DEVICE)
+CONTAINER ?= $(shell docker info >/dev/null 2>&1 && echo docker || echo podman)
+BASE_IMAGE_cpu := ubuntu:24.04
+BASE_IMAGE ?= $(BASE_IMAGE_$(DEVICE))
+IMAGE_BUILD_FLAGS ?=
+
+image:
+	$(CONTAINER) build --build-arg DEVICE=$(DEVICE) $(if $(BASE_IMAGE),--build-arg BASE_IMAGE=$(BASE_IMAGE)) \
+		--build-arg TORCH_CPU=$(TORCH) --build-arg TORCH_INDEX=$(TORCH_INDEX) $(IMAGE_BUILD_FLAGS) -t $(IMAGE) .
