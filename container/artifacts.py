@@ -176,7 +176,7 @@ def fetch_s3(uri: str, interval: float = PROGRESS_INTERVAL) -> Path:
 
 # -- Hugging Face Hub
 
-def _selected(files: list[str]) -> list[str]:
+def selected_files(files: list[str]) -> list[str]:
     """The repository's files worth downloading (see the module docstring)."""
     from fnmatch import fnmatch
 
@@ -257,7 +257,7 @@ def fetch_hub(repo_id: str, revision: str | None = None, interval: float = PROGR
     try:
         if listing is None:
             return snapshot_download(repo_id, revision=revision)
-        wanted = _selected([f.filename for f in listing])
+        wanted = selected_files([f.filename for f in listing])
         pending = [f for f in listing if f.filename in wanted and f.will_download]
         if not pending:
             log.info("Hub model %s is in the cache", repo_id)

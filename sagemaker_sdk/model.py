@@ -183,8 +183,8 @@ class SagelmiModel(Model):
 
     def model_size(self) -> float | None:
         """The model's size in GB (None: unknown): ``model_size_gb``, else the S3
-        objects of an ``s3://`` ``model_id``, else the model data when the model is in
-        it. A Hub model is not sized."""
+        objects of an ``s3://`` ``model_id``, else a Hub model's files (the Hub API,
+        with ``HF_TOKEN`` from ``env``), else the model data when the model is in it."""
         model_id = self.settings.model_id
         if self.model_size_gb is not None:
             return float(self.model_size_gb)
@@ -192,7 +192,9 @@ class SagelmiModel(Model):
             return self.model_data_size()
         if model_id.startswith("s3://"):
             return sizing.s3_gb(self.sagemaker_session.s3_client, model_id)
-        return None
+        if Path(model_id).is_absolute():  # a path inside the container (the model data's)
+            return self.model_data_size()
+        return sizing.hub_gb(model_id, self.settings.revision, self.env.get("HF_TOKEN"))
 
     def deploy(self, initial_instance_count: int | None = 1, instance_type: str | None = None, *args,
                model_data_download_timeout: int | None = None,

@@ -9,14 +9,15 @@ from the model's size unless given:
 - startup: 600 s (engine start-up, compilation) + 20 s per GB of model (a Hub or
   ``s3://`` download by the container, then loading), at most 3600 s;
 - model data download: 600 s + 10 s per GB of model data, at most 3600 s;
-- size unknown (a Hub id without ``model_size_gb``, or S3 objects that cannot be
-  listed): 1800 s each.
+- size unknown (a Hub model the Hub API does not size, or S3 objects that cannot
+  be listed): 1800 s each.
 
 Both are whole seconds. The model's size is ``model_size_gb`` when
-given, else the S3 objects of an ``s3://`` ``model_id``, else the model data's when
-the model is in it; the model data's is the S3 objects of ``model_data`` or the
-handler directory's files. A Hub model is not sized (the Hub may not be reachable
-from where the SDK runs): pass ``model_size_gb`` for it.
+given, else the S3 objects of an ``s3://`` ``model_id``, else the files of a Hub
+``model_id`` that the container downloads (asked of the Hub API with ``HF_TOKEN``;
+unknown when the Hub cannot be reached), else the model data's when the model is in
+it; the model data's is the S3 objects of ``model_data`` or the handler directory's
+files.
 """
 
 from __future__ import annotations
@@ -76,4 +77,24 @@ def s3_gb(s3_client: Any, uri: str) -> float | None:
         return total / 1e9
     except Exception as exc:  # no permission, no such bucket: the size stays unknown, said once
         log.warning("cannot size %s (%s); using the timeouts for an unknown size", uri, exc)
+        return None
+
+
+def hub_gb(repo_id: str, revision: str | None = None, token: str | None = None, timeout: float = 10) -> float | None:
+    """The size in GB of what the container downloads for a Hub model (its
+    ``container.artifacts.selected_files``); None when the Hub cannot tell (logged)."""
+    from container.artifacts import selected_files
+
+    try:
+        from huggingface_hub import HfApi
+
+        info = HfApi(token=token).model_info(repo_id, revision=revision, files_metadata=True, timeout=timeout)
+        sizes = {s.rfilename: s.size for s in info.siblings or []}
+        wanted = selected_files(list(sizes))
+        if not wanted or any(sizes[name] is None for name in wanted):
+            raise ValueError("the Hub gave no file sizes")
+        return sum(sizes[name] for name in wanted) / 1e9
+    except Exception as exc:  # unreachable, private, gated, not installed: the size stays unknown, said once
+        log.warning("cannot size Hub model %s (%s); using the timeouts for an unknown size (or pass model_size_gb)",
+                    repo_id, exc)
         return None

@@ -55,12 +55,15 @@ class FakeHub:
     def _app(self) -> Flask:
         app = Flask("fake-hub")
 
+        @app.get("/api/models/<org>/<name>")
         @app.get("/api/models/<org>/<name>/revision/<revision>")
-        def info(org, name, revision):
+        def info(org, name, revision="main"):
             repo = self._repo(org, name, revision)
             if isinstance(repo, Response):
                 return repo
-            return jsonify(id=f"{org}/{name}", sha=repo.sha, siblings=[{"rfilename": f} for f in repo.files])
+            sizes = request.args.get("blobs", "").lower() == "true"  # model_info(files_metadata=True) asks for sizes
+            return jsonify(id=f"{org}/{name}", sha=repo.sha, siblings=[
+                {"rfilename": f, **({"size": len(body)} if sizes else {})} for f, body in repo.files.items()])
 
         @app.get("/api/models/<org>/<name>/tree/<revision>")
         def tree(org, name, revision):

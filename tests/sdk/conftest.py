@@ -5,6 +5,7 @@ import os
 
 import pytest
 
+from tests.fake_hub import FakeHub, Repo
 from tests.server import MODEL_DIRS, Server
 
 # Before anything imports sagemaker: its v2 deprecation warning is noise here.
@@ -30,6 +31,25 @@ def aws(monkeypatch):
     monkeypatch.delenv("AWS_PROFILE", raising=False)
     with mock_aws():
         yield boto3.Session(region_name=REGION)
+
+
+# Hub models the deploy tests size: safetensors weights (2 GB) beside the same weights as .bin
+HUB_MODELS = {"org/two-gb": Repo({"config.json": b"{}", "model.safetensors": b"x" * 2_000_000,
+                                   "pytorch_model.bin": b"x" * 2_000_000})}
+
+
+@pytest.fixture(scope="session")
+def fake_hub():
+    with FakeHub(HUB_MODELS) as hub:
+        yield hub
+
+
+@pytest.fixture(autouse=True)
+def hub_api(fake_hub, monkeypatch):
+    """The Hub the SDK sizes models with is tests/fake_hub.py (these machines cannot reach
+    the real one): a model it does not have is unknown, at once."""
+    monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", fake_hub.url)
+    return fake_hub
 
 
 @pytest.fixture(scope="module")
