@@ -34,8 +34,9 @@ MODES = ("process", "podman", "docker")
 CONTAINER_MODEL_DIR = "/opt/ml/model"
 # What a run needs beyond the image's defaults (see the README's container notes): podman refuses
 # this machine's default runtime, vLLM starves under low process limits and /dev/shm of 64 MB.
-CONTAINER_RUN_OPTIONS = ("--runtime", "runc", "--ulimit", "nofile=20000:20000", "--ulimit", "nproc=32768:32768",
-                         "--shm-size=1g")
+# vLLM's worker processes need more /dev/shm than Docker's 64 MB and many open files. Anything
+# a machine needs beyond these (a GPU, an OCI runtime) goes in run_args or the runtime's own config.
+CONTAINER_RUN_OPTIONS = ("--ulimit", "nofile=20000:20000", "--ulimit", "nproc=32768:32768", "--shm-size=1g")
 _SETTING_NAMES = {name for k in KEYS for name in (*k.env, *k.sagemaker)}
 
 

@@ -21,7 +21,7 @@ import requests
 
 from tests.container.conftest import MEASURED
 from tests.readme import run_shell, section, shell_commands
-from tests.server import REPO, free_port
+from tests.server import MODEL_DIRS, REPO, free_port
 
 README_COMMANDS = shell_commands(section("## Test the image locally"))
 
@@ -204,3 +204,20 @@ def test_model_py_with_requirements_as_non_root(image, container):
     MEASURED.append(f"model.py with requirements.txt: /ping 200 after {ready:.0f} s (pip install included), "
                     f"stopped in {seconds:.1f} s, exit code {code}")
     assert code == 0 and seconds < STOP_WITHIN, logs(container)
+
+
+def test_the_sdks_local_runner_serves_the_image(image, tmp_path, monkeypatch):
+    """sagemaker_sdk's LocalEndpoint in podman mode: the same image, the model's env, a predictor on it."""
+    from sagemaker_sdk import SagelmiModel
+    from sagemaker_sdk.local import LocalEndpoint
+
+    conf = tmp_path / "containers.conf"  # this machine's podman needs runc (see ../shared/ENVIRONMENT.md)
+    conf.write_text('[engine]\nruntime = "runc"\n')
+    monkeypatch.setenv("CONTAINERS_CONF", str(conf))
+    model = SagelmiModel(handler_dir=MODEL_DIRS / "sdk_textgen", options={"output_formatter": "sse"}, image_uri=image)
+    endpoint = LocalEndpoint(model, mode="podman", ready_timeout=300)
+    with endpoint as predictor:
+        assert predictor.predict("hello world", max_new_tokens=3) == {"generated_text": "hello world größer"}
+        assert list(predictor.predict_stream("hello world", max_new_tokens=4)) == ["hello", " world", " größer", " ☃"]
+        assert podman("inspect", "--format", "{{.Config.Image}}", endpoint.container_name).stdout.strip() == image
+    assert endpoint.process.returncode == 0, endpoint.log_tail()

@@ -74,7 +74,7 @@ def test_container_command(tmp_path):
     model = SagelmiModel(handler_dir=tmp_path, options={"max_model_len": 2048}, env={"HF_TOKEN": "hf_secret"}, image_uri=IMAGE)
     endpoint = LocalEndpoint(model, mode="podman", port=18080, run_args=["--device", "nvidia.com/gpu=all"])
     assert endpoint.command() == [
-        "podman", "run", "--rm", "--runtime", "runc", "--ulimit", "nofile=20000:20000",
+        "podman", "run", "--rm", "--ulimit", "nofile=20000:20000",
         "--ulimit", "nproc=32768:32768", "--shm-size=1g", "-p", "127.0.0.1:18080:8080",
         "--name", "sagelmi-local-18080", "-v", f"{tmp_path}:/opt/ml/model:ro",
         "-e", "HF_TOKEN", "-e", "OPTION_MAX_MODEL_LEN", "--device", "nvidia.com/gpu=all", IMAGE, "serve"]
