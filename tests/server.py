@@ -59,7 +59,13 @@ def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 class Server:
-    def __init__(self, model_dir: str | Path, env: dict[str, str] | None = None, ready_timeout: float = 60) -> None:
+    """A real ``sagelmi serve`` on a free port. However a test ends, its server is
+    stopped: ``start`` stops it when it never gets ready, the context manager on
+    exit, and ``stop_leftovers`` (at the end of the session) whatever is left."""
+
+    live: set["Server"] = set()
+
+    def __init__(self, model_dir: str | Path, env: dict[str, str] | None = None, ready_timeout: float = 180) -> None:
         self.model_dir = Path(model_dir)
         self.ready_timeout = ready_timeout
         self.port = free_port()
@@ -73,8 +79,13 @@ class Server:
             [sys.executable, "-m", "container", "serve", "--model-dir", str(self.model_dir),
              "--port", str(self.port)],
             env=self.env, stdout=self.log_file, stderr=subprocess.STDOUT, cwd=REPO)
+        Server.live.add(self)
         if wait_ready:
-            self.wait_until(lambda r: r.status_code == 200, timeout or self.ready_timeout)
+            try:
+                self.wait_until(lambda r: r.status_code == 200, timeout or self.ready_timeout)
+            except BaseException:
+                self.stop(signal.SIGKILL if self.process.poll() is None else signal.SIGTERM)
+                raise
         return self
 
     def wait_until(self, condition, timeout: float) -> requests.Response:
@@ -97,6 +108,7 @@ class Server:
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
         if self.process is None:
             return 0
+        Server.live.discard(self)
         if self.process.poll() is None:
             self.process.send_signal(sig)
             try:
@@ -113,12 +125,22 @@ class Server:
         except subprocess.TimeoutExpired:
             raise AssertionError(f"server still running after {timeout}s:\n{self.log()}") from None
 
+    @classmethod
+    def stop_leftovers(cls, servers: "list[Server] | None" = None) -> list[str]:
+        """Stop every server a test started and did not stop (or those of ``servers``
+        still live); say which they were."""
+        servers = [s for s in (cls.live if servers is None else servers) if s in cls.live]
+        left = [f"{server.model_dir} on port {server.port}" for server in servers
+                if server.process is not None and server.process.poll() is None]
+        for server in servers:
+            try:
+                server.stop(timeout=30)
+            except AssertionError:
+                pass  # killed after the timeout
+        return left
+
     def __enter__(self) -> "Server":
-        try:
-            return self.start()
-        except BaseException:
-            self.stop()  # a server that never became ready must not outlive the test
-            raise
+        return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()

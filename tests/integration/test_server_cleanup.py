@@ -1,0 +1,22 @@
+"""The tests' own servers never outlive a test: one that does not get ready in time is
+stopped by ``start``, and whatever a test leaves running is stopped at the session's end."""
+
+import pytest
+
+from tests.server import MODEL_DIRS, Server
+
+
+def test_a_server_that_is_not_ready_in_time_is_stopped():
+    server = Server(MODEL_DIRS / "slow_init", ready_timeout=0.5)  # it takes seconds to load
+    with pytest.raises(AssertionError, match="never matched within 0.5s"):
+        server.start()
+    assert server.process.poll() is not None
+    assert server not in Server.live
+
+
+def test_servers_left_running_are_stopped_at_the_end():
+    server = Server(MODEL_DIRS / "lmi_echo").start()
+    assert server in Server.live
+    left = Server.stop_leftovers([server])  # what the session's end does with every live server
+    assert left == [f"{server.model_dir} on port {server.port}"]
+    assert server.process.poll() == 0 and server not in Server.live
