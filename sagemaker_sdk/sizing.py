@@ -28,26 +28,9 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-MAX_TIMEOUT = 3600  # SageMaker's upper bound for both timeouts
-MIN_TIMEOUT = 60
-STARTUP_BASE, STARTUP_PER_GB = 600, 20
-DOWNLOAD_BASE, DOWNLOAD_PER_GB = 600, 10
-UNKNOWN_SIZE_TIMEOUT = 1800
-
-
-def _bounded(seconds: float) -> int:
-    """Whole seconds, within SageMaker's bounds."""
-    return int(min(MAX_TIMEOUT, max(MIN_TIMEOUT, round(seconds))))
-
-
-def startup_timeout(size_gb: float | None) -> int:
-    """``container_startup_health_check_timeout`` for a model of ``size_gb`` GB (None: unknown)."""
-    return UNKNOWN_SIZE_TIMEOUT if size_gb is None else _bounded(STARTUP_BASE + STARTUP_PER_GB * size_gb)
-
-
-def download_timeout(size_gb: float | None) -> int:
-    """``model_data_download_timeout`` for model data of ``size_gb`` GB (None: unknown)."""
-    return UNKNOWN_SIZE_TIMEOUT if size_gb is None else _bounded(DOWNLOAD_BASE + DOWNLOAD_PER_GB * size_gb)
+# The formulas are the container's (``sagelmi plan`` suggests the same timeouts).
+from container.sizing import (DOWNLOAD_BASE, DOWNLOAD_PER_GB, MAX_TIMEOUT, MIN_TIMEOUT,  # noqa: E402,F401
+                              STARTUP_BASE, STARTUP_PER_GB, UNKNOWN_SIZE_TIMEOUT, download_timeout, startup_timeout)
 
 
 def directory_gb(directory: Path) -> float:

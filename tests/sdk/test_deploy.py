@@ -94,7 +94,7 @@ def test_timeouts_follow_the_models_size(session):
 
 
 def test_a_hub_model_is_sized_from_the_files_the_container_downloads(session, monkeypatch):
-    monkeypatch.setattr(sizing, "STARTUP_PER_GB", 20_000)  # the fake Hub's 2 MB model is then 40 s a MB
+    monkeypatch.setattr("container.sizing.STARTUP_PER_GB", 20_000)  # the fake Hub's 2 MB model is then 40 s a MB
     model = SagelmiModel(model_id="org/two-gb", image_uri=IMAGE, role=ROLE, sagemaker_session=session)
     assert model.model_size() == pytest.approx(0.002)  # the safetensors only: the .bin is not downloaded
     model.deploy(instance_type=INSTANCE_TYPE, wait=False)
