@@ -2,7 +2,7 @@
 
     sagelmi serve  [--model-dir DIR] [--port N]   run the server (what the image runs)
     sagelmi config [--model-dir DIR] [--json]     print the resolved settings and their sources
-    sagelmi tiny-model DIR                        write a tiny random Llama to try the engine offline
+    sagelmi tiny-model DIR [--arch t5|bert]       write a tiny random Llama (or T5, BERT) to try the engine offline
     sagelmi engine-args [--write]                 vLLM's engine arguments, as the packaged list holds them
 """
 
@@ -39,6 +39,9 @@ def _parser() -> argparse.ArgumentParser:
     tiny = sub.add_parser("tiny-model", help="write a tiny random-weight Llama (no download) to try the engine")
     tiny.add_argument("directory", help="where to write it")
     tiny.add_argument("--max-model-len", type=int, default=1024, help="context length (default 1024)")
+    tiny.add_argument("--arch", choices=("llama", "t5", "bert"), default="llama",
+                      help="llama (default: vLLM and text-generation), t5 (text2text-generation) or bert "
+                           "(classification, fill-mask, embeddings), the last two for the Accelerate engine")
     engine_args = sub.add_parser("engine-args", help="print the list of vLLM engine arguments built from the "
                                  "installed vLLM (what handlers/vllm_engine_args.json holds)")
     engine_args.add_argument("--write", action="store_true", help="write it to handlers/vllm_engine_args.json")
@@ -79,9 +82,9 @@ def main(argv: list[str] | None = None) -> int:
         print(reference_table())
         return 0
     if args.command == "tiny-model":
-        from container.tiny_model import write_tiny_model
+        from container.tiny_model import WRITERS
 
-        print(write_tiny_model(args.directory, args.max_model_len))
+        print(WRITERS[args.arch](args.directory, args.max_model_len))
         return 0
     if args.command == "engine-args":
         return _engine_args(args.write)

@@ -87,3 +87,85 @@ def write_tiny_model(directory: str | Path, max_model_len: int = 1024) -> Path:
     # Written last: its presence means the model is complete.
     (directory / "sagelmi-tiny-model.json").write_text(json.dumps({"seed": SEED, "max_model_len": max_model_len}))
     return directory
+
+
+# -- the Accelerate engine's test models: an encoder-decoder (T5) and an encoder (BERT) ----
+
+BERT_SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+BERT_LABELS = ["NEGATIVE", "POSITIVE", "NEUTRAL"]
+
+
+def write_tiny_t5(directory: str | Path, max_model_len: int = 512) -> Path:
+    """A tiny random-weight T5 (text2text-generation) with the Llama's BPE tokenizer
+    (``<pad>`` is id 0, the decoder's start token, as T5 wants)."""
+    import torch
+    from transformers import GenerationConfig, T5Config, T5ForConditionalGeneration
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    _tokenizer(directory, max_model_len)
+    ids = {name: i for i, name in enumerate(SPECIAL_TOKENS)}
+    config = T5Config(vocab_size=VOCAB_SIZE, d_model=64, d_kv=32, d_ff=128, num_layers=2, num_decoder_layers=2,
+                      num_heads=2, pad_token_id=ids["<pad>"], eos_token_id=ids["</s>"],
+                      decoder_start_token_id=ids["<pad>"], tie_word_embeddings=False, torch_dtype="float32")
+    torch.manual_seed(SEED)
+    model = T5ForConditionalGeneration(config).eval()
+    model.save_pretrained(directory, safe_serialization=True)
+    GenerationConfig(decoder_start_token_id=config.decoder_start_token_id, eos_token_id=config.eos_token_id,
+                     pad_token_id=config.pad_token_id).save_pretrained(directory)
+    (directory / "sagelmi-tiny-model.json").write_text(json.dumps({"seed": SEED, "arch": "t5"}))
+    return directory
+
+
+def _bert_tokenizer(directory: Path, max_model_len: int) -> None:
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    trainer = trainers.WordPieceTrainer(vocab_size=VOCAB_SIZE, special_tokens=BERT_SPECIAL_TOKENS,
+                                        show_progress=False)
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+                                                       special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
+    from tokenizers import decoders
+    tok.decoder = decoders.WordPiece()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
+                                   sep_token="[SEP]", mask_token="[MASK]", model_max_length=max_model_len)
+    fast.save_pretrained(directory)
+
+
+def write_tiny_bert(directory: str | Path, max_model_len: int = 512) -> Path:
+    """A tiny random-weight BERT whose one checkpoint holds every head the
+    Accelerate engine's encoder tasks need: the masked-LM head (fill-mask; the
+    config's architecture), a pooler and a 3-label classifier (text- and
+    token-classification load the same ``classifier`` weights), and the encoder
+    (feature-extraction, text-embedding). Every task loads fixed weights."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import BertConfig, BertForMaskedLM, BertForSequenceClassification
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    _bert_tokenizer(directory, max_model_len)
+    config = BertConfig(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=2, max_position_embeddings=max_model_len, pad_token_id=0,
+                        initializer_range=0.1, id2label=dict(enumerate(BERT_LABELS)),
+                        label2id={label: i for i, label in enumerate(BERT_LABELS)}, torch_dtype="float32")
+    torch.manual_seed(SEED)
+    classifier = BertForSequenceClassification(config).eval()
+    masked = BertForMaskedLM(config).eval()
+    masked.bert.load_state_dict(classifier.bert.state_dict(), strict=False)  # one shared encoder
+    tensors = {**masked.state_dict(), **classifier.state_dict()}
+    # Tied tensors share memory, which safetensors refuses: store each one on its own.
+    save_file({name: t.detach().clone().contiguous() for name, t in tensors.items()},
+              str(directory / "model.safetensors"), metadata={"format": "pt"})
+    config.architectures = ["BertForMaskedLM"]
+    config.save_pretrained(directory)
+    (directory / "sagelmi-tiny-model.json").write_text(json.dumps({"seed": SEED, "arch": "bert"}))
+    return directory
+
+
+WRITERS = {"llama": write_tiny_model, "t5": write_tiny_t5, "bert": write_tiny_bert}

@@ -3,9 +3,9 @@ for ``model.py`` files that wrap LMI's default handler.
 
 Here the service runs the model on sagelmi's built-in vLLM engine (continuous
 batching, LMI and OpenAI schemas), in the worker's own loop. Call it from a
-synchronous ``handle`` (as LMI's examples do). ``option.rolling_batch=disable``
-(the Accelerate engine) and the LoRA adapter calls are not available yet: they
-say so when called. ``get_pipeline`` builds a ``transformers`` pipeline.
+synchronous ``handle`` (as LMI's examples do). With ``option.rolling_batch=disable``
+it runs sagelmi's Hugging Face Accelerate engine (``handlers.hf_accelerate``)
+instead. The LoRA adapter calls are not available yet: they say so when called. ``get_pipeline`` builds a ``transformers`` pipeline.
 """
 
 from __future__ import annotations
@@ -90,6 +90,7 @@ class HuggingFaceService:
         self.model = None
         self.tokenizer = None
         self.rolling_batch = None
+        self.accelerate = None  # the Accelerate engine, with option.rolling_batch=disable
         self.model_config = None
         self.peft_config = None
         self.stopping_criteria_list = None
@@ -115,8 +116,14 @@ class HuggingFaceService:
         self.hf_configs = dict(properties)
         rolling_batch = str(properties.get("rolling_batch", context.settings.rolling_batch))
         if rolling_batch == "disable":
-            raise ValueError(f"option.rolling_batch=disable (the Hugging Face Accelerate engine) {_NOT_YET}; "
-                             "use option.rolling_batch=vllm")
+            from handlers.hf_accelerate import AccelerateService
+            log.warning("ENGINE: HuggingFaceService runs the Hugging Face Accelerate engine "
+                        "(option.rolling_batch=disable)")
+            self.accelerate = AccelerateService.load(context)
+            self.model, self.tokenizer = self.accelerate.model, self.accelerate.tokenizer
+            self.model_config = self.model.config
+            self.initialized = True
+            return
         service_class = get_rolling_batch_class_from_str(rolling_batch)
         self.rolling_batch = self._run(service_class.start(context))
         self.tokenizer = self.rolling_batch.engine.tokenizer
@@ -148,6 +155,8 @@ class HuggingFaceService:
 
     def inference(self, inputs: Input) -> Output:
         """Answer ``inputs`` (one request, or a batch: one answer per item)."""
+        if self.accelerate is not None:
+            return self.accelerate.answer(inputs)
         if not inputs.is_batch():
             return self._run(self.rolling_batch.invoke(inputs))
         outputs = Output()

@@ -5,7 +5,10 @@ names: a ``.py`` file (relative to the model directory or absolute) or an
 importable module. It must define ``handle``, or (as LMI allows) only an
 ``@input_formatter`` and/or ``@output_formatter``: then the built-in handler
 serves the model with those formatters. Without a ``model.py``, the built-in
-handler serves the model: vLLM in Python mode, ``lmi-dist`` in MPI mode.
+handler serves the model: vLLM in Python mode, ``lmi-dist`` in MPI mode, the
+Hugging Face Accelerate engine (``handlers/hf_accelerate.py``) for
+``option.rolling_batch=disable`` or an ``option.task`` vLLM does not serve
+(logged loudly, with the reason).
 Anything else stops start-up with the reason: there is no silent fallback to
 another handler.
 
@@ -18,7 +21,9 @@ A built-in handler module may define, besides ``handle`` and ``shutdown``:
 given the typed settings and the group layout), ``check_health()`` (raises once
 the handler can no longer serve, e.g. its engine died: the group is restarted)
 and ``REQUESTS_ON_RANK0_ONLY = True`` (in MPI mode the handler hands work to
-its other ranks itself, so requests are not relayed to them).
+its other ranks itself, so requests are not relayed to them) and
+``DYNAMIC_BATCHING = True`` (the worker's dynamic batching feeds it, as it feeds
+a ``model.py``).
 """
 
 from __future__ import annotations
@@ -44,7 +49,9 @@ class HandlerLoadError(Exception):
     """The handler could not be found or imported; the message says why."""
 
 
-BUILTIN = {"vllm": "handlers.vllm_handler", "lmi-dist": "handlers.lmi_dist"}
+BUILTIN = {"vllm": "handlers.vllm_handler", "lmi-dist": "handlers.lmi_dist", "accelerate": "handlers.hf_accelerate"}
+# The tasks vLLM serves; any other option.task goes to the Accelerate engine.
+VLLM_TASKS = {"text-generation"}
 # LMI's names for its built-in handlers, served here by the built-in vLLM handler.
 LMI_BUILTIN_NAMES = {"djl_python.huggingface", "djl_python.lmi_vllm.vllm_async_service",
                      "djl_python.vllm", "djl_python.rolling_batch.vllm_rolling_batch"}
@@ -61,7 +68,8 @@ class Handler:
     initialize: Callable[[Any], Awaitable[None]] | None = None  # built-in: replaces the initialisation call
     check_health: Callable[[], None] | None = None  # built-in: raises once the handler cannot serve
     requests_on_rank0_only: bool = False  # built-in: distributes work to its MPI ranks itself
-    builtin: bool = False  # one of sagelmi's built-in handlers (vLLM, lmi-dist)
+    builtin: bool = False  # one of sagelmi's built-in handlers (vLLM, lmi-dist, Accelerate)
+    dynamic_batching: bool = False  # built-in: fed by the worker's dynamic batching (DYNAMIC_BATCHING = True)
     input_formatter: Callable[..., Any] | None = None  # model.py's @input_formatter
     output_formatter: Callable[..., Any] | None = None  # model.py's @output_formatter
 
@@ -89,14 +97,18 @@ def _import_file(path: Path) -> Any:
 
 def _builtin(settings: Settings) -> tuple[str, Path | None, str | None]:
     engine = settings.builtin_engine
-    if engine == "disable":
-        raise HandlerLoadError("option.rolling_batch=disable (the Hugging Face Accelerate engine) is not available "
-                               "in this version: use option.rolling_batch=vllm, or provide a model.py")
     if not settings.model_id and not (Path(settings.model_dir) / "config.json").is_file():
         raise HandlerLoadError(
             "nothing to serve: the model directory has neither model.py nor a model (config.json), "
             "and option.model_id (HF_MODEL_ID) is not set")
-    return f"the built-in {engine} handler (option.rolling_batch={settings.rolling_batch})", None, BUILTIN[engine]
+    if engine == "disable":
+        reason = "option.rolling_batch=disable"
+    elif settings.task and settings.task not in VLLM_TASKS and settings.rolling_batch == "auto":
+        reason = f"option.task={settings.task}, which vLLM does not serve"
+    else:
+        return f"the built-in {engine} handler (option.rolling_batch={settings.rolling_batch})", None, BUILTIN[engine]
+    log.warning("ENGINE: the Hugging Face Accelerate engine (transformers) serves this model, because %s", reason)
+    return f"the built-in Hugging Face Accelerate handler ({reason})", None, BUILTIN["accelerate"]
 
 
 def _locate(settings: Settings) -> tuple[str, Path | None, str | None]:
@@ -163,7 +175,8 @@ def load_handler(settings: Settings) -> Handler:
                       initialize=_optional(module, "initialize") if builtin else None,
                       check_health=_optional(module, "check_health") if builtin else None,
                       requests_on_rank0_only=builtin and bool(getattr(module, "REQUESTS_ON_RANK0_ONLY", False)),
-                      builtin=builtin, **formatters)
+                      builtin=builtin, dynamic_batching=builtin and bool(getattr(module, "DYNAMIC_BATCHING", False)),
+                      **formatters)
     log.info("handler %s loaded (%s handle)", origin, handler.kind.replace("_", " "))
     return handler
 

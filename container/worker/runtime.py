@@ -230,7 +230,7 @@ class Worker:
                 elif init.code >= 300:
                     raise RuntimeError(f"it answered {init.code} {init.message}: "
                                        f"{init.body().decode('utf-8', 'replace')[:500]}")
-            if self.settings.batch_size > 1 and not self.handler.builtin:
+            if self.settings.batch_size > 1 and (not self.handler.builtin or self.handler.dynamic_batching):
                 self.batcher = Batcher(self.settings.batch_size, self.settings.max_batch_delay,
                                        self.settings.sync_handler_threads, self._serve_batch)
                 if self.context.follower is None:  # the other ranks run the batches rank 0 formed
