@@ -4,6 +4,8 @@
     sagelmi config [--model-dir DIR] [--json]     print the resolved settings and their sources
     sagelmi tiny-model DIR [--arch t5|bert]       write a tiny random Llama (or T5, BERT) to try the engine offline
     sagelmi engine-args [--write]                 vLLM's engine arguments, as the packaged list holds them
+    sagelmi plan [--model-dir DIR | --model-id ID] [--instance TYPE | --gpus N --gpu-memory GIB] [--json] [NAME=VALUE ...]
+                                                  size a deployment before paying for it (container/plan.py)
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import logging
 import os
 import sys
 
-from container import logs
+from container import logs, plan_cli
+from container.plan import PlanError
 from container.settings import (DEFAULT_MODEL_DIR, SettingsError, describe_settings, reference_table,
                                 resolve_settings)
 
@@ -45,6 +48,7 @@ def _parser() -> argparse.ArgumentParser:
     engine_args = sub.add_parser("engine-args", help="print the list of vLLM engine arguments built from the "
                                  "installed vLLM (what handlers/vllm_engine_args.json holds)")
     engine_args.add_argument("--write", action="store_true", help="write it to handlers/vllm_engine_args.json")
+    plan_cli.add_parser(sub)
     return parser
 
 
@@ -88,6 +92,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "engine-args":
         return _engine_args(args.write)
+    if args.command == "plan":
+        try:
+            return plan_cli.run(args)
+        except (PlanError, SettingsError) as exc:
+            log.error("%s", exc)
+            return 2
     try:
         settings = resolve_settings(os.environ, args.model_dir, port=getattr(args, "port", None))
     except SettingsError as exc:

@@ -20,6 +20,7 @@ STREAMING_EXAMPLE = [
 
 def test_every_readme_command_is_covered():
     from tests.container.test_image import README_COMMANDS as IMAGE_COMMANDS
+    from tests.integration.test_plan_cli import README_COMMANDS as PLAN_COMMANDS
     from tests.e2e.test_lmi_dist import README_COMMANDS as LMI_DIST_TRY_OUT
     from tests.mpi.test_mpi_mode import TENSOR_PARALLEL_EXAMPLE
     from tests.sdk.test_readme import SNIPPETS as SDK_SNIPPETS
@@ -27,6 +28,7 @@ def test_every_readme_command_is_covered():
     covered = {
         *LMI_DIST_TRY_OUT,  # tests/e2e/test_lmi_dist.py (its server fixture)
         *IMAGE_COMMANDS,  # tests/container/test_image.py
+        *PLAN_COMMANDS,  # tests/integration/test_plan_cli.py
         *TENSOR_PARALLEL_EXAMPLE,  # tests/mpi/test_mpi_mode.py
         "make run",  # tests/e2e/test_readme_run.py
         "make test",  # .ci/run (test_ci_runs_the_readme_test_command)

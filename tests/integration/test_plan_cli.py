@@ -1,0 +1,28 @@
+"""The README's "Sizing a deployment" commands, run as a user runs them."""
+
+import json
+
+from tests.readme import run_shell, section, shell_commands
+
+README_COMMANDS = shell_commands(section("## Sizing a deployment"))
+
+
+def test_the_readme_plan_commands(tmp_path):
+    model = str(tmp_path / "tiny")
+    made, table, as_json = (run_shell(c.replace("/tmp/tiny", model), 0, timeout=120) for c in README_COMMANDS)
+    assert made.returncode == 0, made.stderr
+    assert table.returncode == 0, table.stderr
+    assert "on ml.g5.2xlarge (1 x A10G 22 GiB)" in table.stdout
+    assert "smallest split that fits: tp=1 pp=1" in table.stdout
+    plan = json.loads(as_json.stdout)
+    assert as_json.returncode == 0 and plan["kv_dtype"] == "fp8"
+    assert {(s["tp"], s["pp"]) for s in plan["splits"]} >= {(1, 1), (8, 1), (2, 4)}
+    one = next(s for s in plan["splits"] if (s["tp"], s["pp"]) == (1, 1))
+    assert one["kv_bytes_per_token"] == 2 * 2 * 1 * 64 * 1  # 2 layers, 1 KV head of 64, fp8, K and V
+
+
+def test_a_plan_that_cannot_be_made_says_why(tmp_path):
+    result = run_shell(f"sagelmi plan --model-dir {tmp_path} --gpus 2", 0)
+    assert result.returncode == 2
+    assert "give both --gpus and --gpu-memory (or --instance)" in result.stderr
+    assert "Traceback" not in result.stderr
