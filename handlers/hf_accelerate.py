@@ -221,14 +221,17 @@ class AccelerateService:
                 if type(exc).__name__ == "PipelineException":  # e.g. fill-mask without the mask token
                     raise InputError(f"{self.task}: {exc}") from None
                 raise
-            if len(flat) == 1 and self.task != "feature-extraction":
+            if len(flat) == 1 and self.task == "fill-mask":  # the pipeline unwraps a list of one here only
                 results = [results]
         results = _plain(results)
         answers, at = [], 0
         for it, ts in zip(group, texts):
             part = results[at:at + len(ts)]
             at += len(ts)
-            answers.append(part if isinstance(it.body["inputs"], list) else part[0])
+            if isinstance(it.body["inputs"], list):
+                answers.append(part)
+            else:  # what the pipeline answers for one text: text-classification keeps its list
+                answers.append(part if self.task == "text-classification" else part[0])
         return answers
 
     # -- embeddings

@@ -137,3 +137,42 @@ def test_embeddings_are_one_normalised_vector_per_input(bert):
     single = bert.invoke({"inputs": "hello world"}).json()
     assert len(single) == 64 and single == pytest.approx(vectors[1], abs=1e-5)
     assert bert.invoke({"inputs": []}).status_code == 400
+
+
+@pytest.mark.parametrize("task, text", [("text-classification", "the quick brown fox"),
+                                        ("token-classification", "the quick brown fox"),
+                                        ("fill-mask", "the quick brown [MASK] jumps"),
+                                        ("feature-extraction", "hello world")])
+def test_pipeline_tasks_answer_as_the_transformers_pipeline(tmp_path_factory, task, text):
+    """In-process (no server): the engine's answer for the encoder tasks is the pipeline's."""
+    from transformers import AutoTokenizer, pipeline
+    import transformers
+    from handlers.hf_accelerate import PIPELINE_TASKS, AccelerateService, _plain
+    from handlers.api import Input
+    from handlers.lmi_schema import Formatter
+    directory = str(_bert_dir(tmp_path_factory))
+    model = getattr(transformers, PIPELINE_TASKS[task]).from_pretrained(directory).eval()
+    service = AccelerateService(task, model, AutoTokenizer.from_pretrained(directory), Formatter("jsonlines", False))
+    answer = json.loads(service.answer(Input(body=json.dumps({"inputs": text}).encode())).body())
+    assert _rounded(answer) == _rounded(_plain(pipeline(task, model=directory)(text)))
+    if task == "fill-mask":
+        from container.errors import InputError
+        with pytest.raises(InputError):
+            service.answer(Input(body=b'{"inputs": "no mask here"}'))
+
+
+_BERT = {}
+
+
+def _bert_dir(tmp_path_factory):
+    if "dir" not in _BERT:
+        _BERT["dir"] = _write(tmp_path_factory, "bert")
+    return _BERT["dir"]
+
+
+def _rounded(value):
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_rounded(v) for v in value]
+    return round(value, 4) if isinstance(value, float) else value
