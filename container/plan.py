@@ -130,6 +130,7 @@ class Plan:
     weight_bytes: int
     download_bytes: int
     hardware: str
+    gpus: int | None = None  # None: vLLM's CPU build
     splits: list[Split] = field(default_factory=list)
     startup_timeout_s: int = 0
     download_timeout_s: int = 0
@@ -162,7 +163,7 @@ def make_plan(model: str, config: dict[str, Any], weight: int, download: int, *,
     served = resolved_dtype(dtype, shape)
     kv_dtype = served if (kv_cache_dtype or "auto") == "auto" else kv_cache_dtype.lower()
     wanted = max_model_len or shape.max_position or 4096
-    plan = Plan(model, shape, served, kv_dtype, weight, download, hardware,
+    plan = Plan(model, shape, served, kv_dtype, weight, download, hardware, gpus,
                 startup_timeout_s=startup_timeout(download / 1e9), download_timeout_s=download_timeout(download / 1e9))
     choices = [(tp or 1, pp or 1)] if gpus is None or tp or pp else _splits(gpus)
     # weights as served: a float32 checkpoint served in bfloat16 takes half its file size

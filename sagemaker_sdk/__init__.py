@@ -9,9 +9,9 @@ Runs on the user's machine: imports neither vLLM, torch nor gunicorn.
 
 from container.settings import SettingsError
 from handlers.vllm_args import EngineOptionError
-from sagemaker_sdk.model import SagelmiModel
+from sagemaker_sdk.model import DoesNotFit, SagelmiModel
 from sagemaker_sdk.predictor import SagelmiPredictor
 from sagemaker_sdk.streaming import StreamError, StreamParser, parse_stream
 
-__all__ = ["SagelmiModel", "SagelmiPredictor", "SettingsError", "EngineOptionError", "StreamError", "StreamParser",
+__all__ = ["SagelmiModel", "DoesNotFit", "SagelmiPredictor", "SettingsError", "EngineOptionError", "StreamError", "StreamParser",
            "parse_stream"]

@@ -69,6 +69,10 @@ def pack_directory(directory: Path) -> bytes:
     return gzip.compress(raw.getvalue(), mtime=0)
 
 
+class DoesNotFit(ValueError):
+    """The model cannot run on the instance type with these settings; the message gives the numbers."""
+
+
 class SagelmiModel(Model):
     """The sagelmi image on SageMaker, with the container's settings as arguments.
 
@@ -198,15 +202,22 @@ class SagelmiModel(Model):
 
     def deploy(self, initial_instance_count: int | None = 1, instance_type: str | None = None, *args,
                model_data_download_timeout: int | None = None,
-               container_startup_health_check_timeout: int | None = None, **kwargs):
+               container_startup_health_check_timeout: int | None = None, check_fit: bool = True, **kwargs):
         """``sagemaker.model.Model.deploy`` (returns a ``SagelmiPredictor``), with
         ``container_startup_health_check_timeout`` and ``model_data_download_timeout``
         set from the model's size unless given (see ``sagemaker_sdk.sizing``); the
         container's ``option.model_loading_timeout``, unless set, follows a startup
-        timeout longer than its default."""
+        timeout longer than its default.
+
+        With ``check_fit`` (the default), a model whose ``config.json`` can be read
+        (``handler_dir``, or a Hub ``model_id``) is planned on ``instance_type`` as
+        ``sagelmi plan`` does, and a configuration that cannot fit raises
+        ``DoesNotFit`` before anything is created in AWS; ``check_fit=False`` goes ahead."""
         if not self.image_uri:
             raise ValueError("image_uri is required: the sagelmi image in your ECR registry "
                              "(<account>.dkr.ecr.<region>.amazonaws.com/<repository>:<tag>)")
+        if check_fit:
+            self.check_fit(instance_type)
         self._init_sagemaker_session_if_does_not_exist(instance_type)
         if instance_type not in ("local", "local_gpu") and kwargs.get("serverless_inference_config") is None:
             model_gb = data_gb = None
@@ -224,6 +235,49 @@ class SagelmiModel(Model):
                               model_data_download_timeout=model_data_download_timeout,
                               container_startup_health_check_timeout=container_startup_health_check_timeout,
                               **kwargs)
+
+    def plan(self, instance_type: str):
+        """``container.plan``'s plan of this model on ``instance_type`` with its settings
+        (one split: the tensor and pipeline parallel degrees asked for); None when the
+        instance is not a known GPU instance or the model's config cannot be read."""
+        from container.plan import INSTANCES, PlanError, hardware_of, make_plan, read_model
+
+        if instance_type not in INSTANCES:
+            return None
+        settings, options = self.settings, self.settings.options
+        try:
+            name, config, weight, download = read_model(self.handler_dir, settings.model_id, settings.revision)
+        except Exception as exc:  # S3 model data, an unreachable Hub, a custom model: nothing to check with
+            log.info("no plan for %s on %s (%s); deploying unchecked", settings.model_id or self.handler_dir,
+                     instance_type, exc)
+            return None
+        gpus, memory, hardware = hardware_of(instance_type, None, None)
+        tp = gpus if settings.tensor_parallel_degree == "max" else settings.tensor_parallel_degree
+        try:
+            return make_plan(name, config, weight, download, dtype=options.get("dtype"),
+                             kv_cache_dtype=options.get("kv_cache_dtype"),
+                             max_model_len=int(options["max_model_len"]) if "max_model_len" in options else None,
+                             gpus=gpus, gpu_memory_gib=memory, tp=tp, pp=settings.pipeline_parallel_degree,
+                             gpu_memory_utilization=float(options.get("gpu_memory_utilization", 0.9)),
+                             hardware=hardware)
+        except PlanError as exc:
+            log.info("no plan for %s on %s (%s); deploying unchecked", name, instance_type, exc)
+            return None
+
+    def check_fit(self, instance_type: str) -> None:
+        """Raise ``DoesNotFit`` when the plan on ``instance_type`` says the model cannot run there."""
+        plan = self.plan(instance_type)
+        if plan is None:
+            return
+        (split,) = plan.splits
+        if split.tp * split.pp > plan.gpus:
+            raise DoesNotFit(f"tensor x pipeline parallel degree {split.tp} x {split.pp} needs {split.tp * split.pp} "
+                             f"GPUs; {plan.hardware} has {plan.gpus}")
+        if not split.fits:
+            raise DoesNotFit(f"{plan.model} does not fit on {plan.hardware}: {split.why_not} (sagelmi plan shows "
+                             f"every split; deploy(check_fit=False) goes ahead anyway)")
+        log.info("%s fits on %s at tp=%d pp=%d: %d KV tokens", plan.model, plan.hardware, split.tp, split.pp,
+                 split.kv_tokens)
 
     def _follow_startup_timeout(self, startup: int) -> None:
         key = "option.model_loading_timeout"

@@ -143,3 +143,44 @@ def test_deploy_without_an_image_is_refused_before_aws(session):
     with pytest.raises(ValueError, match="image_uri is required"):
         SagelmiModel(model_id="org/model", role=ROLE, sagemaker_session=session).deploy(instance_type=INSTANCE_TYPE)
     assert session.counter.calls == []
+
+
+def _model_dir(path, layers: int, weight_bytes: int):
+    """A model directory with a Llama-like config.json and a safetensors file whose header
+    says ``weight_bytes`` (the data itself is not there: plan reads headers only)."""
+    import json
+    import struct
+
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({
+        "num_hidden_layers": layers, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096,
+        "max_position_embeddings": 8192, "torch_dtype": "bfloat16"}))
+    header = json.dumps({"w": {"dtype": "BF16", "shape": [weight_bytes // 2], "data_offsets": [0, weight_bytes]}})
+    (path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header.encode())
+    return path
+
+
+def test_a_model_that_cannot_fit_is_refused_before_aws(session, tmp_path):
+    from sagemaker_sdk import DoesNotFit
+
+    big = SagelmiModel(handler_dir=_model_dir(tmp_path / "70b", 80, 140 * 10 ** 9), image_uri=IMAGE, role=ROLE,
+                       sagemaker_session=session)
+    with pytest.raises(DoesNotFit, match=r"does not fit on ml.g4dn.12xlarge \(4 x T4 15 GiB\): needs 130.4 GiB per "
+                                         r"GPU for weights at tp=1, pp=1"):
+        big.deploy(instance_type="ml.g4dn.12xlarge", wait=False)
+    spread = SagelmiModel(handler_dir=tmp_path / "70b", tensor_parallel_degree=8, image_uri=IMAGE, role=ROLE,
+                          sagemaker_session=session)
+    with pytest.raises(DoesNotFit, match="tensor x pipeline parallel degree 8 x 1 needs 8 GPUs; .* has 4"):
+        spread.deploy(instance_type="ml.g4dn.12xlarge", wait=False)
+    assert not [c for c in session.counter.calls if c.startswith("sagemaker.Create")]
+    # told to go ahead, it does
+    big.deploy(instance_type="ml.g4dn.12xlarge", wait=False, check_fit=False)
+    assert session.sagemaker_client.describe_endpoint(EndpointName=big.endpoint_name)
+
+
+def test_a_model_that_fits_is_deployed(session, tmp_path):
+    small = SagelmiModel(handler_dir=_model_dir(tmp_path / "1b", 16, 2 * 10 ** 9), image_uri=IMAGE, role=ROLE,
+                         sagemaker_session=session)
+    assert small.plan(INSTANCE_TYPE).splits[0].fits
+    small.deploy(instance_type=INSTANCE_TYPE, wait=False)
+    assert session.sagemaker_client.describe_endpoint(EndpointName=small.endpoint_name)
