@@ -115,8 +115,13 @@ def parse_s3_uri(uri: str) -> tuple[str, str]:
     return bucket, prefix
 
 
+def download_root() -> Path:
+    """Where ``s3://`` prefixes are downloaded (one directory each)."""
+    return Path(tempfile.gettempdir()) / "sagelmi-models"
+
+
 def download_dir(uri: str) -> Path:
-    return Path(tempfile.gettempdir()) / "sagelmi-models" / hashlib.sha256(uri.encode()).hexdigest()[:16]
+    return download_root() / hashlib.sha256(uri.encode()).hexdigest()[:16]
 
 
 def _s3_error(uri: str, bucket: str, exc: Exception) -> ArtifactError:

@@ -57,6 +57,13 @@ class MethodNotAllowed(ServingError):
     message = "method not allowed"
 
 
+class Conflict(ServingError):
+    """The request clashes with the server's state (an adapter name already registered)."""
+
+    status = 409
+    message = "conflict"
+
+
 class PayloadTooLarge(ServingError):
     status = 413
     message = "payload too large"

@@ -12,6 +12,10 @@ When the connection drops, every request in flight on it fails at once with
 503 and the client keeps trying to reconnect (a restarted group binds the same
 path). The frontend holds one per group to send requests; the supervisor holds
 one per group to learn its state.
+
+``on_connect`` (optional) gives the messages a new connection starts with,
+before any request can use it: the frontend replays its LoRA adapter registry
+there, so a restarted group serves every registered adapter.
 """
 
 from __future__ import annotations
@@ -21,10 +25,11 @@ import socket
 import threading
 import time
 import uuid
+from typing import Callable
 
 from container.errors import GatewayTimeout, ServiceUnavailable, ServingError
-from container.protocol import (METRICS_PATH, Cancel, Chunk, End, Fail, FrameBuffer, Head, Invoke, ProtocolError,
-                                Status, WorkerState, encode)
+from container.protocol import (METRICS_PATH, Cancel, Chunk, End, Fail, FrameBuffer, Head, Invoke, Message,
+                                ProtocolError, RegisterAdapter, Status, UnregisterAdapter, WorkerState, encode)
 
 log = logging.getLogger("sagelmi.group")
 
@@ -141,6 +146,7 @@ class GroupClient:
         self._pending: dict[str, PendingRequest] = {}
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"group-{name}", daemon=True)
+        self.on_connect: Callable[[], list[Message]] | None = None
 
     def start(self) -> "GroupClient":
         self._thread.start()
@@ -187,6 +193,30 @@ class GroupClient:
         finally:
             self._pending.pop(request_id, None)
 
+    def send_adapter(self, message: RegisterAdapter | UnregisterAdapter, timeout: float) -> bool:
+        """Send an adapter message and wait for the group's answer; raise its error
+        (``WorkerFailed``). False when the group is not connected: it gets the
+        registry when it connects."""
+        pending = PendingRequest(message.id)
+        with self._lock:
+            if self._sock is None:
+                return False
+            self._pending[message.id] = pending
+            sock = self._sock
+        try:
+            self._send(sock, encode(message))
+            if not pending.wait_until(lambda: pending.done, timeout):
+                raise GatewayTimeout(f"worker group {self.name} did not answer within {timeout:g}s")
+            with pending._cond:
+                error = pending._error
+            if isinstance(error, WorkerFailed):
+                raise error
+            return error is None  # a connection that dropped meanwhile: the replay covers it
+        except OSError:
+            return False
+        finally:
+            self._pending.pop(message.id, None)
+
     def cancel(self, request_id: str) -> None:
         """Abandon a request: the group cancels it; late answers are dropped."""
         pending = self._pending.pop(request_id, None)
@@ -224,6 +254,13 @@ class GroupClient:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
                 sock.connect(self.socket_path)
+            except OSError:
+                sock.close()
+                time.sleep(RECONNECT_INTERVAL)
+                continue
+            try:
+                for message in self.on_connect() if self.on_connect is not None else []:
+                    sock.sendall(encode(message))
             except OSError:
                 sock.close()
                 time.sleep(RECONNECT_INTERVAL)

@@ -23,6 +23,18 @@ class FrontendLaunch(msgspec.Struct, frozen=True):
     predict_timeout: float
     grace_period: float
     log_level: str = "INFO"
+    model: "ModelInfo | None" = None  # what GET /models and the adapter routes describe
+
+
+class ModelInfo(msgspec.Struct, frozen=True):
+    """The served model, as the frontend's management routes know it."""
+
+    name: str  # the name in /models/{name}/... and the OpenAI base model's id
+    location: str  # its local path or Hub id
+    lora: bool = False  # option.enable_lora
+    max_lora_rank: int = 16  # vLLM's default when option.max_lora_rank is not set
+    adapter_dirs: list[str] = []  # where adapters are found at start-up (<dir>/adapters/<name>/)
+    adapter_roots: list[str] = []  # the only directories an adapter's source may be in
 
 
 class WorkerLaunch(msgspec.Struct, frozen=True):

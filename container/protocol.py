@@ -21,6 +21,14 @@ End) with the Prometheus text of its process, including the engine's metrics.
 
     rank 0 -> frontend   Status            health: sent on connect and on every change
 
+LoRA adapters (the frontend's registry is the source of truth; it sends every
+registration to every group, and all of them again first thing on every new
+connection, so a restarted group gets them before any request):
+
+    frontend -> rank 0   RegisterAdapter   serve adapter ``name`` from the local ``path``
+    frontend -> rank 0   UnregisterAdapter stop serving it
+    rank 0 -> frontend   End / Fail        done, or why not (with the message's id)
+
 Between the ranks of an MPI group (rank 0 is the leader, the others follow):
 
     leader -> follower   Invoke, Cancel    every request and cancel, in rank 0's order
@@ -128,7 +136,22 @@ class RankMetrics(msgspec.Struct, tag="rank_metrics", frozen=True):
     text: str
 
 
-Message = Union[Invoke, InvokeBatch, Cancel, Head, Chunk, End, Fail, Status, Broadcast, RankMetrics]
+class RegisterAdapter(msgspec.Struct, tag="register_adapter", frozen=True):
+    """Serve the LoRA adapter in the local directory ``path`` as ``name``
+    (validated by the frontend; the engine loads it and may still refuse it)."""
+
+    id: str
+    name: str
+    path: str
+
+
+class UnregisterAdapter(msgspec.Struct, tag="unregister_adapter", frozen=True):
+    id: str
+    name: str
+
+
+Message = Union[Invoke, InvokeBatch, Cancel, Head, Chunk, End, Fail, Status, Broadcast, RankMetrics,
+                RegisterAdapter, UnregisterAdapter]
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -109,6 +109,9 @@ KEYS: tuple[Key, ...] = (
         "Built-in handler: how LMI-schema streams are framed (json means jsonlines for streams)."),
     Key("tgi_compat", "option.tgi_compat", ("OPTION_TGI_COMPAT",), "true or false",
         "Built-in handler: answer in TGI's forms (lists, details on, server-sent events)."),
+    Key("adapter_roots", "option.adapter_roots", ("OPTION_ADAPTER_ROOTS",), "directories, comma-separated",
+        "LoRA adapters: more directories an adapter's source may be in (always allowed: the model directory "
+        "and the download cache); anything outside them, through .. or a symbolic link too, is refused."),
     # -- dynamic batching (handlers that batch: model.py)
     Key("batch_size", "batch_size", ("SERVING_BATCH_SIZE", "OPTION_BATCH_SIZE"), "a whole number >= 1",
         "Dynamic batching for a model.py handler: up to this many requests in one Input "
@@ -164,6 +167,7 @@ class Settings(BaseModel):
     max_rolling_batch_prefill_tokens: int | None = Field(None, ge=1)
     output_formatter: Literal["json", "jsonlines", "sse"] = "jsonlines"
     tgi_compat: bool = False
+    adapter_roots: str = ""
     port: int = Field(8080, ge=1, le=65535)
     batch_size: int = Field(1, ge=1)
     max_batch_delay: float = Field(100.0, ge=0)

@@ -31,7 +31,7 @@ from container import proc
 from container.artifacts import ArtifactError, fetch_model
 from container.devices import GroupPlan, cpu_binding, discover_devices, plan_groups
 from container.group_client import GroupClient
-from container.launch import FrontendLaunch, GroupAddress, WorkerLaunch, encode_launch
+from container.launch import FrontendLaunch, GroupAddress, ModelInfo, WorkerLaunch, encode_launch
 from container.protocol import EXIT_ENGINE_DEAD, EXIT_LOAD_FAILED, EXIT_RANK_LOST, WorkerState
 from container.settings import Settings, SettingsError
 
@@ -117,6 +117,19 @@ def mpirun_command(mpirun: str, settings: Settings, plan: GroupPlan, worker: lis
         if name in _FORWARDED_NAMES or name.startswith(_FORWARDED_PREFIXES):
             command += ["-x", name]
     return command + worker + ["--mpi"]
+
+
+def model_info(settings: Settings) -> ModelInfo:
+    """The served model for the frontend's management routes: its name (LMI's model
+    name: option.served_model_name, else the model directory's or id's last part),
+    LoRA settings, where start-up adapters are and where adapter sources may be."""
+    options = settings.passthrough_options()
+    location = settings.model_id or settings.model_dir
+    name = options.get("served_model_name") or Path(location.rstrip("/")).name or "model"
+    dirs = [settings.model_dir] + ([location] if location != settings.model_dir and Path(location).is_dir() else [])
+    roots = dirs + [r.strip() for r in settings.adapter_roots.split(",") if r.strip()]
+    return ModelInfo(name=name, location=location, lora=options.get("enable_lora", "").lower() == "true",
+                     max_lora_rank=int(options.get("max_lora_rank") or 16), adapter_dirs=dirs, adapter_roots=roots)
 
 
 class WorkerGroup:
@@ -286,7 +299,7 @@ class Supervisor:
                                  devices=p.cuda_visible_devices) for p in plans],
             job_queue_size=self.settings.job_queue_size, max_payload_bytes=self.settings.max_payload_bytes,
             predict_timeout=self.settings.predict_timeout, grace_period=self.settings.shutdown_grace_period,
-            log_level=self.settings.log_level)
+            log_level=self.settings.log_level, model=model_info(self.settings))
         path = self.runtime / "frontend.json"
         path.write_bytes(encode_launch(launch))
         self.frontend = subprocess.Popen(

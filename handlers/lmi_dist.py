@@ -336,6 +336,15 @@ async def handle(inputs: Input) -> Output | None:
     return await _state["service"].invoke(inputs)
 
 
+async def add_adapter(name: str, path: str) -> None:
+    """Rank 0's engine front loads it; the LoRA call reaches every rank in the next plan."""
+    await _state["service"].add_adapter(name, path)
+
+
+async def remove_adapter(name: str) -> None:
+    await _state["service"].remove_adapter(name)
+
+
 def check_health() -> None:
     """Raises once this rank's engine failed: the group restarts."""
     lockstep = _state.get("lockstep")

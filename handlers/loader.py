@@ -19,7 +19,9 @@ LMI.
 A built-in handler module may define, besides ``handle`` and ``shutdown``:
 ``initialize(context)`` (a coroutine run instead of LMI's initialisation call,
 given the typed settings and the group layout), ``check_health()`` (raises once
-the handler can no longer serve, e.g. its engine died: the group is restarted)
+the handler can no longer serve, e.g. its engine died: the group is restarted),
+``add_adapter(name, path)`` / ``remove_adapter(name)`` (coroutines: serve a LoRA
+adapter, or stop serving it; ``container.worker.adapters``)
 and ``REQUESTS_ON_RANK0_ONLY = True`` (in MPI mode the handler hands work to
 its other ranks itself, so requests are not relayed to them) and
 ``DYNAMIC_BATCHING = True`` (the worker's dynamic batching feeds it, as it feeds
@@ -70,6 +72,8 @@ class Handler:
     requests_on_rank0_only: bool = False  # built-in: distributes work to its MPI ranks itself
     builtin: bool = False  # one of sagelmi's built-in handlers (vLLM, lmi-dist, Accelerate)
     dynamic_batching: bool = False  # built-in: fed by the worker's dynamic batching (DYNAMIC_BATCHING = True)
+    add_adapter: Callable[[str, str], Awaitable[None]] | None = None  # built-in: serve a LoRA adapter
+    remove_adapter: Callable[[str], Awaitable[None]] | None = None  # built-in: stop serving it
     input_formatter: Callable[..., Any] | None = None  # model.py's @input_formatter
     output_formatter: Callable[..., Any] | None = None  # model.py's @output_formatter
 
@@ -175,6 +179,8 @@ def load_handler(settings: Settings) -> Handler:
                       initialize=_optional(module, "initialize") if builtin else None,
                       check_health=_optional(module, "check_health") if builtin else None,
                       requests_on_rank0_only=builtin and bool(getattr(module, "REQUESTS_ON_RANK0_ONLY", False)),
+                      add_adapter=_optional(module, "add_adapter") if builtin else None,
+                      remove_adapter=_optional(module, "remove_adapter") if builtin else None,
                       builtin=builtin, dynamic_batching=builtin and bool(getattr(module, "DYNAMIC_BATCHING", False)),
                       **formatters)
     log.info("handler %s loaded (%s handle)", origin, handler.kind.replace("_", " "))

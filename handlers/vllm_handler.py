@@ -6,7 +6,13 @@ Routes, by path and body:
 - ``/v1/chat/completions``, or ``/invocations`` with ``messages``: OpenAI chat;
 - ``/v1/completions``, or ``/invocations`` with ``prompt``: OpenAI completion;
 - ``/invocations`` with ``inputs``: LMI's schema (``handlers.lmi_schema``);
-- ``/v1/models``: the served model.
+- ``/v1/models``: the served model and its LoRA adapters.
+
+LoRA adapters (``option.enable_lora=true``): ``add_adapter`` / ``remove_adapter``
+are called by the worker for what the frontend registered. A request picks one
+by LMI's ``adapters`` field (a name, or one per prompt for a list of inputs),
+the ``X-Amzn-SageMaker-Adapter-Identifier`` header, or the OpenAI ``model``
+field; an unknown name is a 404 naming it.
 
 The OpenAI routes are answered by vLLM's own OpenAI serving classes, run in
 this process around the same engine, so their semantics (chat templates,
@@ -16,8 +22,10 @@ logprobs, ``n``, usage, SSE ending with ``data: [DONE]``) are vLLM's.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
+import os
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -36,13 +44,14 @@ from vllm.entrypoints.openai.models.serving import OpenAIServingModels
 from vllm.entrypoints.serve import create_error_response
 from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 from vllm.exceptions import VLLMClientError
+from vllm.lora.request import LoRARequest
 from vllm.platforms import current_platform
 from vllm.renderers.online_renderer import OnlineRenderer
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 
-from container.errors import HandlerError, InputError, ServiceUnavailable
+from container.errors import HandlerError, InputError, NotFound, ServiceUnavailable
 from container.worker.context import WorkerContext
 from container.worker.requests import prepend
 from handlers.api import Input, Output
@@ -50,6 +59,8 @@ from handlers.lmi_schema import Formatter, Generation, LmiRequest, TokenInfo, fi
 from handlers.vllm_args import build_engine_kwargs
 
 log = logging.getLogger("sagelmi.vllm")
+
+ADAPTER_HEADER = "X-Amzn-SageMaker-Adapter-Identifier"
 
 _service: "VllmService | None" = None
 
@@ -73,9 +84,11 @@ def _openai_error(status: int, message: str, err_type: str = "BadRequestError", 
 
 
 class VllmService:
-    def __init__(self, engine, formatter: Formatter, served_name: str) -> None:
+    def __init__(self, engine, formatter: Formatter, served_name: str, lora: bool = False) -> None:
         self.engine = engine
         self.served_name = served_name
+        self.lora = lora  # option.enable_lora
+        self._lora_ids = itertools.count(1)
         self.formatter = formatter
         self.sampling_fields = set(SamplingParams.__struct_fields__)  # a msgspec.Struct in vLLM 0.32
         self._build_openai()
@@ -98,7 +111,7 @@ class VllmService:
         settings = context.settings
         served = kwargs["served_model_name"]
         return cls(engine, Formatter(settings.output_formatter, settings.tgi_compat),
-                   served[0] if isinstance(served, list) else served)
+                   served[0] if isinstance(served, list) else served, bool(kwargs.get("enable_lora")))
 
     def _build_openai(self) -> None:
         self.models = OpenAIServingModels(
@@ -117,6 +130,51 @@ class VllmService:
     def check_health(self) -> None:
         if self.engine.errored:
             raise EngineDeadError("the vLLM engine stopped") from self.engine.dead_error
+
+    # -- LoRA adapters (vLLM's OpenAIServingModels holds them, so /v1/models and `model` know them too)
+    @property
+    def adapters(self) -> dict[str, LoRARequest]:
+        return self.models.lora_requests
+
+    async def add_adapter(self, name: str, path: str) -> None:
+        """Serve the adapter in ``path`` as ``name`` (loaded now, so a bad one is refused
+        now). Raises ``InputError`` when LoRA is off or the engine refuses the adapter."""
+        if not self.lora:
+            raise InputError("LoRA adapters need option.enable_lora=true (with option.max_lora_rank "
+                             "at least the adapters' rank)")
+        known = self.adapters.get(name)
+        if known is not None and known.lora_path == path:
+            return  # the same registration again (a replay): nothing to do
+        request = LoRARequest(lora_name=name, lora_int_id=next(self._lora_ids), lora_path=path)
+        self.adapters[name] = request  # before the first await: see container.worker.adapters
+        try:
+            await self.engine.add_lora(request)
+        except Exception as exc:
+            if self.adapters.get(name) is request:
+                if known is None:
+                    del self.adapters[name]
+                else:
+                    self.adapters[name] = known
+            raise InputError(f"the engine cannot load adapter {name!r}: {exc}") from None
+        if known is not None:
+            await self.engine.remove_lora(known.lora_int_id)
+
+    async def remove_adapter(self, name: str) -> None:
+        request = self.adapters.pop(name, None)
+        if request is not None:
+            await self.engine.remove_lora(request.lora_int_id)
+
+    def _adapter(self, name: Any) -> LoRARequest | None:
+        """The adapter ``name`` names (None for no name or the base model's); ``NotFound`` if unknown."""
+        if name is None or name == "" or name in (self.served_name, os.path.basename(self.served_name.rstrip("/"))):
+            return None  # the base model, by its served name or (as GET /models shows it) its last part
+        if not isinstance(name, str):
+            raise InputError(f"an adapter is named by a string, not {name!r}")
+        request = self.adapters.get(name)
+        if request is None:
+            known = ", ".join(sorted(self.adapters)) or "none"
+            raise NotFound(f"adapter {name!r} is not registered (registered adapters: {known})")
+        return request
 
     # -- requests
     async def invoke(self, inputs: Input) -> Output:
@@ -150,21 +208,32 @@ class VllmService:
         body = inputs.get_as_json()
         if not isinstance(body, dict):
             raise InputError("the request body must be a JSON object")
+        header = inputs.get_property(ADAPTER_HEADER)
         if path == "/v1/chat/completions" or (path == "/invocations" and "messages" in body):
-            return await self._openai("chat", body)
+            return await self._openai("chat", body, header)
         if path == "/v1/completions" or (path == "/invocations" and "prompt" in body and "inputs" not in body):
-            return await self._openai("completion", body)
+            return await self._openai("completion", body, header)
         if "inputs" in body:
-            return await self._lmi(body, inputs.get_property("requestId"))
+            return await self._lmi(body, inputs.get_property("requestId"), header)
         raise InputError("the body needs 'inputs' (LMI schema), 'messages' (OpenAI chat) "
                          "or 'prompt' (OpenAI completion)")
 
     # -- OpenAI
-    async def _openai(self, kind: str, body: dict) -> Output:
+    def _openai_model(self, model: Any, header: str | None) -> str:
+        """The ``model`` vLLM serves the request with: the header's adapter, else the
+        body's adapter, else the base model. Without LoRA, whatever name the client
+        sends is the one model; with LoRA, an unknown name is a 404."""
+        if header:
+            model = header
+        if not self.lora:
+            return self.served_name
+        adapter = self._adapter(model)
+        return adapter.lora_name if adapter is not None else self.served_name
+
+    async def _openai(self, kind: str, body: dict, header: str | None = None) -> Output:
         request_cls, create = ((ChatCompletionRequest, self.chat.create_chat_completion) if kind == "chat"
                                else (CompletionRequest, self.completion.create_completion))
-        # A single-model server answers whatever model name the client sends.
-        body = {**body, "model": self.served_name}
+        body = {**body, "model": self._openai_model(body.get("model"), header)}
         try:
             request = request_cls.model_validate(body)
         except ValidationError as exc:
@@ -181,8 +250,19 @@ class VllmService:
         return Output().add_property("content-type", "text/event-stream").add_stream_content(result, None)
 
     # -- LMI
-    async def _lmi(self, body: dict, inference_id: str | None) -> Output:
+    def _lmi_adapters(self, body: dict, header: str | None, prompts: int) -> list[LoRARequest | None]:
+        """One adapter (or None) per prompt: LMI's ``adapters`` field (a name, or a list
+        as long as a list of inputs), else the SageMaker header."""
+        names = body.get("adapters", header)
+        if isinstance(names, list):
+            if len(names) != prompts:
+                raise InputError(f"'adapters' has {len(names)} names for {prompts} inputs; give one per input")
+            return [self._adapter(n) for n in names]
+        return [self._adapter(names)] * prompts
+
+    async def _lmi(self, body: dict, inference_id: str | None, header: str | None = None) -> Output:
         request = parse_request(body, self.sampling_fields)
+        loras = self._lmi_adapters(body, header, len(request.prompts))
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
         try:
             sampling = SamplingParams(**request.sampling, output_kind=kind)
@@ -191,26 +271,29 @@ class VllmService:
         tag = inference_id or uuid.uuid4().hex
         if not request.stream:
             top_n = request.parameters.top_n_tokens
-            generations = await asyncio.gather(*(self._complete(p, sampling, f"{tag}-{i}", top_n)
-                                                 for i, p in enumerate(request.prompts)))
+            generations = await asyncio.gather(*(self._complete(p, sampling, f"{tag}-{i}", top_n, lora)
+                                                 for i, (p, lora) in enumerate(zip(request.prompts, loras))))
             return Output().add_as_json(self.formatter.body(list(generations), request))
-        outputs = self._generate(request.prompts[0], sampling, tag)
+        outputs = self._generate(request.prompts[0], sampling, tag, loras[0])
         first = await anext(outputs)  # errors before the first token become a 400, not a broken stream
         return (Output().add_property("content-type", self.formatter.stream_content_type)
                 .add_stream_content(self._stream(request, first, outputs), None))
 
-    async def _generate(self, prompt: str, sampling, request_id: str) -> AsyncIterator[Any]:
+    async def _generate(self, prompt: str, sampling, request_id: str,
+                        lora: LoRARequest | None = None) -> AsyncIterator[Any]:
         try:
-            async for output in self.engine.generate(prompt, sampling, f"{request_id}-{uuid.uuid4().hex[:8]}"):
+            async for output in self.engine.generate(prompt, sampling, f"{request_id}-{uuid.uuid4().hex[:8]}",
+                                                     lora_request=lora):
                 yield output
         except VLLMClientError as exc:
             raise InputError(str(exc)) from None
         except EngineDeadError:
             raise ServiceUnavailable("the engine stopped; the worker group is being restarted, retry") from None
 
-    async def _complete(self, prompt: str, sampling, request_id: str, top_n: int) -> Generation:
+    async def _complete(self, prompt: str, sampling, request_id: str, top_n: int,
+                        lora: LoRARequest | None = None) -> Generation:
         gen = Generation(prompt=prompt)
-        async for output in self._generate(prompt, sampling, request_id):
+        async for output in self._generate(prompt, sampling, request_id, lora):
             self._absorb(gen, output, top_n)
         return gen
 
@@ -309,6 +392,14 @@ async def handle(inputs: Input) -> Output | None:
     if inputs.is_empty():
         return None
     return await _service.invoke(inputs)
+
+
+async def add_adapter(name: str, path: str) -> None:
+    await _service.add_adapter(name, path)
+
+
+async def remove_adapter(name: str) -> None:
+    await _service.remove_adapter(name)
 
 
 def check_health() -> None:

@@ -18,16 +18,20 @@ import time
 import uuid
 from typing import Callable, Iterator
 
+import msgspec
 from flask import Flask, Response, g, request
 from prometheus_client import CONTENT_TYPE_LATEST
 from werkzeug.exceptions import HTTPException
 
+from container.artifacts import download_root
 from container.errors import (ClientClosedRequest, GatewayTimeout, InputError, MethodNotAllowed, NotFound,
                               PayloadTooLarge, ServingError, describe, envelope)
+from container.frontend.adapters import AdapterRegistry
+from container.frontend.management import add_management_routes
 from container.frontend.metrics import FrontendMetrics
 from container.frontend.router import Router
 from container.group_client import GroupClient, PendingRequest
-from container.launch import FrontendLaunch
+from container.launch import FrontendLaunch, ModelInfo
 from container.logs import request_id_var
 from container.protocol import Invoke, WorkerState
 
@@ -179,7 +183,10 @@ class Invocation:
 
 def create_app(launch: FrontendLaunch) -> Flask:
     router = Router(launch)
-    router.start()
+    model = launch.model or ModelInfo(name="model", location="")
+    launch = msgspec.structs.replace(launch, model=model)
+    registry = AdapterRegistry(model, router.groups, launch.predict_timeout, str(download_root()))
+    router.start()  # after the registry: it replays itself on every connection
     app = Flask("sagelmi")
     app.config["MAX_CONTENT_LENGTH"] = launch.max_payload_bytes
     app.extensions["sagelmi"] = router
@@ -213,7 +220,8 @@ def create_app(launch: FrontendLaunch) -> Flask:
     def _http_error(exc: HTTPException) -> Response:
         mapped = {
             404: NotFound(f"no route {request.method} {request.path}; the server answers GET /ping, "
-                          f"POST /invocations, POST /v1/chat/completions, POST /v1/completions, GET /v1/models"),
+                          f"POST /invocations, POST /v1/chat/completions, POST /v1/completions, GET /v1/models, "
+                          f"GET /models, /models/{{model}}/adapters"),
             405: MethodNotAllowed(f"{request.method} is not allowed on {request.path}"),
             413: PayloadTooLarge(
                 f"the request body is {request.content_length or 'more than'} bytes; the limit is "
@@ -258,4 +266,5 @@ def create_app(launch: FrontendLaunch) -> Flask:
         body = request.get_data(cache=False)
         return Invocation(router, launch, g.request_id, request.environ.get("gunicorn.socket")).run(body)
 
+    add_management_routes(app, router, registry, launch)
     return app

@@ -42,8 +42,10 @@ from container import logs
 from container.errors import ServiceUnavailable, describe
 from container.metrics_text import merge
 from container.protocol import (EXIT_ENGINE_DEAD, EXIT_LOAD_FAILED, EXIT_RANK_LOST, FRAME_HEADER, METRICS_PATH,
-                                Cancel, Chunk, End, Fail, Head, Invoke, InvokeBatch, Message, ProtocolError, Status,
-                                WorkerState, decode, encode, frame_length)
+                                Cancel, Chunk, End, Fail, Head, Invoke, InvokeBatch, Message, ProtocolError,
+                                RegisterAdapter, Status, UnregisterAdapter, WorkerState, decode, encode,
+                                frame_length)
+from container.worker.adapters import AdapterTable
 from container.worker.batching import Batcher
 from container.worker.context import WorkerContext, set_current
 from container.worker.requests import batch_input, chunk_of, prepend, request_input, split_batch, to_output
@@ -151,6 +153,7 @@ class Worker:
         self.common: dict[str, Any] = {}  # properties LMI adds to every call (device_id, model_dir ...)
         self.stopping = asyncio.Event()
         self.loop = asyncio.get_running_loop()
+        self.adapters = AdapterTable(self.loop)  # LoRA adapters the frontend registered (rank 0)
         set_current(context, self.loop)
 
     # -- lifecycle
@@ -230,6 +233,7 @@ class Worker:
                 elif init.code >= 300:
                     raise RuntimeError(f"it answered {init.code} {init.message}: "
                                        f"{init.body().decode('utf-8', 'replace')[:500]}")
+            await self.adapters.loaded(self.handler)
             if self.settings.batch_size > 1 and (not self.handler.builtin or self.handler.dynamic_batching):
                 self.batcher = Batcher(self.settings.batch_size, self.settings.max_batch_delay,
                                        self.settings.sync_handler_threads, self._serve_batch)
@@ -384,6 +388,8 @@ class Worker:
             elif self._relays():
                 self.context.leader.send(message)
             self._start_request(conn, message)
+        elif isinstance(message, (RegisterAdapter, UnregisterAdapter)):
+            self.adapters.receive(conn, message)
         elif isinstance(message, InvokeBatch):  # another rank: the batch rank 0 formed
             self._start_batch([(conn, item) for item in message.items])
         elif isinstance(message, Cancel):

@@ -67,6 +67,7 @@ ALIASES = [
     ("OPTION_MPI_EXTRA_ARGS", "--oversubscribe --bind-to none", "mpi_extra_args", "--oversubscribe --bind-to none"),
     ("OPTION_OUTPUT_FORMATTER", "SSE", "output_formatter", "sse"),
     ("OPTION_TGI_COMPAT", "true", "tgi_compat", True),
+    ("OPTION_ADAPTER_ROOTS", "/srv/adapters,/data/more", "adapter_roots", "/srv/adapters,/data/more"),
     ("OPTION_ROLLING_BATCH", "LMI-Dist", "rolling_batch", "lmi-dist"),
     ("SERVING_BATCH_SIZE", "4", "batch_size", 4),
     ("OPTION_BATCH_SIZE", "8", "batch_size", 8),
