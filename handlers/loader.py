@@ -99,17 +99,25 @@ def _import_file(path: Path) -> Any:
     return module
 
 
+def accelerate_reason(settings: Settings) -> str | None:
+    """Why the built-in handler is the Hugging Face Accelerate engine rather than vLLM
+    (None: vLLM or lmi-dist serves). The SDK asks this too: vLLM's option names are
+    then not checked."""
+    if settings.builtin_engine == "disable":
+        return "option.rolling_batch=disable"
+    if settings.task and settings.task not in VLLM_TASKS and settings.rolling_batch == "auto":
+        return f"option.task={settings.task}, which vLLM does not serve"
+    return None
+
+
 def _builtin(settings: Settings) -> tuple[str, Path | None, str | None]:
     engine = settings.builtin_engine
     if not settings.model_id and not (Path(settings.model_dir) / "config.json").is_file():
         raise HandlerLoadError(
             "nothing to serve: the model directory has neither model.py nor a model (config.json), "
             "and option.model_id (HF_MODEL_ID) is not set")
-    if engine == "disable":
-        reason = "option.rolling_batch=disable"
-    elif settings.task and settings.task not in VLLM_TASKS and settings.rolling_batch == "auto":
-        reason = f"option.task={settings.task}, which vLLM does not serve"
-    else:
+    reason = accelerate_reason(settings)
+    if reason is None:
         return f"the built-in {engine} handler (option.rolling_batch={settings.rolling_batch})", None, BUILTIN[engine]
     log.warning("ENGINE: the Hugging Face Accelerate engine (transformers) serves this model, because %s", reason)
     return f"the built-in Hugging Face Accelerate handler ({reason})", None, BUILTIN["accelerate"]

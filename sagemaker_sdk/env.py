@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from container.settings import KEY_BY_NAME, KEYS, Settings, SettingsError, _option_key, resolve_settings
-from handlers.loader import LMI_BUILTIN_NAMES
+from handlers.loader import LMI_BUILTIN_NAMES, accelerate_reason
 from handlers.vllm_args import check_engine_option
 
 
@@ -82,12 +82,13 @@ def _defines_handle(model_py: Path) -> bool:
 
 
 def uses_builtin_engine(settings: Settings, handler_dir: Path | None) -> bool:
-    """Whether the container will serve with its built-in engine, as
-    ``handlers.loader`` decides it: no ``option.entryPoint`` (or one naming LMI's
-    built-in handlers) and no ``model.py`` defining ``handle`` in the handler directory."""
+    """Whether the container will serve with its built-in vLLM engine (vLLM or
+    lmi-dist), as ``handlers.loader`` decides it: no ``option.entryPoint`` (or one
+    naming LMI's built-in handlers), no ``model.py`` defining ``handle`` in the
+    handler directory, and not the Accelerate engine (``accelerate_reason``)."""
     if settings.entry_point is not None:
-        return settings.entry_point in LMI_BUILTIN_NAMES
-    if settings.builtin_engine == "disable":
+        return settings.entry_point in LMI_BUILTIN_NAMES and accelerate_reason(settings) is None
+    if accelerate_reason(settings) is not None:
         return False
     model_py = handler_dir / "model.py" if handler_dir else None
     return not (model_py and model_py.is_file() and _defines_handle(model_py))

@@ -164,3 +164,14 @@ def test_a_handler_dir_is_packed_with_its_files_at_the_root(tmp_path):
     with tarfile.open(fileobj=io.BytesIO(gzip.decompress(packed))) as tar:
         assert sorted(tar.getnames()) == ["lib", "lib/util.py", "model.py"]
         assert tar.extractfile("model.py").read() == (tmp_path / "model.py").read_bytes()
+
+
+@pytest.mark.parametrize("kwargs", [{"rolling_batch": "disable"}, {"options": {"task": "text-embedding"}}],
+                         ids=["rolling_batch=disable", "task"])
+def test_the_accelerate_engines_options_are_not_vllms(kwargs):
+    """On the Accelerate engine option.device_map is a transformers argument, not a vLLM name to refuse."""
+    options = {**kwargs.pop("options", {}), "device_map": "auto"}
+    made = model(model_id="org/model", options=options, **kwargs)
+    assert made.env["OPTION_DEVICE_MAP"] == "auto"
+    with pytest.raises(EngineOptionError, match="option.device_map is neither an LMI option nor a vLLM engine"):
+        model(model_id="org/model", options={"device_map": "auto"})  # vLLM serves: refused
