@@ -40,10 +40,32 @@ def model(tiny_model, tmp_path_factory):
     return directory
 
 
+LORA = {"OPTION_ENABLE_LORA": "true", "OPTION_MAX_LORA_RANK": "8", "OPTION_MAX_LORAS": "2",
+        "OPTION_MAX_CPU_LORAS": "4", "OPTION_MAX_ROLLING_BATCH_SIZE": "16"}
+AWS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
 @pytest.fixture(scope="module")
-def server(model):
-    env = {**VLLM_CPU_ENV, **EXACT, "OPTION_ENABLE_LORA": "true", "OPTION_MAX_LORA_RANK": "8",
-           "OPTION_MAX_LORAS": "2", "OPTION_MAX_CPU_LORAS": "4", "OPTION_MAX_ROLLING_BATCH_SIZE": "16"}
+def s3():
+    """moto's S3 server, for adapters registered from s3:// (the server is given its endpoint)."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    from tests.server import free_port
+
+    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
+    moto.start()
+    endpoint = "http://{}:{}".format(*moto.get_host_and_port())
+    client = boto3.client("s3", endpoint_url=endpoint, **{k.lower(): v for k, v in AWS.items()
+                                                           if k != "AWS_DEFAULT_REGION"}, region_name="us-east-1")
+    client.create_bucket(Bucket="adapters")
+    yield endpoint, client
+    moto.stop()
+
+
+@pytest.fixture(scope="module")
+def server(model, s3):
+    env = {**VLLM_CPU_ENV, **EXACT, **LORA, **AWS, "AWS_ENDPOINT_URL_S3": s3[0]}
     with Server(model, env=env, ready_timeout=ENGINE_READY_TIMEOUT) as server:
         yield server
 
@@ -171,3 +193,35 @@ def test_a_registration_survives_a_worker_kill_and_can_be_deleted(server, model)
     assert requests.delete(adapters_url(server, "a2"), timeout=60).json() == {"status": "Adapter a2 unregistered"}
     assert server.invoke({"inputs": PROMPT, "adapters": "a2", "parameters": GREEDY}).status_code == 404
     assert requests.get(adapters_url(server, "a2"), timeout=30).status_code == 404
+
+
+def ensure_a2(server, model) -> str:
+    """Register a2 (from a local directory) unless it is; its greedy answer."""
+    if "a2" not in {a["name"] for a in requests.get(adapters_url(server), timeout=30).json()["adapters"]}:
+        response = requests.post(adapters_url(server), params={"name": "a2", "src": str(model / "extra" / "a2")},
+                                 timeout=120)
+        assert response.status_code == 200, response.text
+    return generate(server, "a2")
+
+
+def test_an_adapter_registered_from_s3(server, model, s3):
+    _, client = s3
+    for path in (model / "extra" / "a2").iterdir():  # a2's files under another name
+        client.upload_file(str(path), "adapters", f"team/a3/{path.name}")
+    response = requests.post(adapters_url(server), params={"name": "a3", "src": "s3://adapters/team/a3"}, timeout=120)
+    assert response.status_code == 200, response.text
+    ensure_a2(server, model)
+    assert generate(server, "a3") == generate(server, "a2") != generate(server)
+    missing = requests.post(adapters_url(server), params={"name": "a4", "src": "s3://adapters/none"}, timeout=120)
+    assert 400 <= missing.status_code < 500 and "no objects under" in missing.json()["error"], missing.text
+
+
+@pytest.mark.mpi
+def test_lmi_dist_serves_adapters_on_both_ranks(server, model):
+    """lmi-dist (vLLM split over two MPI ranks) answers an adapter as the one-process engine does."""
+    env = {**VLLM_CPU_ENV, **EXACT, **LORA, "OPTION_ROLLING_BATCH": "lmi-dist", "TENSOR_PARALLEL_DEGREE": "2"}
+    expected = {name: generate(server, name) for name in ("a1", None)}
+    with Server(model, env=env, ready_timeout=ENGINE_READY_TIMEOUT) as sharded:
+        assert {name: generate(sharded, name) for name in ("a1", None)} == expected
+        ensure_a2(sharded, model)  # registered through the route: it reaches both ranks
+        assert generate(sharded, "a2") == ensure_a2(server, model)
