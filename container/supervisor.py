@@ -29,6 +29,7 @@ from pathlib import Path
 
 from container import proc
 from container.artifacts import ArtifactError, fetch_model
+from container.plan_check import compare_kv, startup_plan
 from container.devices import GroupPlan, cpu_binding, discover_devices, plan_groups
 from container.group_client import GroupClient
 from container.launch import FrontendLaunch, GroupAddress, ModelInfo, WorkerLaunch, encode_launch
@@ -271,6 +272,7 @@ class Supervisor:
         self.frontend_started = 0.0
         self.groups: list[WorkerGroup] = []
         self._stop_signal: int | None = None
+        self.plan = None  # container.plan_check's start-up plan, compared with the engine's KV cache once ready
 
     # -- signals
     def _on_signal(self, signum, _frame) -> None:
@@ -346,6 +348,9 @@ class Supervisor:
             self._start_frontend(plans)
             self._install_requirements()
             model_location = self._fetch_model()
+            first = plans[0]
+            self.plan = startup_plan(self.settings, model_location, list(first.devices),
+                                     first.tensor_parallel_degree, first.pipeline_parallel_degree)
             self.groups = [WorkerGroup(plan, self.settings, self.runtime, model_location, mpirun,
                                        binding.get(plan.index) if plan.world_size > 1 else None)
                            for plan in plans]
@@ -365,6 +370,9 @@ class Supervisor:
             now = time.monotonic()
             for group in self.groups:
                 group.check(now)
+            if self.plan is not None and self.groups and self.groups[0].ready:
+                compare_kv(self.plan, self.settings.port)
+                self.plan = None  # once
             if self.frontend.poll() is not None:
                 reason = _exit_text(self.frontend.returncode)
                 if now - self.frontend_started < FRONTEND_MIN_UPTIME:

@@ -4,6 +4,7 @@ and another dtype."""
 
 import json
 import re
+import time
 import shutil
 import subprocess
 import sys
@@ -32,11 +33,26 @@ def predicted_tokens(model_dir, env: dict[str, str]) -> int:
     return plan.splits[0].kv_tokens
 
 
+def logged(server, text: str, timeout: float = 30) -> str:
+    """The server's log once it has ``text`` (the check runs right after the engine is ready)."""
+    deadline = time.monotonic() + timeout
+    while text not in server.log():
+        assert time.monotonic() < deadline, f"{text!r} never logged:\n{server.log()[-3000:]}"
+        time.sleep(0.2)
+    return server.log()
+
+
 def test_the_tiny_models_kv_cache_is_predicted_within_5_percent(vllm_server, tiny_model):
     reported = vllm_kv_tokens(vllm_server.log())  # float32, VLLM_CPU_KVCACHE_SPACE=1
     predicted = predicted_tokens(tiny_model, {**VLLM_CPU_ENV, "OPTION_DTYPE": "float32"})
     print(f"tiny model: predicted {predicted} KV tokens, vLLM reports {reported}")
     assert abs(predicted - reported) <= 0.05 * reported
+
+
+def test_serve_logs_the_plan_and_checks_it_against_the_engine(vllm_server):
+    log = logged(vllm_server, "plan: the KV cache holds 1048576 tokens, as predicted (1048576, 0.0% off)")
+    assert "plan: smallest split that fits: tp=1 pp=1" in log
+    assert log.index("plan: model ") < log.index("CPU KV cache size")  # planned before the engine started
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +81,7 @@ def test_a_wider_models_kv_cache_is_predicted_within_5_percent(wider_model):
     env = {**VLLM_CPU_ENV, "VLLM_CPU_KVCACHE_SPACE": "3"}
     with Server(wider_model, env=env, ready_timeout=ENGINE_READY_TIMEOUT) as server:
         reported = vllm_kv_tokens(server.log())
+        logged(server, f"plan: the KV cache holds {reported} tokens, as predicted")
     predicted = predicted_tokens(wider_model, env)
     print(f"wider model: predicted {predicted} KV tokens, vLLM reports {reported}")
     assert abs(predicted - reported) <= 0.05 * reported

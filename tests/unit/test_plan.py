@@ -106,3 +106,12 @@ def test_hardware_is_an_instance_or_both_numbers():
         hardware_of("ml.x9.huge", None, None)
     with pytest.raises(PlanError, match="give both --gpus and --gpu-memory"):
         hardware_of(None, 2, None)
+
+
+def test_vllms_kv_tokens_are_read_from_its_cache_config_metric():
+    from container.plan_check import reported_kv_tokens
+
+    metrics = ('# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n'
+               'vllm:cache_config_info{block_size="128",cache_dtype="auto",engine="0",num_gpu_blocks="8192"} 1.0\n')
+    assert reported_kv_tokens(metrics) == 8192 * 128
+    assert reported_kv_tokens("vllm:num_requests_running 0\n") is None
