@@ -27,6 +27,7 @@ from container.artifacts import download_root
 from container.errors import (ClientClosedRequest, GatewayTimeout, InputError, MethodNotAllowed, NotFound,
                               PayloadTooLarge, ServingError, describe, envelope)
 from container.frontend.adapters import AdapterRegistry
+from container.frontend.body import read_body
 from container.frontend.management import add_management_routes
 from container.frontend.metrics import FrontendMetrics
 from container.frontend.router import Router
@@ -263,7 +264,7 @@ def create_app(launch: FrontendLaunch) -> Flask:
     @app.post("/v1/completions")
     @app.get("/v1/models")
     def invocations() -> Response:
-        body = request.get_data(cache=False)
+        body = read_body(request.environ, request.content_length, launch.max_payload_bytes)
         return Invocation(router, launch, g.request_id, request.environ.get("gunicorn.socket")).run(body)
 
     add_management_routes(app, router, registry, launch)

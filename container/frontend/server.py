@@ -24,6 +24,7 @@ from gunicorn.workers.gthread import ThreadWorker
 
 from container import logs, proc
 from container.frontend.app import create_app
+from container.frontend.body import CLOSE_CONNECTION
 from container.launch import FrontendLaunch, decode_frontend_launch
 
 log = logging.getLogger("sagelmi.frontend")
@@ -72,6 +73,24 @@ class DrainingWorker(ThreadWorker):
         ThreadWorker.handle_exit(self, signal.SIGTERM, None)
 
 
+class CloseWhenAsked:
+    """WSGI middleware: a request whose environ has ``CLOSE_CONNECTION`` (its body
+    was left unread) gets ``Connection: close``, and gunicorn closes the
+    connection gracefully (FIN, then a short drain) instead of reading the rest
+    of the body to reuse it."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    def __call__(self, environ, start_response):
+        result = self.app(environ, start_response)
+        if environ.get(CLOSE_CONNECTION):
+            response = getattr(start_response, "__self__", None)  # gunicorn's Response, headers not yet sent
+            if hasattr(response, "force_close"):
+                response.force_close()
+        return result
+
+
 class FrontendServer(BaseApplication):
     def __init__(self, launch: FrontendLaunch) -> None:
         self.launch = launch
@@ -98,7 +117,9 @@ class FrontendServer(BaseApplication):
             self.cfg.set(key, value)
 
     def load(self):
-        return create_app(self.launch)
+        app = create_app(self.launch)
+        app.wsgi_app = CloseWhenAsked(app.wsgi_app)
+        return app
 
 
 def main(argv: list[str] | None = None) -> int:
