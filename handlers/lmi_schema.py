@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,25 +23,28 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_NEW_TOKENS = 30  # LMI's default
 OUTPUT_FORMATTERS = ("json", "jsonlines", "sse")
 CONTENT_TYPES = {"json": "application/json", "jsonlines": "application/jsonlines", "sse": "text/event-stream"}
+# Integers the engine can take (its requests cross a msgpack socket; vLLM's OpenAI routes
+# bound `seed` the same way): anything outside is refused before the engine sees it.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 class LmiParameters(BaseModel):
     """The ``parameters`` object. Other vLLM ``SamplingParams`` names pass through."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
-    max_new_tokens: int = Field(DEFAULT_MAX_NEW_TOKENS, ge=1)
+    max_new_tokens: int = Field(DEFAULT_MAX_NEW_TOKENS, ge=1, le=INT64_MAX)
     do_sample: bool | None = None
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = None
-    seed: int | None = None
+    top_k: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)  # vLLM checks -1, 0 or >= 1
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop_sequences: list[str] | str | None = None
     repetition_penalty: float | None = Field(None, gt=0)
     return_full_text: bool = False
     details: bool | None = None
     decoder_input_details: bool = False
-    top_n_tokens: int = Field(0, ge=0)
+    top_n_tokens: int = Field(0, ge=0, le=INT64_MAX)
     ignore_eos_token: bool = False
 
 
@@ -59,6 +63,23 @@ def _field_errors(exc: ValidationError, prefix: str) -> str:
         where = ".".join(str(p) for p in (prefix, *err["loc"]) if p != "")
         parts.append(f"{where}: {err['msg']}")
     return "; ".join(parts)
+
+
+def _check_numbers(value: Any, where: str) -> None:
+    """Refuse an integer outside int64 or a float that is not finite anywhere in ``value``
+    (a passed-through parameter: vLLM checks its meaning, not that it fits the engine)."""
+    if isinstance(value, bool):
+        return
+    if isinstance(value, int) and not INT64_MIN <= value <= INT64_MAX:
+        raise InputError(f"{where}: {value} is out of range; integers must be within [{INT64_MIN}, {INT64_MAX}]")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise InputError(f"{where}: {value} is not a finite number")
+    if isinstance(value, list):
+        for item in value:
+            _check_numbers(item, where)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_numbers(item, f"{where}.{key}")
 
 
 def sampling_arguments(params: LmiParameters, known: set[str]) -> dict[str, Any]:
@@ -114,6 +135,8 @@ def parse_request(body: Any, known_sampling: set[str]) -> LmiRequest:
         params = LmiParameters.model_validate(raw)
     except ValidationError as exc:
         raise InputError(_field_errors(exc, "parameters")) from None
+    for name, value in (params.model_extra or {}).items():
+        _check_numbers(value, f"parameters.{name}")
     if int((params.model_extra or {}).get("n", 1) or 1) > 1:
         raise InputError("parameters.n > 1 is not supported by the LMI schema; use /v1/completions")
     return LmiRequest(prompts, batched, stream, params, sampling_arguments(params, known_sampling))

@@ -281,14 +281,25 @@ class VllmService:
 
     async def _generate(self, prompt: str, sampling, request_id: str,
                         lora: LoRARequest | None = None) -> AsyncIterator[Any]:
+        engine_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
         try:
-            async for output in self.engine.generate(prompt, sampling, f"{request_id}-{uuid.uuid4().hex[:8]}",
-                                                     lora_request=lora):
+            async for output in self.engine.generate(prompt, sampling, engine_id, lora_request=lora):
                 yield output
-        except VLLMClientError as exc:
-            raise InputError(str(exc)) from None
         except EngineDeadError:
             raise ServiceUnavailable("the engine stopped; the worker group is being restarted, retry") from None
+        except Exception as exc:
+            # vLLM aborts only what its own generate() registered: a request refused on its way
+            # to the engine core (a value msgpack cannot carry) stays in its output processor.
+            await self._abort(engine_id)
+            if isinstance(exc, VLLMClientError):
+                raise InputError(str(exc)) from None
+            raise
+
+    async def _abort(self, engine_id: str) -> None:
+        try:
+            await self.engine.abort(engine_id)
+        except Exception as exc:  # the engine is going away: nothing is left to free
+            log.warning("could not abort engine request %s: %s", engine_id, exc)
 
     async def _complete(self, prompt: str, sampling, request_id: str, top_n: int,
                         lora: LoRARequest | None = None) -> Generation:

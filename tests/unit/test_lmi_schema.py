@@ -97,3 +97,27 @@ def test_stream_lines_and_events():
     assert event.startswith(b"data: {") and event.endswith(b"\n\n")
     with pytest.raises(ValueError, match="output_formatter"):
         Formatter("xml", tgi=False)
+
+
+@pytest.mark.parametrize("parameters,fragment", [
+    ({"seed": 1180591620717411303424}, "parameters.seed"),
+    ({"seed": -(2**63) - 1}, "parameters.seed"),
+    ({"max_new_tokens": 2**63}, "parameters.max_new_tokens"),
+    ({"top_k": 2**64}, "parameters.top_k"),
+    ({"top_n_tokens": 2**64}, "parameters.top_n_tokens"),
+    ({"temperature": float("inf")}, "parameters.temperature"),
+    ({"repetition_penalty": float("nan")}, "parameters.repetition_penalty"),
+    ({"min_p": float("inf")}, "parameters.min_p"),
+    ({"presence_penalty": 2**64}, "parameters.presence_penalty"),
+    ({"logit_bias": {"5": 2**70}}, "parameters.logit_bias.5"),
+    ({"stop_token_ids": [1, 2**64]}, "parameters.stop_token_ids"),
+])
+def test_numbers_the_engine_cannot_take_are_refused_naming_the_field(parameters, fragment):
+    with pytest.raises(InputError) as err:
+        parse({"inputs": "hi", "parameters": parameters})
+    assert fragment in str(err.value)
+
+
+def test_int64_bounds_are_accepted():
+    sampling = parse({"inputs": "hi", "parameters": {"seed": 2**63 - 1, "min_p": 0.5, "presence_penalty": -(2**63)}})
+    assert sampling.sampling["seed"] == 2**63 - 1

@@ -1,0 +1,39 @@
+"""Client mistakes and abuse against real vLLM (issue #12): range-checked numbers, bounded
+stop sequences, 4xx for bad input (logged as one line), no local paths in answers."""
+
+import json
+import threading
+import time
+
+import pytest
+import requests
+
+from tests.server import metric, wait_idle
+
+pytestmark = pytest.mark.slow
+
+INT64_MAX = 2**63 - 1
+
+
+@pytest.mark.parametrize("parameters,fragment", [
+    ({"seed": 1180591620717411303424}, "parameters.seed"),
+    ({"seed": -(2**70)}, "parameters.seed"),
+    ({"max_new_tokens": 2**64}, "parameters.max_new_tokens"),
+    ({"top_k": 2**64}, "parameters.top_k"),
+    ({"min_tokens": 2**64}, "parameters.min_tokens"),
+    ({"stop_token_ids": [2**64]}, "parameters.stop_token_ids"),
+])
+def test_out_of_range_numbers_are_400_and_leave_nothing_in_the_engine(vllm_server, parameters, fragment):
+    wait_idle(vllm_server)
+    for stream in (False, True):
+        r = vllm_server.invoke({"inputs": "Hello", "stream": stream, "parameters": {"max_new_tokens": 4, **parameters}})
+        assert r.status_code == 400, r.text
+        assert fragment in r.json()["error"]
+    assert metric(vllm_server, "sagelmi_engine_unfinished_requests") == 0
+
+
+def test_infinite_floats_are_400(vllm_server):
+    r = requests.post(vllm_server.url("/invocations"), data='{"inputs": "Hello", "parameters": {"temperature": '
+                      'Infinity, "do_sample": true}}', headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert "parameters.temperature" in r.json()["error"]
