@@ -26,6 +26,10 @@ CONTENT_TYPES = {"json": "application/json", "jsonlines": "application/jsonlines
 # Integers the engine can take (its requests cross a msgpack socket; vLLM's OpenAI routes
 # bound `seed` the same way): anything outside is refused before the engine sees it.
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# Every stop sequence is looked for after every token, in the worker's event loop: bound them.
+# The count is vLLM's (VLLM_MAX_STOP_STRINGS, as on its OpenAI routes; TGI's default is 4 too).
+MAX_STOP_SEQUENCES = 4
+MAX_STOP_SEQUENCE_CHARS = 1000
 
 
 class LmiParameters(BaseModel):
@@ -109,8 +113,22 @@ def sampling_arguments(params: LmiParameters, known: set[str]) -> dict[str, Any]
     return args
 
 
-def parse_request(body: Any, known_sampling: set[str]) -> LmiRequest:
-    """Validate an LMI request body. Raises ``InputError`` naming the bad field."""
+def _check_stops(params: LmiParameters, limit: int) -> None:
+    """At most ``limit`` stop sequences of at most ``MAX_STOP_SEQUENCE_CHARS`` characters,
+    in ``stop_sequences`` and in vLLM's ``stop`` passed through."""
+    for name, value in (("stop_sequences", params.stop_sequences), ("stop", (params.model_extra or {}).get("stop"))):
+        stops = [value] if isinstance(value, str) else value if isinstance(value, list) else []
+        if len(stops) > limit:
+            raise InputError(f"parameters.{name}: {len(stops)} stop sequences; at most {limit} are allowed")
+        longest = max((len(s) for s in stops if isinstance(s, str)), default=0)
+        if longest > MAX_STOP_SEQUENCE_CHARS:
+            raise InputError(f"parameters.{name}: a stop sequence of {longest} characters; "
+                             f"at most {MAX_STOP_SEQUENCE_CHARS} are allowed")
+
+
+def parse_request(body: Any, known_sampling: set[str], max_stop_sequences: int = MAX_STOP_SEQUENCES) -> LmiRequest:
+    """Validate an LMI request body. Raises ``InputError`` naming the bad field.
+    ``max_stop_sequences``: the engine's bound (``VLLM_MAX_STOP_STRINGS``)."""
     if not isinstance(body, dict):
         raise InputError("the request body must be a JSON object with 'inputs'")
     inputs = body.get("inputs")
@@ -135,6 +153,7 @@ def parse_request(body: Any, known_sampling: set[str]) -> LmiRequest:
         params = LmiParameters.model_validate(raw)
     except ValidationError as exc:
         raise InputError(_field_errors(exc, "parameters")) from None
+    _check_stops(params, max_stop_sequences)
     for name, value in (params.model_extra or {}).items():
         _check_numbers(value, f"parameters.{name}")
     if int((params.model_extra or {}).get("n", 1) or 1) > 1:

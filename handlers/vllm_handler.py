@@ -34,6 +34,7 @@ from prometheus_client import REGISTRY
 from prometheus_client.core import GaugeMetricFamily
 from pydantic import ValidationError
 
+from vllm import envs as vllm_envs
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
@@ -261,7 +262,7 @@ class VllmService:
         return [self._adapter(names)] * prompts
 
     async def _lmi(self, body: dict, inference_id: str | None, header: str | None = None) -> Output:
-        request = parse_request(body, self.sampling_fields)
+        request = parse_request(body, self.sampling_fields, vllm_envs.VLLM_MAX_STOP_STRINGS)
         loras = self._lmi_adapters(body, header, len(request.prompts))
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
         try:

@@ -37,3 +37,34 @@ def test_infinite_floats_are_400(vllm_server):
                       'Infinity, "do_sample": true}}', headers={"content-type": "application/json"}, timeout=60)
     assert r.status_code == 400, r.text
     assert "parameters.temperature" in r.json()["error"]
+
+
+def test_too_many_or_too_long_stop_sequences_are_400(vllm_server):
+    for parameters, fragment in (({"stop_sequences": ["x"] * 5}, "parameters.stop_sequences"),
+                                 ({"stop_sequences": ["x" * 2000]}, "parameters.stop_sequences"),
+                                 ({"stop": ["x"] * 5}, "parameters.stop")):
+        r = vllm_server.invoke({"inputs": "Hello", "parameters": {"max_new_tokens": 4, **parameters}})
+        assert r.status_code == 400, r.text
+        assert fragment in r.json()["error"] and "at most" in r.json()["error"]
+
+
+def test_a_huge_stop_list_does_not_stall_other_requests(vllm_server):
+    """400,000 stop strings (4 MB) once kept a concurrent 4-token request waiting 8.5 s."""
+    wait_idle(vllm_server)
+    answers = {}
+
+    def abuse():
+        answers["abuse"] = vllm_server.invoke({"inputs": "Hello", "parameters": {
+            "max_new_tokens": 200, "ignore_eos": True, "stop_sequences": [f"s{i}" for i in range(400_000)]}})
+
+    thread = threading.Thread(target=abuse)
+    thread.start()
+    time.sleep(0.3)
+    started = time.monotonic()
+    r = vllm_server.invoke({"inputs": "Hello", "parameters": {"max_new_tokens": 4}})
+    elapsed = time.monotonic() - started
+    thread.join(60)
+    assert r.status_code == 200
+    assert answers["abuse"].status_code == 400
+    assert elapsed < 3, f"a 4-token request took {elapsed:.1f}s next to a huge stop list"
+    wait_idle(vllm_server, timeout=10)

@@ -121,3 +121,20 @@ def test_numbers_the_engine_cannot_take_are_refused_naming_the_field(parameters,
 def test_int64_bounds_are_accepted():
     sampling = parse({"inputs": "hi", "parameters": {"seed": 2**63 - 1, "min_p": 0.5, "presence_penalty": -(2**63)}})
     assert sampling.sampling["seed"] == 2**63 - 1
+
+
+@pytest.mark.parametrize("parameters,fragment", [
+    ({"stop_sequences": ["a", "b", "c", "d", "e"]}, "parameters.stop_sequences: 5 stop sequences; at most 4"),
+    ({"stop_sequences": "x" * 1001}, "parameters.stop_sequences: a stop sequence of 1001 characters; at most 1000"),
+    ({"stop": [str(i) for i in range(400_000)]}, "parameters.stop: 400000 stop sequences; at most 4"),
+])
+def test_stop_sequences_are_bounded(parameters, fragment):
+    with pytest.raises(InputError) as err:
+        parse({"inputs": "hi", "parameters": parameters})
+    assert fragment in str(err.value)
+
+
+def test_the_stop_bound_follows_the_engines():
+    assert parse({"inputs": "hi", "parameters": {"stop_sequences": ["a"] * 4, "stop": "x" * 1000}}).sampling["stop"]
+    body = {"inputs": "hi", "parameters": {"stop_sequences": ["a"] * 6}}
+    assert parse_request(body, SAMPLING_FIELDS, max_stop_sequences=6).sampling["stop"] == ["a"] * 6
