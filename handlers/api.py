@@ -25,9 +25,13 @@ import logging
 import struct
 from typing import Any, AsyncIterator, Callable, Iterable
 
-from container.errors import InvalidJSON
+from container.errors import InputError, InvalidJSON
 
 log = logging.getLogger(__name__)
+
+# Deeper JSON is refused: nothing a model takes nests this deep, and code that walks a
+# parsed body recursively (validation, re-encoding) would hit Python's recursion limit.
+MAX_JSON_DEPTH = 128
 
 _SHORT = struct.Struct(">h")
 _INT = struct.Struct(">i")
@@ -137,6 +141,17 @@ class _EmptyContent(AttributeError):
     ``AttributeError``, as LMI raises there, with a message that says what to do."""
 
 
+def _depth_within(value: Any, limit: int) -> bool:
+    """Whether ``value``'s lists and objects nest at most ``limit`` levels (no recursion)."""
+    level = [value]
+    for _ in range(limit):
+        level = [item for node in level if isinstance(node, (list, dict))
+                 for item in (node.values() if isinstance(node, dict) else node)]
+        if not level:
+            return True
+    return not any(isinstance(node, (list, dict)) for node in level)
+
+
 class Input:
     """One request (or the initialisation call) as a handler sees it."""
 
@@ -239,9 +254,15 @@ class Input:
         ``json.JSONDecodeError`` that the server answers with 400)."""
         text = self.get_as_string(key=key)
         try:
-            return json.loads(text)
+            value = json.loads(text)
         except json.JSONDecodeError as err:
             raise InvalidJSON(err) from None
+        except RecursionError:
+            value = None  # deeper than the parser goes: refused below as too deep
+        else:
+            if _depth_within(value, MAX_JSON_DEPTH):
+                return value
+        raise InputError(f"request body is nested too deeply: JSON may nest at most {MAX_JSON_DEPTH} levels")
 
     def get_as_csv(self, key: str | None = None) -> list[dict]:
         return list(csv.DictReader(io.StringIO(self.get_as_string(key=key))))

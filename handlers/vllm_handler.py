@@ -240,6 +240,8 @@ class VllmService:
         except ValidationError as exc:
             detail = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
             return _openai_error(400, detail)
+        except VLLMClientError as exc:  # vLLM's own validators raise it, not a ValueError pydantic collects
+            return _openai_error(400, str(exc), param=getattr(exc, "parameter", None))
         try:
             result = await create(request, None)
         except (VLLMClientError, ValueError) as exc:  # vLLM's request validation

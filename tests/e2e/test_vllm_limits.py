@@ -68,3 +68,19 @@ def test_a_huge_stop_list_does_not_stall_other_requests(vllm_server):
     assert answers["abuse"].status_code == 400
     assert elapsed < 3, f"a 4-token request took {elapsed:.1f}s next to a huge stop list"
     wait_idle(vllm_server, timeout=10)
+
+
+def test_deeply_nested_json_is_400_without_a_traceback(vllm_server):
+    body = '{"inputs": "Hello", "parameters": {"x": ' + "[" * 100_000 + "]" * 100_000 + "}}"
+    r = requests.post(vllm_server.url("/invocations"), data=body, headers={"content-type": "application/json"},
+                      timeout=60)
+    assert r.status_code == 400, r.text
+    assert "nested" in r.json()["error"]
+    assert "RecursionError" not in vllm_server.log()
+
+
+def test_an_empty_completion_prompt_is_400(vllm_server):
+    for path in ("/v1/completions", "/invocations"):
+        r = requests.post(vllm_server.url(path), json={"prompt": "", "max_tokens": 4}, timeout=60)
+        assert r.status_code == 400, (path, r.text)
+    assert metric(vllm_server, "sagelmi_engine_unfinished_requests") == 0

@@ -134,3 +134,17 @@ def test_binary_encode_and_finalize():
     out = Output().finalize(calls.append, "done")
     out.execute_finalize()
     assert calls == ["done"]
+
+
+def test_json_nested_too_deeply_is_an_input_error_not_a_recursion_error():
+    from container.errors import InputError, describe
+    from handlers.api import MAX_JSON_DEPTH
+
+    for depth in (MAX_JSON_DEPTH + 1, 100_000):
+        body = ("[" * depth + "]" * depth).encode()
+        with pytest.raises(InputError) as err:
+            Input(body=body).get_as_json()
+        assert describe(err.value)[0] == 400 and "nested too deeply" in str(err.value)
+    ok = "[" * MAX_JSON_DEPTH + "]" * MAX_JSON_DEPTH
+    assert Input(body=ok.encode()).get_as_json() is not None
+    assert Input(body=b'{"a": [1, {"b": 2}], "c": "d"}').get_as_json() == {"a": [1, {"b": 2}], "c": "d"}
