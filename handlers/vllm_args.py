@@ -31,6 +31,7 @@ from typing import Any, Literal, Union
 
 from pydantic import TypeAdapter, ValidationError
 
+from container.artifacts import HUB_ID
 from container.settings import KEYS, Settings
 
 log = logging.getLogger(__name__)
@@ -221,5 +222,15 @@ def build_engine_kwargs(settings: Settings, model: str, tensor_parallel_degree: 
             if name not in kwargs:
                 log.info("vLLM runs on the CPU: %s=%s (set option.%s to change)", name, value, name)
                 kwargs[name] = value
-    kwargs.setdefault("served_model_name", model)
+    kwargs.setdefault("served_model_name", default_served_name(settings, model))
     return kwargs
+
+
+def default_served_name(settings: Settings, model: str) -> str:
+    """``option.served_model_name``'s default, the name in ``/v1`` answers and metric labels:
+    the Hub id for a Hub model, else the last part of the model's path or ``s3://`` URI --
+    never a local path."""
+    source = settings.model_id or model
+    if not source.startswith(("/", ".", "~", "s3://")) and HUB_ID.match(source) and not Path(source).exists():
+        return source
+    return Path(source.rstrip("/")).name or "model"

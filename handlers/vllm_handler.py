@@ -116,7 +116,7 @@ class VllmService:
 
     def _build_openai(self) -> None:
         self.models = OpenAIServingModels(
-            self.engine, [BaseModelPath(name=self.served_name, model_path=self.engine.model_config.model)])
+            self.engine, [BaseModelPath(name=self.served_name, model_path=self.served_name)])
         renderer = OnlineRenderer(model_config=self.engine.model_config, renderer=self.engine.renderer,
                                   request_logger=None, chat_template=None, chat_template_content_format="auto")
         self.chat = OpenAIServingChat(self.engine, self.models, "assistant", online_renderer=renderer,
@@ -205,6 +205,8 @@ class VllmService:
         path = inputs.request_path
         if path == "/v1/models":
             listing = await self.models.show_available_models()
+            for card in listing.data:  # vLLM's root is a local path (the model's, an adapter's): never shown
+                card.root = card.id
             return Output().add_property("content-type", "application/json").add(listing.model_dump_json())
         body = inputs.get_as_json()
         if not isinstance(body, dict):

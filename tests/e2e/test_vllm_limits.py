@@ -84,3 +84,23 @@ def test_an_empty_completion_prompt_is_400(vllm_server):
         r = requests.post(vllm_server.url(path), json={"prompt": "", "max_tokens": 4}, timeout=60)
         assert r.status_code == 400, (path, r.text)
     assert metric(vllm_server, "sagelmi_engine_unfinished_requests") == 0
+
+
+def test_no_local_path_in_model_names(vllm_server, tiny_model):
+    path = str(tiny_model)
+    listing = requests.get(vllm_server.url("/v1/models"), timeout=60).json()
+    assert [(m["id"], m["root"]) for m in listing["data"]] == [(tiny_model.name, tiny_model.name)]
+    chat = requests.post(vllm_server.url("/v1/chat/completions"), timeout=60, json={
+        "model": "whatever", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    completion = requests.post(vllm_server.url("/v1/completions"), timeout=60,
+                               json={"model": "x", "prompt": "hi", "max_tokens": 2})
+    assert chat.json()["model"] == completion.json()["model"] == tiny_model.name
+    with requests.post(vllm_server.url("/v1/completions"), stream=True, timeout=60,
+                       json={"prompt": "hi", "max_tokens": 2, "stream": True}) as r:
+        events = [json.loads(line[len("data: "):]) for line in r.iter_lines(decode_unicode=True)
+                  if line.startswith("data: {")]
+    assert events and all(e["model"] == tiny_model.name for e in events)
+    metrics = requests.get(vllm_server.url("/metrics"), timeout=60).text
+    assert f'model_name="{tiny_model.name}"' in metrics
+    assert path not in metrics
+    assert path not in json.dumps(listing) + chat.text + completion.text

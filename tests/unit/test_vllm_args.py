@@ -130,3 +130,14 @@ def test_the_container_and_the_shared_check_say_the_same():
     with pytest.raises(EngineOptionError) as shared:
         check_engine_option("max_model_len", "long")
     assert str(container.value) == str(shared.value)
+
+
+@pytest.mark.parametrize("model,options,served", [
+    ("/opt/ml/model", {}, "model"),
+    ("/tmp/pytest/tiny-model0/", {}, "tiny-model0"),
+    ("/root/.cache/sagelmi/s3/abc", {"model_id": "s3://bucket/models/llama-3/"}, "llama-3"),
+    ("org/model", {"model_id": "org/model"}, "org/model"),
+    ("/opt/ml/model", {"served_model_name": "my-llm"}, "my-llm"),
+])
+def test_the_served_name_is_never_a_local_path(model, options, served):
+    assert build(model=model, **options)["served_model_name"] == served
