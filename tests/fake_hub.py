@@ -22,7 +22,8 @@ class Repo:
     token: str | None = None         # private: this bearer token is needed
     gated: bool = False
     seconds_per_file: float = 0.0    # how long each file's body takes to send
-    downloads: list[str] = field(default_factory=list)
+    downloads: list[str] = field(default_factory=list)   # files sent whole
+    partial: list[str] = field(default_factory=list)     # files of which a byte range was sent
 
 
 class FakeHub:
@@ -84,6 +85,12 @@ class FakeHub:
             headers = {"X-Repo-Commit": repo.sha, "ETag": f'"{_etag(body)}"'}
             if request.method == "HEAD":  # the body is dropped; its length stays in Content-Length
                 return Response(body, headers=headers)
+            if request.range is not None:  # huggingface_hub reads safetensors headers with a byte range
+                start, stop = request.range.range_for_length(len(body))
+                repo.partial.append(filename)
+                response = Response(body[start:stop], status=206, headers=headers)
+                response.headers["Content-Range"] = f"bytes {start}-{stop - 1}/{len(body)}"
+                return response
             repo.downloads.append(filename)
 
             def slowly():

@@ -26,3 +26,22 @@ def test_a_plan_that_cannot_be_made_says_why(tmp_path):
     assert result.returncode == 2
     assert "give both --gpus and --gpu-memory (or --instance)" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_hub_model_is_planned_from_its_small_files_only(tmp_path):
+    """--model-id reads config.json and the safetensors header (a byte range), never the weights."""
+    import os
+    import struct
+
+    from tests.fake_hub import FakeHub, Repo
+
+    header = json.dumps({"w": {"dtype": "BF16", "shape": [4_000_000], "data_offsets": [0, 8_000_000]}}).encode()
+    config = {"num_hidden_layers": 2, "num_attention_heads": 2, "hidden_size": 128, "torch_dtype": "bfloat16"}
+    repo = Repo({"config.json": json.dumps(config).encode(),
+                 "model.safetensors": struct.pack("<Q", len(header)) + header + os.urandom(8_000_000)})
+    with FakeHub({"acme/model": repo}) as hub:
+        result = run_shell(f"HF_ENDPOINT={hub.url} HF_HOME={tmp_path} sagelmi plan --model-id acme/model --gpus 1 "
+                           f"--gpu-memory 24 --json", 0)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["weight_bytes"] == 8_000_000
+    assert repo.downloads == ["config.json"] and repo.partial == ["model.safetensors"]
