@@ -22,6 +22,7 @@ class FrontendLaunch(msgspec.Struct, frozen=True):
     max_payload_bytes: int
     predict_timeout: float
     grace_period: float
+    body_read_timeout: float = 60.0
     log_level: str = "INFO"
     model: "ModelInfo | None" = None  # what GET /models and the adapter routes describe
 

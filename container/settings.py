@@ -126,6 +126,9 @@ KEYS: tuple[Key, ...] = (
         "a whole number >= 1", "Requests accepted at once (running or waiting); beyond it: 503."),
     Key("max_payload_in_mb", "max_payload_in_mb", ("SERVING_MAX_PAYLOAD_IN_MB",), "a number of MiB > 0",
         "Largest request body; larger bodies get 413.", ("SAGEMAKER_MAX_PAYLOAD_IN_MB",)),
+    Key("body_read_timeout", "body_read_timeout", ("SERVING_BODY_READ_TIMEOUT",), "seconds > 0",
+        "Longest time a client may take to send a request body; a body still incomplete then, or cut "
+        "short by the client, gets 400 and is not run."),
     Key("predict_timeout", "option.predict_timeout", ("OPTION_PREDICT_TIMEOUT",), "seconds > 0",
         "Longest wait for an answer (for a stream: for its start and between chunks); then 504.",
         ("SAGEMAKER_MODEL_SERVER_TIMEOUT_SECONDS", "SAGEMAKER_MODEL_SERVER_TIMEOUT")),
@@ -173,6 +176,7 @@ class Settings(BaseModel):
     max_batch_delay: float = Field(100.0, ge=0)
     job_queue_size: int = Field(1000, ge=1)
     max_payload_in_mb: float = Field(6.0, gt=0)
+    body_read_timeout: float = Field(60.0, gt=0)
     predict_timeout: float = Field(120.0, gt=0)
     model_loading_timeout: float = Field(1800.0, gt=0)
     shutdown_grace_period: float = Field(25.0, ge=0)

@@ -301,7 +301,8 @@ class Supervisor:
                                  devices=p.cuda_visible_devices) for p in plans],
             job_queue_size=self.settings.job_queue_size, max_payload_bytes=self.settings.max_payload_bytes,
             predict_timeout=self.settings.predict_timeout, grace_period=self.settings.shutdown_grace_period,
-            log_level=self.settings.log_level, model=model_info(self.settings))
+            log_level=self.settings.log_level, model=model_info(self.settings),
+            body_read_timeout=self.settings.body_read_timeout)
         path = self.runtime / "frontend.json"
         path.write_bytes(encode_launch(launch))
         self.frontend = subprocess.Popen(

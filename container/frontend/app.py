@@ -264,7 +264,8 @@ def create_app(launch: FrontendLaunch) -> Flask:
     @app.post("/v1/completions")
     @app.get("/v1/models")
     def invocations() -> Response:
-        body = read_body(request.environ, request.content_length, launch.max_payload_bytes)
+        body = read_body(request.environ, request.content_length, launch.max_payload_bytes,
+                         launch.body_read_timeout)
         return Invocation(router, launch, g.request_id, request.environ.get("gunicorn.socket")).run(body)
 
     add_management_routes(app, router, registry, launch)

@@ -1,17 +1,29 @@
 """Reading a request body from a client that may not play by HTTP's rules.
 
 Werkzeug's own limit only looks at ``Content-Length``: a chunked body past
-``max_payload_in_mb`` was cut at the limit and handed to the handler. Here the
-body is read from gunicorn's ``wsgi.input`` directly, and:
+``max_payload_in_mb`` was cut at the limit and handed to the handler. And
+gunicorn waits for a body without a time limit: a ``Content-Length`` larger
+than what the client sends held a thread until the client left, and then the
+truncated body was served. Here the body is read from gunicorn's
+``wsgi.input`` directly, and:
 
 - a body past the limit is 413, whether its size was announced or not; reading
   stops as soon as it passes the limit (the rest is left unread, and the
   connection is closed after the answer: ``CLOSE_CONNECTION``);
+- the whole body must arrive within ``body_read_timeout`` seconds; a body still
+  incomplete then, or one the client ended early (fewer bytes than its
+  ``Content-Length``, a chunked body without its last chunk), is 400 and is
+  never handed to the handler.
 """
 
 from __future__ import annotations
 
-from container.errors import PayloadTooLarge
+import socket
+import time
+
+from gunicorn.http.errors import NoMoreData
+
+from container.errors import InputError, PayloadTooLarge
 
 READ_SIZE = 1 << 16
 
@@ -20,30 +32,59 @@ READ_SIZE = 1 << 16
 CLOSE_CONNECTION = "sagelmi.close_connection"
 
 
+class IncompleteBody(InputError):
+    """The client did not send the body it announced."""
+
+
 def too_large(announced: int | None, limit: int) -> PayloadTooLarge:
     size = f"{announced} bytes" if announced is not None else "more than that"
     return PayloadTooLarge(f"the request body is {size}; the limit is {limit} bytes "
                            f"(max_payload_in_mb / SAGEMAKER_MAX_PAYLOAD_IN_MB)")
 
 
-def read_body(environ: dict, announced: int | None, limit: int) -> bytes:
+def _expected(announced: int | None) -> str:
+    return f"of {announced} bytes" if announced is not None else "bytes of a chunked body"
+
+
+def read_body(environ: dict, announced: int | None, limit: int, timeout: float) -> bytes:
     """The whole body of the request of ``environ`` (``announced`` is its
-    Content-Length, None when chunked). Raises ``PayloadTooLarge`` past ``limit``."""
+    Content-Length, None when chunked), read within ``timeout`` seconds.
+    Raises ``PayloadTooLarge`` past ``limit``, ``IncompleteBody`` for a body
+    that ended early or did not arrive in time."""
     if announced is not None and announced > limit:
         environ[CLOSE_CONNECTION] = True
         raise too_large(announced, limit)
     stream = environ["wsgi.input"]
+    sock: socket.socket | None = environ.get("gunicorn.socket")
+    deadline = time.monotonic() + timeout
     parts: list[bytes] = []
     size = 0
-    while True:
-        part = stream.read(min(READ_SIZE, (limit + 1 if announced is None else announced) - size))
-        if not part:
-            break
-        parts.append(part)
-        size += len(part)
-        if size > limit:
-            environ[CLOSE_CONNECTION] = True
-            raise too_large(None, limit)
-        if announced is not None and size >= announced:
-            break
+    try:
+        while announced is None or size < announced:
+            if sock is not None:
+                sock.settimeout(max(deadline - time.monotonic(), 0.001))
+            part = stream.read(min(READ_SIZE, (limit + 1 if announced is None else announced) - size))
+            if not part:
+                break
+            parts.append(part)
+            size += len(part)
+            if size > limit:
+                environ[CLOSE_CONNECTION] = True
+                raise too_large(None, limit)
+    except (TimeoutError, socket.timeout):
+        environ[CLOSE_CONNECTION] = True
+        # (what did come may sit in gunicorn's buffer, uncounted here)
+        whole = f"all {announced} bytes of the request body" if announced is not None else "the whole chunked body"
+        raise IncompleteBody(f"{whole} did not arrive within {timeout:g}s (body_read_timeout)") from None
+    except NoMoreData:
+        environ[CLOSE_CONNECTION] = True
+        raise IncompleteBody(f"the request body ended after {size} {_expected(announced)} "
+                             f"(the client stopped sending)") from None
+    finally:
+        if sock is not None:
+            sock.settimeout(None)  # blocking again, as gunicorn left it
+    if announced is not None and size < announced:
+        environ[CLOSE_CONNECTION] = True
+        raise IncompleteBody(f"the request body ended after {size} {_expected(announced)} "
+                             f"(the client stopped sending)")
     return b"".join(parts)

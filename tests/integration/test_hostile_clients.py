@@ -69,3 +69,44 @@ def test_a_chunked_body_under_the_limit_is_served_whole(server):
     r, _ = send(server.port, head, chunked(body) + b"0\r\n\r\n")
     assert r.status == 200
     assert len(json.loads(r.body)["echo"]["inputs"]) == 5 * 1024 * 1024
+
+
+SHORT_BODY = b'{"fail": "the handler ran"}'  # valid JSON as it is: a truncated request would run
+
+
+def handler_ran(server: Server, request_id: str) -> bool:
+    return any(f"[{request_id}]" in line and "handler failed" in line for line in server.log().splitlines())
+
+
+def test_a_body_shorter_than_its_content_length_is_400_after_the_body_read_timeout(server):
+    head = ("POST /invocations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"X-Amzn-SageMaker-Inference-Id: short-stalled\r\nContent-Length: {len(SHORT_BODY) + 1000}")
+    r, elapsed = send(server.port, head, SHORT_BODY, timeout=BODY_READ_TIMEOUT + 10)
+    assert r.status == 400, r.body
+    error = json.loads(r.body)
+    assert error["code"] == 400 and "body_read_timeout" in error["error"]
+    assert f"all {len(SHORT_BODY) + 1000} bytes" in error["error"]
+    assert BODY_READ_TIMEOUT - 0.5 < elapsed < BODY_READ_TIMEOUT + 2
+    assert r.getheader("Connection") == "close"
+    time.sleep(0.5)
+    assert not handler_ran(server, "short-stalled")
+    assert server.invoke({"inputs": "after"}).status_code == 200
+
+
+def test_a_body_cut_short_by_the_client_leaving_is_never_run(server):
+    head = ("POST /invocations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"X-Amzn-SageMaker-Inference-Id: short-closed\r\nContent-Length: {len(SHORT_BODY) + 1000}")
+    r, elapsed = send(server.port, head, SHORT_BODY, close_write=True)
+    assert r.status == 400, r.body
+    assert "ended after" in json.loads(r.body)["error"]
+    assert elapsed < 1
+    time.sleep(0.5)
+    assert not handler_ran(server, "short-closed")
+
+
+def test_a_stalled_chunked_body_is_400_after_the_body_read_timeout(server):
+    head = "POST /invocations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked"
+    r, elapsed = send(server.port, head, chunked(SHORT_BODY), timeout=BODY_READ_TIMEOUT + 10)
+    assert r.status == 400, r.body
+    assert "body_read_timeout" in json.loads(r.body)["error"]
+    assert elapsed < BODY_READ_TIMEOUT + 2

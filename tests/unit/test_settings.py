@@ -40,6 +40,7 @@ ALIASES = [
     ("SERVING_MIN_WORKERS", "2", "min_workers", 2),
     ("SERVING_MAX_WORKERS", "3", "max_workers", 3),
     ("SERVING_MAX_PAYLOAD_IN_MB", "12", "max_payload_in_mb", 12),
+    ("SERVING_BODY_READ_TIMEOUT", "5", "body_read_timeout", 5),
     ("SAGEMAKER_BIND_TO_PORT", "9090", "port", 9090),
     ("SAGEMAKER_NUM_MODEL_WORKERS", "2", "min_workers", 2),
     ("SAGEMAKER_MODEL_SERVER_WORKERS", "3", "max_workers", 3),
