@@ -5,8 +5,11 @@ processes use this module: the frontend for what it rejects itself (queue full,
 payload too large, ...), the worker for what a handler raised.
 
 The envelope is LMI's: ``{"code": <status>, "message": <summary>, "error":
-<detail>}``. Details never carry a traceback; absolute file-system paths are
-replaced with ``<path>`` before they leave the process.
+<detail>}``; on the OpenAI routes (``/v1/...``) it is OpenAI's (as vLLM's
+server answers): ``{"error": {"message": <detail>, "type", "param", "code":
+<status>}}``. ``envelope_for`` picks by the path the client called. Details
+never carry a traceback; absolute file-system paths are replaced with
+``<path>`` before they leave the process.
 """
 
 from __future__ import annotations
@@ -153,3 +156,24 @@ def describe(exc: BaseException) -> tuple[int, str, str]:
 
 def envelope(status: int, message: str, error: str) -> dict:
     return {"code": status, "message": message, "error": error}
+
+
+# OpenAI's error type names (the ``openai`` client's exception names); other statuses
+# get BadRequestError (4xx) or InternalServerError (5xx).
+_OPENAI_TYPES = {401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError",
+                 409: "ConflictError", 422: "UnprocessableEntityError", 429: "RateLimitError"}
+
+
+def openai_envelope(status: int, message: str, error: str) -> dict:
+    """OpenAI's error body, as vLLM's server answers; ``error`` (the detail) is its message."""
+    kind = _OPENAI_TYPES.get(status, "BadRequestError" if status < 500 else "InternalServerError")
+    return {"error": {"message": error or message, "type": kind, "param": None, "code": status}}
+
+
+def is_openai_path(path: str) -> bool:
+    return path.startswith("/v1/")
+
+
+def envelope_for(path: str, status: int, message: str, error: str) -> dict:
+    """The error body in the envelope of the route at ``path``: OpenAI's on ``/v1/...``, else LMI's."""
+    return (openai_envelope if is_openai_path(path) else envelope)(status, message, error)

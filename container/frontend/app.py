@@ -25,7 +25,7 @@ from werkzeug.exceptions import HTTPException
 
 from container.artifacts import download_root
 from container.errors import (ClientClosedRequest, GatewayTimeout, InputError, MethodNotAllowed, NotFound,
-                              PayloadTooLarge, ServingError, describe, envelope)
+                              PayloadTooLarge, ServingError, describe, envelope_for, is_openai_path)
 from container.frontend.adapters import AdapterRegistry
 from container.frontend.body import read_body
 from container.frontend.management import add_management_routes
@@ -44,8 +44,10 @@ CUSTOM_ATTRIBUTES = "X-Amzn-SageMaker-Custom-Attributes"
 
 
 def _error_response(exc: BaseException) -> Response:
+    """The error in the envelope of the route the client called."""
     status, message, error = describe(exc)
-    return Response(json.dumps(envelope(status, message, error)), status=status, mimetype="application/json")
+    return Response(json.dumps(envelope_for(request.path, status, message, error)), status=status,
+                    mimetype="application/json")
 
 
 def request_properties(request_id: str) -> dict[str, str]:
@@ -65,11 +67,18 @@ def request_properties(request_id: str) -> dict[str, str]:
     return props
 
 
-def _in_band_error(exc: ServingError, content_type: str) -> bytes:
-    """An error after a 200 stream began: sent as the stream's last item."""
+def _in_band_error(exc: ServingError, content_type: str, path: str) -> bytes:
+    """An error after a 200 stream began: sent as the stream's last item. A
+    server-sent-events stream on an OpenAI route then ends as vLLM's does: the
+    error event, then ``data: [DONE]``."""
     status, message, error = describe(exc)
-    line = json.dumps(envelope(status, message, error))
-    return f"data: {line}\n\n".encode() if content_type.startswith("text/event-stream") else f"{line}\n".encode()
+    line = json.dumps(envelope_for(path, status, message, error))
+    if not content_type.startswith("text/event-stream"):
+        return f"{line}\n".encode()
+    event = f"data: {line}\n\n"
+    if is_openai_path(path):
+        event += "data: [DONE]\n\n"
+    return event.encode()
 
 
 def client_gone(sock: socket.socket | None) -> bool:
@@ -102,6 +111,7 @@ class Invocation:
         self.launch = launch
         self.request_id = request_id
         self.client = client
+        self.path = request.path
         self.wire_id = uuid.uuid4().hex
         self.group: GroupClient | None = None
         self.pending: PendingRequest | None = None
@@ -174,7 +184,7 @@ class Invocation:
             if isinstance(exc, GatewayTimeout):
                 self.abandon()
             log.warning("stream ended with an error: %s", exc)
-            yield _in_band_error(exc, content_type)
+            yield _in_band_error(exc, content_type, self.path)
         finally:
             if not finished:
                 log.info("client went away during the stream; cancelling the request")

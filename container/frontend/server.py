@@ -12,17 +12,19 @@ and only then stops.
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import sys
 import threading
 from pathlib import Path
 
-from gunicorn import glogging
+from gunicorn import glogging, util
 from gunicorn.app.base import BaseApplication
 from gunicorn.workers.gthread import ThreadWorker
 
 from container import logs, proc
+from container.errors import InputError, envelope_for, scrub
 from container.frontend.app import create_app
 from container.frontend.body import CLOSE_CONNECTION
 from container.launch import FrontendLaunch, decode_frontend_launch
@@ -46,14 +48,40 @@ class GunicornLog(glogging.Logger):
         self.access_log.disabled = True
 
 
+# The path of the request gunicorn is rejecting in this thread ("" when it never got that far).
+_rejected = threading.local()
+
+
+def write_json_error(sock, status: int, reason: str, mesg: str) -> None:
+    """gunicorn's answer to a request it rejects before the app sees it (bad header
+    bytes 400, a header too large 431, ...), in the error envelope of the route
+    the client called (LMI's when the path is not known) instead of HTML.
+    Installed as ``gunicorn.util.write_error``: gunicorn's ``handle_error``
+    picks the status and message and calls it (its only caller)."""
+    message = InputError.message if status == 400 else reason.lower()
+    body = json.dumps(envelope_for(getattr(_rejected, "path", ""), status, message, scrub(mesg) or reason)).encode()
+    head = (f"HTTP/1.1 {status} {reason}\r\nConnection: close\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode("latin-1")
+    util.write_nonblock(sock, head + body)
+
+
 class DrainingWorker(ThreadWorker):
     """A gthread worker that answers 503 while draining instead of refusing
-    connections, and stops once its requests are done."""
+    connections, stops once its requests are done, and answers the requests it
+    rejects itself in JSON."""
 
     def init_process(self) -> None:
         logs.configure("frontend", self.cfg.loglevel.upper())
         proc.die_with_parent()
+        util.write_error = write_json_error
         super().init_process()
+
+    def handle_error(self, req, client, addr, exc) -> None:
+        _rejected.path = getattr(req or getattr(exc, "req", None), "path", None) or ""
+        try:
+            super().handle_error(req, client, addr, exc)
+        finally:
+            _rejected.path = ""
 
     def handle_exit(self, sig, frame) -> None:
         router = self.wsgi.extensions["sagelmi"]

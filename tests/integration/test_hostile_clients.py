@@ -110,3 +110,83 @@ def test_a_stalled_chunked_body_is_400_after_the_body_read_timeout(server):
     assert r.status == 400, r.body
     assert "body_read_timeout" in json.loads(r.body)["error"]
     assert elapsed < BODY_READ_TIMEOUT + 2
+
+
+def openai_error(body: bytes, status: int) -> dict:
+    """The error of an OpenAI-shaped error body, checked for its shape."""
+    error = json.loads(body)["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == status, error
+    assert isinstance(error["message"], str) and error["message"] and isinstance(error["type"], str)
+    return error
+
+
+def test_header_bytes_gunicorn_rejects_get_a_json_400(server):
+    r, _ = send(server.port, "POST /invocations HTTP/1.1\r\nHost: x\r\nBad\x01Name: y\r\nContent-Length: 2", b"{}")
+    assert r.status == 400
+    assert r.getheader("Content-Type") == "application/json"
+    body = json.loads(r.body)
+    assert body["code"] == 400 and body["message"] == "invalid input" and "header" in body["error"].lower()
+
+
+def test_a_rejected_header_on_an_openai_route_gets_openais_shape_once_the_path_is_read(server):
+    # gunicorn knows the path for some header errors (a bad Content-Length), not for all
+    r, _ = send(server.port, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2x", b"{}")
+    assert r.status == 400 and r.getheader("Content-Type") == "application/json"
+    assert "CONTENT-LENGTH" in openai_error(r.body, 400)["message"]
+
+
+def test_a_100_kb_header_gets_a_json_431(server):
+    r, _ = send(server.port, f"GET /ping HTTP/1.1\r\nHost: x\r\nX-Big: {'a' * 100_000}")
+    assert r.status == 431
+    assert r.getheader("Content-Type") == "application/json"
+    body = json.loads(r.body)
+    assert body["code"] == 431 and "header" in body["error"].lower()
+    assert requests.get(server.url("/ping"), timeout=5).status_code == 200
+
+
+def test_errors_on_openai_routes_are_in_openais_shape(server):
+    r = requests.post(server.url("/v1/completions"), data=b'{"prompt": ', timeout=10,
+                      headers={"Content-Type": "application/json"})
+    assert r.status_code == 400
+    assert "not valid JSON" in openai_error(r.content, 400)["message"]
+    r = requests.post(server.url("/v1/chat/completions"), json={"fail": "the engine broke"}, timeout=10)
+    assert r.status_code == 424
+    assert openai_error(r.content, 424)["message"] == "the engine broke"
+    r = requests.post(server.url("/v1/completions"), data=b"x" * (7 * 1024 * 1024), timeout=30)
+    assert r.status_code == 413
+    assert "6291456 bytes" in openai_error(r.content, 413)["message"]
+    r = requests.get(server.url("/v1/nowhere"), timeout=10)
+    assert r.status_code == 404
+    openai_error(r.content, 404)
+    # LMI's routes keep LMI's envelope
+    r = requests.post(server.url("/invocations"), json={"fail": "the engine broke"}, timeout=10)
+    assert r.json() == {"code": 424, "message": "invoke handler failure", "error": "the engine broke"}
+
+
+@pytest.fixture(scope="module")
+def sse_server():
+    with Server(MODEL_DIRS / "sdk_textgen", env={"OPTION_OUTPUT_FORMATTER": "sse"}) as s:
+        yield s
+
+
+def sse_events(text: str) -> list[str]:
+    return [event.removeprefix("data: ") for event in text.split("\n\n") if event.strip()]
+
+
+def test_a_stream_failing_on_an_openai_route_ends_with_an_openai_error_event_and_done(sse_server):
+    r = requests.post(sse_server.url("/v1/completions"), timeout=10,
+                      json={"inputs": "one two three", "stream": True, "fail_after": 2})
+    assert r.status_code == 200
+    events = sse_events(r.text)
+    assert [json.loads(e)["token"]["text"] for e in events[:2]] == ["one", " two"]
+    assert events[3:] == ["[DONE]"]
+    assert openai_error(events[2].encode(), 424)["message"] == "generation failed on purpose"
+
+
+def test_a_stream_failing_on_invocations_ends_with_lmis_envelope(sse_server):
+    r = requests.post(sse_server.url("/invocations"), timeout=10,
+                      json={"inputs": "one two three", "stream": True, "fail_after": 2})
+    events = sse_events(r.text)
+    assert json.loads(events[-1]) == {"code": 424, "message": "invoke handler failure",
+                                      "error": "generation failed on purpose"}
+    assert len(events) == 3

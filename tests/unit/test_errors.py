@@ -1,6 +1,7 @@
 import json
 
-from container.errors import GatewayTimeout, PayloadTooLarge, ServiceUnavailable, describe, envelope, scrub
+from container.errors import (GatewayTimeout, PayloadTooLarge, ServiceUnavailable, describe, envelope, envelope_for,
+                              scrub)
 
 
 def test_status_table():
@@ -21,3 +22,12 @@ def test_paths_are_scrubbed_but_urls_are_not():
 
 def test_envelope_shape():
     assert envelope(424, "invoke handler failure", "x") == {"code": 424, "message": "invoke handler failure", "error": "x"}
+
+
+def test_the_envelope_follows_the_route():
+    assert envelope_for("/invocations", 413, "payload too large", "big") == envelope(413, "payload too large", "big")
+    assert envelope_for("/v1/completions", 400, "invalid input", "bad JSON") == {
+        "error": {"message": "bad JSON", "type": "BadRequestError", "param": None, "code": 400}}
+    assert envelope_for("/v1/models", 404, "not found", "no")["error"]["type"] == "NotFoundError"
+    assert envelope_for("/v1/chat/completions", 503, "service unavailable", "full")["error"]["type"] == \
+        "InternalServerError"
