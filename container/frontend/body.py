@@ -37,8 +37,8 @@ class IncompleteBody(InputError):
 
 
 def too_large(announced: int | None, limit: int) -> PayloadTooLarge:
-    size = f"{announced} bytes" if announced is not None else "more than that"
-    return PayloadTooLarge(f"the request body is {size}; the limit is {limit} bytes "
+    size = f"is {announced} bytes" if announced is not None else "(chunked) went past the limit"
+    return PayloadTooLarge(f"the request body {size}; the limit is {limit} bytes "
                            f"(max_payload_in_mb / SAGEMAKER_MAX_PAYLOAD_IN_MB)")
 
 
