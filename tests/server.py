@@ -84,7 +84,7 @@ class Server:
             try:
                 self.wait_until(lambda r: r.status_code == 200, timeout or self.ready_timeout)
             except BaseException:
-                self.stop(signal.SIGKILL if self.process.poll() is None else signal.SIGTERM)
+                self.stop()  # SIGTERM: the supervisor stops its worker groups (SIGKILL would orphan them)
                 raise
         return self
 

@@ -1,6 +1,10 @@
 """The tests' own servers never outlive a test: one that does not get ready in time is
 stopped by ``start``, and whatever a test leaves running is stopped at the session's end."""
 
+import os
+import threading
+import time
+
 import pytest
 
 from tests.server import MODEL_DIRS, Server
@@ -20,3 +24,29 @@ def test_servers_left_running_are_stopped_at_the_end():
     left = Server.stop_leftovers([server])  # what the session's end does with every live server
     assert left == [f"{server.model_dir} on port {server.port}"]
     assert server.process.poll() == 0 and server not in Server.live
+
+
+def test_stopping_a_server_that_is_not_ready_leaves_no_worker_behind():
+    server = Server(MODEL_DIRS / "slow_init", ready_timeout=2)
+    seen: set[int] = set()
+    done = threading.Event()
+
+    def watch():  # the worker pids while start() waits
+        while not done.is_set():
+            if server.process is not None and server.process.poll() is None:
+                seen.update(server.worker_pids())
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        with pytest.raises(AssertionError):
+            server.start()
+    finally:
+        done.set()
+        watcher.join()
+    assert seen, "the worker never started"
+    deadline = time.monotonic() + 10
+    while any(os.path.exists(f"/proc/{pid}") for pid in seen):
+        assert time.monotonic() < deadline, f"workers left running: {seen}"
+        time.sleep(0.1)
