@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import sys
 
 _PR_SET_PDEATHSIG = 1
 
@@ -53,3 +54,15 @@ def signal_session(session: int, sig: int) -> int:
         except (ProcessLookupError, PermissionError):
             pass
     return len(pids)
+
+
+def exec_dying_with_parent(argv: list[str]) -> None:
+    """Become ``argv`` (``execvp``), set to get SIGTERM when the parent dies: the
+    setting outlives exec. ``mpirun`` is started this way, since it has no such
+    tie of its own and a killed supervisor would leave it and its ranks running."""
+    die_with_parent(signal.SIGTERM)
+    os.execvp(argv[0], argv)
+
+
+if __name__ == "__main__":  # python -m container.proc COMMAND ...
+    exec_dying_with_parent(sys.argv[1:])

@@ -181,8 +181,9 @@ class WorkerGroup:
         worker = [sys.executable, "-m", "container.worker", "--launch", str(self.launch_path),
                   "--incarnation", str(self.incarnation)]
         if self.mpirun is None:
-            return worker
-        return mpirun_command(self.mpirun, self.settings, self.plan, worker, env)
+            return worker  # the worker ties itself to this process (proc.die_with_parent)
+        return [sys.executable, "-m", "container.proc",  # mpirun, tied to this process
+                *mpirun_command(self.mpirun, self.settings, self.plan, worker, env)]
 
     def start(self) -> None:
         self.incarnation += 1

@@ -134,3 +134,18 @@ def test_dynamic_batches_are_the_same_on_every_rank(tmp_path):
     assert batches[0] == batches[1]  # rank 0 formed the batches; rank 1 ran exactly those
     assert sorted(i for line in batches[0] for i in json.loads(line)) == list(range(8))
     assert max(len(json.loads(line)) for line in batches[0]) > 1
+
+
+def test_a_killed_supervisor_leaves_no_mpirun_or_rank_behind(tmp_path):
+    """mpirun has no tie to its parent of its own: sagelmi starts it set to get SIGTERM when the
+    supervisor dies, so SIGKILL of `sagelmi serve` does not leave the group running."""
+    env = {**MPI, "OPTION_RECORD_DIR": str(tmp_path)}
+    with Server(MODEL_DIRS / "mpi_ranks", env=env) as server:
+        ranks = [r["pid"] for r in rank_records(tmp_path)]
+        session = os.getsid(ranks[0])  # mpirun's
+        assert all(alive(pid) for pid in [*ranks, session])
+        os.kill(server.process.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while any(alive(pid) for pid in [*ranks, session]):
+            assert time.monotonic() < deadline, "mpirun or its ranks outlived the killed supervisor"
+            time.sleep(0.2)
