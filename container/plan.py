@@ -195,6 +195,21 @@ def make_plan(model: str, config: dict[str, Any], weight: int, download: int, *,
     return plan
 
 
+def plan_from_settings(model: tuple[str, dict[str, Any], int, int], options: dict[str, str], *, gpus: int | None,
+                       gpu_memory_gib: float | None, tp: int | None, pp: int | None, hardware: str,
+                       cpu_kv_cache_gib: float | None = None, default_utilization: float = 0.9) -> Plan:
+    """``make_plan`` for ``read_model``'s answer with the engine options as the
+    settings hold them (``option.dtype``, ``kv_cache_dtype``, ``max_model_len``,
+    ``gpu_memory_utilization``): what ``sagelmi plan``, ``serve`` and the SDK ask."""
+    name, config, weight, download = model
+    return make_plan(name, config, weight, download, dtype=options.get("dtype"),
+                     kv_cache_dtype=options.get("kv_cache_dtype"),
+                     max_model_len=int(options["max_model_len"]) if "max_model_len" in options else None,
+                     gpus=gpus, gpu_memory_gib=gpu_memory_gib, tp=tp, pp=pp,
+                     gpu_memory_utilization=float(options.get("gpu_memory_utilization", default_utilization)),
+                     cpu_kv_cache_gib=cpu_kv_cache_gib, hardware=hardware)
+
+
 def read_model(model_dir: Path | None, model_id: str | None, revision: str | None = None
                ) -> tuple[str, dict[str, Any], int, int]:
     """(name, config, tensor bytes, download bytes) of a local directory or a Hub id

@@ -15,7 +15,7 @@ import subprocess
 import urllib.request
 from pathlib import Path
 
-from container.plan import Plan, PlanError, make_plan, read_model, render
+from container.plan import Plan, PlanError, plan_from_settings, read_model, render
 from container.settings import Settings
 
 log = logging.getLogger("sagelmi.plan")
@@ -42,20 +42,15 @@ def startup_plan(settings: Settings, model_location: str, devices: list[str], tp
     if settings.builtin_engine not in ("vllm", "lmi-dist") or accelerate_reason(settings) is not None \
             or (directory / "model.py").is_file() or settings.entry_point:
         return None
-    options = settings.options
     memory = _gpu_memory_gib() if devices else None
     kv_space = os.environ.get("VLLM_CPU_KVCACHE_SPACE")  # vLLM's own variable: the CPU build's KV cache size
     try:
         if devices and memory is None:
             raise PlanError("the GPUs' memory could not be read (nvidia-smi)")
-        name, config, weight, download = read_model(directory, None)
-        plan = make_plan(name, config, weight, download, dtype=options.get("dtype"),
-                         kv_cache_dtype=options.get("kv_cache_dtype"),
-                         max_model_len=int(options["max_model_len"]) if "max_model_len" in options else None,
-                         gpus=len(devices) or None, gpu_memory_gib=memory, tp=tp, pp=pp,
-                         gpu_memory_utilization=float(options.get("gpu_memory_utilization", 0.9 if devices else 0.5)),
-                         cpu_kv_cache_gib=float(kv_space) if kv_space else None,
-                         hardware=f"{len(devices)} GPU(s) x {memory:.0f} GiB" if devices else "vLLM's CPU build")
+        plan = plan_from_settings(read_model(directory, None), settings.options, gpus=len(devices) or None,
+                                  gpu_memory_gib=memory, tp=tp, pp=pp,
+                                  hardware=f"{len(devices)} GPU(s) x {memory:.0f} GiB" if devices else "vLLM's CPU build",
+                                  cpu_kv_cache_gib=float(kv_space) if kv_space else None)
     except (PlanError, OSError, ValueError) as exc:
         log.debug("no start-up plan: %s", exc)
         return None

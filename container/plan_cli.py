@@ -16,7 +16,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from container.plan import PlanError, hardware_of, make_plan, read_model, render
+from container.plan import PlanError, hardware_of, plan_from_settings, read_model, render
 from container.settings import resolve_settings
 
 
@@ -44,16 +44,13 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as empty:
         settings = resolve_settings(env, args.model_dir or empty)
     gpus, memory, hardware = hardware_of(args.instance, args.gpus, args.gpu_memory)
-    name, config, weight, download = read_model(args.model_dir, settings.model_id, settings.revision)
-    options = settings.options
+    model = read_model(args.model_dir, settings.model_id, settings.revision)
     given = {key for key, source in settings.sources.items() if source != "default"}
     tp = settings.tensor_parallel_degree if "option.tensor_parallel_degree" in given else None
     pp = settings.pipeline_parallel_degree if "option.pipeline_parallel_degree" in given else None
-    plan = make_plan(
-        name, config, weight, download, dtype=options.get("dtype"), kv_cache_dtype=options.get("kv_cache_dtype"),
-        max_model_len=int(options["max_model_len"]) if "max_model_len" in options else None,
-        gpus=gpus, gpu_memory_gib=memory, gpu_memory_utilization=float(options.get("gpu_memory_utilization", 0.9)),
-        cpu_kv_cache_gib=float(env["VLLM_CPU_KVCACHE_SPACE"]) if env.get("VLLM_CPU_KVCACHE_SPACE") else None,
-        tp=None if tp in (None, "max") else int(tp), pp=pp, hardware=hardware)
+    plan = plan_from_settings(
+        model, settings.options, gpus=gpus, gpu_memory_gib=memory, tp=None if tp in (None, "max") else int(tp), pp=pp,
+        hardware=hardware,
+        cpu_kv_cache_gib=float(env["VLLM_CPU_KVCACHE_SPACE"]) if env.get("VLLM_CPU_KVCACHE_SPACE") else None)
     print(json.dumps(plan.as_dict(), indent=2) if args.json else render(plan))
     return 0 if plan.smallest else 1

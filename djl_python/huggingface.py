@@ -16,25 +16,9 @@ import logging
 
 from container.worker.context import current
 from handlers.api import Input, Output
+from handlers.hf_accelerate import ARCHITECTURES_2_TASK
 
 log = logging.getLogger(__name__)
-
-# The task a model's architecture (by the end of its name) is served for.
-ARCHITECTURES_2_TASK = {
-    "TapasForQuestionAnswering": "table-question-answering",
-    "ForQuestionAnswering": "question-answering",
-    "ForTokenClassification": "token-classification",
-    "ForSequenceClassification": "text-classification",
-    "ForMultipleChoice": "multiple-choice",
-    "ForMaskedLM": "fill-mask",
-    "ForCausalLM": "text-generation",
-    "ForConditionalGeneration": "text2text-generation",
-    "MTModel": "text2text-generation",
-    "EncoderDecoderModel": "text2text-generation",
-    "GPT2LMHeadModel": "text-generation",
-    "T5WithLMHeadModel": "text2text-generation",
-    "BloomModel": "text-generation",
-}
 
 # Model types whose transformers implementation can use flash attention 2.
 FLASH_2_SUPPORTED_MODELS = {"LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",

@@ -240,13 +240,13 @@ class SagelmiModel(Model):
         """``container.plan``'s plan of this model on ``instance_type`` with its settings
         (one split: the tensor and pipeline parallel degrees asked for); None when the
         instance is not a known GPU instance or the model's config cannot be read."""
-        from container.plan import INSTANCES, PlanError, hardware_of, make_plan, read_model
+        from container.plan import INSTANCES, PlanError, hardware_of, plan_from_settings, read_model
 
         if instance_type not in INSTANCES:
             return None
-        settings, options = self.settings, self.settings.options
+        settings = self.settings
         try:
-            name, config, weight, download = read_model(self.handler_dir, settings.model_id, settings.revision)
+            model = read_model(self.handler_dir, settings.model_id, settings.revision)
         except Exception as exc:  # S3 model data, an unreachable Hub, a custom model: nothing to check with
             log.info("no plan for %s on %s (%s); deploying unchecked", settings.model_id or self.handler_dir,
                      instance_type, exc)
@@ -254,14 +254,10 @@ class SagelmiModel(Model):
         gpus, memory, hardware = hardware_of(instance_type, None, None)
         tp = gpus if settings.tensor_parallel_degree == "max" else settings.tensor_parallel_degree
         try:
-            return make_plan(name, config, weight, download, dtype=options.get("dtype"),
-                             kv_cache_dtype=options.get("kv_cache_dtype"),
-                             max_model_len=int(options["max_model_len"]) if "max_model_len" in options else None,
-                             gpus=gpus, gpu_memory_gib=memory, tp=tp, pp=settings.pipeline_parallel_degree,
-                             gpu_memory_utilization=float(options.get("gpu_memory_utilization", 0.9)),
-                             hardware=hardware)
+            return plan_from_settings(model, settings.options, gpus=gpus, gpu_memory_gib=memory, tp=tp,
+                                      pp=settings.pipeline_parallel_degree, hardware=hardware)
         except PlanError as exc:
-            log.info("no plan for %s on %s (%s); deploying unchecked", name, instance_type, exc)
+            log.info("no plan for %s on %s (%s); deploying unchecked", model[0], instance_type, exc)
             return None
 
     def check_fit(self, instance_type: str) -> None:
