@@ -227,6 +227,16 @@ class RawStream:
         self.conn.close()
 
 
+def send_and_leave_open(port: int, path: str, body: dict) -> socket.socket:
+    """Send a POST and return its socket without reading the answer: closing it is a
+    client that leaves before its (non-streamed) answer came."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    data = json.dumps(body).encode()
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return sock
+
+
 def kill_mid_stream(server: Server, pid: int, streams: int, tokens: int) -> tuple[float, list[dict]]:
     """Open ``streams`` LMI streams of ``tokens`` tokens, SIGKILL ``pid`` once each
     has its first token, read every stream to its end. Returns the seconds from

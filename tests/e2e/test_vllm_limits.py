@@ -8,7 +8,7 @@ import time
 import pytest
 import requests
 
-from tests.server import metric, wait_idle
+from tests.server import metric, send_and_leave_open, wait_idle
 
 pytestmark = pytest.mark.slow
 
@@ -104,3 +104,35 @@ def test_no_local_path_in_model_names(vllm_server, tiny_model):
     assert f'model_name="{tiny_model.name}"' in metrics
     assert path not in metrics
     assert path not in json.dumps(listing) + chat.text + completion.text
+
+
+TOTAL = 48 * 8000  # tokens (48 of the 64 sequences the server batches): a minute or more of the tiny model's decoding, far longer than the test waits
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": "Hello", "n": 48, "max_tokens": 8000, "ignore_eos": True}),
+    ("/invocations", {"inputs": ["Hello"] * 48, "parameters": {"max_new_tokens": 8000, "ignore_eos": True}}),
+], ids=["openai", "lmi"])
+def test_a_non_streaming_request_is_aborted_when_its_client_leaves(vllm_server, path, body):
+    """An n=1000 completion whose client left after 3 s once kept the engine busy until
+    predict_timeout (120 s), and a concurrent 4-token request took 20 s instead of 0.03 s."""
+    wait_idle(vllm_server)
+    before = metric(vllm_server, "vllm:generation_tokens_total")
+    client = send_and_leave_open(vllm_server.port, path, body)
+    deadline = time.monotonic() + 60
+    while metric(vllm_server, "vllm:generation_tokens_total") - before < 100:  # the engine is at it
+        assert time.monotonic() < deadline, "the engine never started on the request"
+        time.sleep(0.1)
+    started = time.monotonic()
+    short = vllm_server.invoke({"inputs": "Hello", "parameters": {"max_new_tokens": 4}})
+    print(f"a 4-token request next to it took {time.monotonic() - started:.2f}s")
+    assert short.status_code == 200
+    client.close()
+    dropped = time.monotonic()
+    wait_idle(vllm_server, timeout=30)
+    seconds = time.monotonic() - dropped
+    generated = metric(vllm_server, "vllm:generation_tokens_total") - before
+    print(f"engine empty {seconds:.2f}s after the client left; {generated:.0f} of {TOTAL} tokens generated")
+    assert generated < TOTAL, "the request ran to its end"
+    assert seconds < 10
+    assert f"POST {path} -> 499" in vllm_server.log()
