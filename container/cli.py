@@ -4,6 +4,7 @@
     sagelmi config [--model-dir DIR] [--json]     print the resolved settings and their sources
     sagelmi tiny-model DIR [--arch t5|bert]       write a tiny random Llama (or T5, BERT) to try the engine offline
     sagelmi engine-args [--write]                 vLLM's engine arguments, as the packaged list holds them
+    sagelmi openapi [--write]                     the OpenAPI document GET /openapi.json serves, built from the installed types
     sagelmi plan [--model-dir DIR | --model-id ID] [--instance TYPE | --gpus N --gpu-memory GIB] [--json] [NAME=VALUE ...]
                                                   size a deployment before paying for it (container/plan.py)
 """
@@ -48,6 +49,9 @@ def _parser() -> argparse.ArgumentParser:
     engine_args = sub.add_parser("engine-args", help="print the list of vLLM engine arguments built from the "
                                  "installed vLLM (what handlers/vllm_engine_args.json holds)")
     engine_args.add_argument("--write", action="store_true", help="write it to handlers/vllm_engine_args.json")
+    openapi = sub.add_parser("openapi", help="print the OpenAPI document built from the request types "
+                             "(vLLM's included), as container/openapi.json holds it")
+    openapi.add_argument("--write", action="store_true", help="write it to container/openapi.json")
     plan_cli.add_parser(sub)
     return parser
 
@@ -62,6 +66,18 @@ def _engine_args(write: bool) -> int:
     if write:
         ENGINE_ARGS_FILE.write_text(text)
         print(ENGINE_ARGS_FILE)
+    else:
+        print(text, end="")
+    return 0
+
+
+def _openapi(write: bool) -> int:
+    from container import openapi
+
+    text = openapi.render(openapi.build())
+    if write:
+        openapi.DOCUMENT_FILE.write_text(text)
+        print(openapi.DOCUMENT_FILE)
     else:
         print(text, end="")
     return 0
@@ -92,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "engine-args":
         return _engine_args(args.write)
+    if args.command == "openapi":
+        return _openapi(args.write)
     if args.command == "plan":
         try:
             return plan_cli.run(args)

@@ -19,6 +19,8 @@ import json
 import os
 import re
 
+from pydantic import BaseModel
+
 
 class ServingError(Exception):
     """An error with a status and a message meant for the client."""
@@ -154,8 +156,29 @@ def describe(exc: BaseException) -> tuple[int, str, str]:
     return HandlerError.status, HandlerError.message, scrub(text)
 
 
+class LmiError(BaseModel):
+    """LMI's error envelope (every route but ``/v1/...``)."""
+
+    code: int
+    message: str
+    error: str
+
+
+class OpenAIErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class OpenAIError(BaseModel):
+    """OpenAI's error envelope (``/v1/...``), as vLLM's server answers."""
+
+    error: OpenAIErrorInfo
+
+
 def envelope(status: int, message: str, error: str) -> dict:
-    return {"code": status, "message": message, "error": error}
+    return LmiError(code=status, message=message, error=error).model_dump()
 
 
 # OpenAI's error type names (the ``openai`` client's exception names); other statuses
@@ -167,7 +190,7 @@ _OPENAI_TYPES = {401: "AuthenticationError", 403: "PermissionDeniedError", 404: 
 def openai_envelope(status: int, message: str, error: str) -> dict:
     """OpenAI's error body, as vLLM's server answers; ``error`` (the detail) is its message."""
     kind = _OPENAI_TYPES.get(status, "BadRequestError" if status < 500 else "InternalServerError")
-    return {"error": {"message": error or message, "type": kind, "param": None, "code": status}}
+    return OpenAIError(error=OpenAIErrorInfo(message=error or message, type=kind, code=status)).model_dump()
 
 
 def is_openai_path(path: str) -> bool:

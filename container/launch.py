@@ -36,6 +36,13 @@ class ModelInfo(msgspec.Struct, frozen=True):
     max_lora_rank: int = 16  # vLLM's default when option.max_lora_rank is not set
     adapter_dirs: list[str] = []  # where adapters are found at start-up (<dir>/adapters/<name>/)
     adapter_roots: list[str] = []  # the only directories an adapter's source may be in
+    builtin_schemas: bool = False  # the built-in vLLM engine answers, without a model.py: /openapi.json has its schemas
+
+    @property
+    def url(self) -> str:
+        """Where the model came from, as clients may see it: a Hub id or an ``s3://`` URL,
+        never a local path (the name then)."""
+        return self.name if self.location.startswith("/") else self.location
 
 
 class WorkerLaunch(msgspec.Struct, frozen=True):

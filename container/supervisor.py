@@ -35,6 +35,7 @@ from container.group_client import GroupClient
 from container.launch import FrontendLaunch, GroupAddress, ModelInfo, WorkerLaunch, encode_launch
 from container.protocol import EXIT_ENGINE_DEAD, EXIT_LOAD_FAILED, EXIT_RANK_LOST, WorkerState
 from container.settings import Settings, SettingsError
+from handlers.loader import uses_builtin_engine
 
 log = logging.getLogger("sagelmi.serve")
 
@@ -129,8 +130,11 @@ def model_info(settings: Settings) -> ModelInfo:
     name = options.get("served_model_name") or Path(location.rstrip("/")).name or "model"
     dirs = [settings.model_dir] + ([location] if location != settings.model_dir and Path(location).is_dir() else [])
     roots = dirs + [r.strip() for r in settings.adapter_roots.split(",") if r.strip()]
+    builtin_schemas = uses_builtin_engine(settings, Path(settings.model_dir)) and \
+        not (Path(settings.model_dir) / "model.py").is_file()
     return ModelInfo(name=name, location=location, lora=options.get("enable_lora", "").lower() == "true",
-                     max_lora_rank=int(options.get("max_lora_rank") or 16), adapter_dirs=dirs, adapter_roots=roots)
+                     max_lora_rank=int(options.get("max_lora_rank") or 16), adapter_dirs=dirs, adapter_roots=roots,
+                     builtin_schemas=builtin_schemas)
 
 
 class WorkerGroup:

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, ValidationError
 
 from container.errors import InputError
 
@@ -52,6 +52,41 @@ class LmiParameters(BaseModel):
     ignore_eos_token: bool = False
 
 
+class LmiBody(BaseModel):
+    """An LMI request body, as ``parse_request`` takes it (``/openapi.json`` is generated from it)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    inputs: StrictStr | list[StrictStr] = Field(
+        description="a prompt, or a list of prompts (answered with a list; not with stream)")
+    parameters: LmiParameters | None = None
+    stream: StrictBool = False
+    adapters: StrictStr | list[StrictStr] | None = Field(
+        None, description="a LoRA adapter's name, or one per prompt (option.enable_lora)")
+
+
+class LmiToken(BaseModel):
+    id: int
+    text: str
+    log_prob: float | None = None
+
+
+class LmiDetails(BaseModel):
+    finish_reason: str | None
+    generated_tokens: int
+    inputs: str
+    tokens: list[LmiToken] | None = None
+    top_tokens: list[list[LmiToken]] | None = None
+    prefill: list[LmiToken] | None = None
+
+
+class LmiAnswer(BaseModel):
+    """A non-streamed LMI answer (a list of them for a list of inputs)."""
+
+    generated_text: str
+    details: LmiDetails | None = None
+
+
 @dataclass(frozen=True)
 class LmiRequest:
     prompts: list[str]
@@ -59,14 +94,6 @@ class LmiRequest:
     stream: bool
     parameters: LmiParameters
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams arguments
-
-
-def _field_errors(exc: ValidationError, prefix: str) -> str:
-    parts = []
-    for err in exc.errors():
-        where = ".".join(str(p) for p in (prefix, *err["loc"]) if p != "")
-        parts.append(f"{where}: {err['msg']}")
-    return "; ".join(parts)
 
 
 def _check_numbers(value: Any, where: str) -> None:
@@ -126,33 +153,43 @@ def _check_stops(params: LmiParameters, limit: int) -> None:
                              f"at most {MAX_STOP_SEQUENCE_CHARS} are allowed")
 
 
+def _body_errors(exc: ValidationError, body: dict) -> str:
+    """What is wrong with an LMI body, a message per top-level field."""
+    messages = []
+    for name in dict.fromkeys(str(err["loc"][0]) for err in exc.errors()):
+        if name == "inputs":
+            messages.append("'inputs' must be a non-empty string or a non-empty list of strings")
+        elif name == "stream":
+            messages.append(f"'stream' must be true or false, not {body['stream']!r}")
+        elif name == "parameters" and not isinstance(body["parameters"], dict):
+            messages.append("'parameters' must be a JSON object")
+        elif name == "adapters":
+            messages.append("'adapters' must be an adapter's name or a list of names")
+        else:
+            messages.append("; ".join(f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}"
+                                      for err in exc.errors() if str(err["loc"][0]) == name))
+    return "; ".join(messages)
+
+
 def parse_request(body: Any, known_sampling: set[str], max_stop_sequences: int = MAX_STOP_SEQUENCES) -> LmiRequest:
     """Validate an LMI request body. Raises ``InputError`` naming the bad field.
     ``max_stop_sequences``: the engine's bound (``VLLM_MAX_STOP_STRINGS``)."""
     if not isinstance(body, dict):
         raise InputError("the request body must be a JSON object with 'inputs'")
-    inputs = body.get("inputs")
-    if isinstance(inputs, str):
-        prompts, batched = [inputs], False
-    elif isinstance(inputs, list) and inputs and all(isinstance(p, str) for p in inputs):
-        prompts, batched = list(inputs), True
-    else:
+    try:
+        parsed = LmiBody.model_validate(body)
+    except ValidationError as exc:
+        raise InputError(_body_errors(exc, body)) from None
+    prompts = [parsed.inputs] if isinstance(parsed.inputs, str) else list(parsed.inputs)
+    batched = isinstance(parsed.inputs, list)
+    if not prompts:
         raise InputError("'inputs' must be a non-empty string or a non-empty list of strings")
     if any(not p for p in prompts):
         raise InputError("'inputs' must not contain an empty prompt")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise InputError(f"'stream' must be true or false, not {stream!r}")
+    stream = parsed.stream
     if stream and batched:
         raise InputError("streaming takes one prompt: send 'inputs' as a string, or set 'stream' to false")
-    raw = body.get("parameters")
-    raw = {} if raw is None else raw
-    if not isinstance(raw, dict):
-        raise InputError("'parameters' must be a JSON object")
-    try:
-        params = LmiParameters.model_validate(raw)
-    except ValidationError as exc:
-        raise InputError(_field_errors(exc, "parameters")) from None
+    params = parsed.parameters or LmiParameters()
     _check_stops(params, max_stop_sequences)
     for name, value in (params.model_extra or {}).items():
         _check_numbers(value, f"parameters.{name}")

@@ -30,6 +30,7 @@ a ``model.py``).
 
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.util
 import inspect
@@ -108,6 +109,37 @@ def accelerate_reason(settings: Settings) -> str | None:
     if settings.task and settings.task not in VLLM_TASKS and settings.rolling_batch == "auto":
         return f"option.task={settings.task}, which vLLM does not serve"
     return None
+
+
+def _defines_handle(model_py: Path) -> bool:
+    """Whether ``model.py`` defines (or imports) ``handle`` at module level. A file
+    with only ``@input_formatter``/``@output_formatter`` runs on the built-in engine."""
+    try:
+        tree = ast.parse(model_py.read_text(), str(model_py))
+    except (SyntaxError, UnicodeDecodeError, OSError):
+        return True  # not ours to judge: the container reports it
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == "handle":
+            return True
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "handle" for t in node.targets):
+            return True
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and any(
+                (alias.asname or alias.name) == "handle" for alias in node.names):
+            return True
+    return False
+
+
+def uses_builtin_engine(settings: Settings, handler_dir: Path | None) -> bool:
+    """Whether the container will serve with its built-in vLLM engine (vLLM or
+    lmi-dist), as ``handlers.loader`` decides it: no ``option.entryPoint`` (or one
+    naming LMI's built-in handlers), no ``model.py`` defining ``handle`` in the
+    handler directory, and not the Accelerate engine (``accelerate_reason``)."""
+    if settings.entry_point is not None:
+        return settings.entry_point in LMI_BUILTIN_NAMES and accelerate_reason(settings) is None
+    if accelerate_reason(settings) is not None:
+        return False
+    model_py = handler_dir / "model.py" if handler_dir else None
+    return not (model_py and model_py.is_file() and _defines_handle(model_py))
 
 
 def _builtin(settings: Settings) -> tuple[str, Path | None, str | None]:

@@ -52,7 +52,8 @@ from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 
-from container.errors import HandlerError, InputError, NotFound, ServiceUnavailable
+from container.errors import (AnswerError, HandlerError, InputError, NotFound, OpenAIError, OpenAIErrorInfo,
+                              ServiceUnavailable, is_openai_path)
 from container.worker.context import WorkerContext
 from container.worker.requests import prepend
 from handlers.api import Input, Output
@@ -79,9 +80,25 @@ class _EngineLoad:
         yield gauge
 
 
-def _openai_error(status: int, message: str, err_type: str = "BadRequestError", param: str | None = None) -> Output:
-    body = {"error": {"message": message, "type": err_type, "param": param, "code": status}}
-    return Output(code=status).add_property("content-type", "application/json").add_as_json(body)
+# What vLLM raises on some bodies its schema lets through (fuzzing found `"tool_calls": true`
+# and a message parsed as another type): the body's fault, so 400, logged as one line.
+_MALFORMED = (TypeError, KeyError, AttributeError, IndexError)
+
+
+def _malformed(exc: Exception) -> str:
+    log.info("vLLM could not take the request: %s: %s", type(exc).__name__, exc)
+    return f"the request could not be read ({type(exc).__name__}: {exc}); check the types of its fields"
+
+
+def _openai_error(path: str, status: int, message: str, err_type: str = "BadRequestError",
+                  param: str | None = None) -> Output:
+    """vLLM's refusal of an OpenAI body: in OpenAI's envelope on ``/v1/...`` (vLLM's type and
+    param kept); on ``/invocations`` raised, so that it gets LMI's envelope like every error there."""
+    if not is_openai_path(path):
+        raise (InputError(message) if status == 400 else NotFound(message) if status == 404
+               else AnswerError(message, status))
+    body = OpenAIError(error=OpenAIErrorInfo(message=message, type=err_type, param=param, code=status))
+    return Output(code=status).add_property("content-type", "application/json").add_as_json(body.model_dump())
 
 
 class VllmService:
@@ -213,9 +230,9 @@ class VllmService:
             raise InputError("the request body must be a JSON object")
         header = inputs.get_property(ADAPTER_HEADER)
         if path == "/v1/chat/completions" or (path == "/invocations" and "messages" in body):
-            return await self._openai("chat", body, header)
+            return await self._openai("chat", body, header, path)
         if path == "/v1/completions" or (path == "/invocations" and "prompt" in body and "inputs" not in body):
-            return await self._openai("completion", body, header)
+            return await self._openai("completion", body, header, path)
         if "inputs" in body:
             return await self._lmi(body, inputs.get_property("requestId"), header)
         raise InputError("the body needs 'inputs' (LMI schema), 'messages' (OpenAI chat) "
@@ -233,7 +250,7 @@ class VllmService:
         adapter = self._adapter(model)
         return adapter.lora_name if adapter is not None else self.served_name
 
-    async def _openai(self, kind: str, body: dict, header: str | None = None) -> Output:
+    async def _openai(self, kind: str, body: dict, header: str | None, path: str) -> Output:
         request_cls, create = ((ChatCompletionRequest, self.chat.create_chat_completion) if kind == "chat"
                                else (CompletionRequest, self.completion.create_completion))
         body = {**body, "model": self._openai_model(body.get("model"), header)}
@@ -241,15 +258,19 @@ class VllmService:
             request = request_cls.model_validate(body)
         except ValidationError as exc:
             detail = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
-            return _openai_error(400, detail)
+            return _openai_error(path, 400, detail)
         except VLLMClientError as exc:  # vLLM's own validators raise it, not a ValueError pydantic collects
-            return _openai_error(400, str(exc), param=getattr(exc, "parameter", None))
+            return _openai_error(path, 400, str(exc), param=getattr(exc, "parameter", None))
+        except _MALFORMED as exc:  # a vLLM validator tripping over a body of the wrong shape
+            return _openai_error(path, 400, _malformed(exc))
         try:
             result = await create(request, None)
         except (VLLMClientError, ValueError) as exc:  # vLLM's request validation
             result = create_error_response(exc)
+        except _MALFORMED as exc:  # vLLM's chat renderer tripping over a message of a shape it accepted
+            return _openai_error(path, 400, _malformed(exc))
         if isinstance(result, ErrorResponse):
-            return _openai_error(result.error.code, result.error.message, result.error.type, result.error.param)
+            return _openai_error(path, result.error.code, result.error.message, result.error.type, result.error.param)
         if hasattr(result, "model_dump_json"):
             return Output().add_property("content-type", "application/json").add(result.model_dump_json())
         return Output().add_property("content-type", "text/event-stream").add_stream_content(result, None)

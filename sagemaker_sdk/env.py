@@ -7,7 +7,6 @@ reaches AWS. Nothing here imports vLLM, torch or gunicorn, or calls AWS.
 
 from __future__ import annotations
 
-import ast
 import json
 import tempfile
 from dataclasses import dataclass
@@ -15,7 +14,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from container.settings import KEY_BY_NAME, KEYS, Settings, SettingsError, _option_key, resolve_settings
-from handlers.loader import LMI_BUILTIN_NAMES, accelerate_reason
+from handlers.loader import uses_builtin_engine
 from handlers.vllm_args import check_engine_option
 
 
@@ -61,37 +60,6 @@ def _spellings(key: str) -> tuple[str, ...]:
     """Every environment name the container reads for ``key``."""
     spec = KEY_BY_NAME.get(key)
     return spec.env + spec.sagemaker if spec else (env_name(key),)
-
-
-def _defines_handle(model_py: Path) -> bool:
-    """Whether ``model.py`` defines (or imports) ``handle`` at module level. A file
-    with only ``@input_formatter``/``@output_formatter`` runs on the built-in engine."""
-    try:
-        tree = ast.parse(model_py.read_text(), str(model_py))
-    except (SyntaxError, UnicodeDecodeError, OSError):
-        return True  # not ours to judge: the container reports it
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == "handle":
-            return True
-        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "handle" for t in node.targets):
-            return True
-        if isinstance(node, (ast.Import, ast.ImportFrom)) and any(
-                (alias.asname or alias.name) == "handle" for alias in node.names):
-            return True
-    return False
-
-
-def uses_builtin_engine(settings: Settings, handler_dir: Path | None) -> bool:
-    """Whether the container will serve with its built-in vLLM engine (vLLM or
-    lmi-dist), as ``handlers.loader`` decides it: no ``option.entryPoint`` (or one
-    naming LMI's built-in handlers), no ``model.py`` defining ``handle`` in the
-    handler directory, and not the Accelerate engine (``accelerate_reason``)."""
-    if settings.entry_point is not None:
-        return settings.entry_point in LMI_BUILTIN_NAMES and accelerate_reason(settings) is None
-    if accelerate_reason(settings) is not None:
-        return False
-    model_py = handler_dir / "model.py" if handler_dir else None
-    return not (model_py and model_py.is_file() and _defines_handle(model_py))
 
 
 def build_container_env(settings: Mapping[str, Any], env: Mapping[str, Any] | None = None,

@@ -23,6 +23,7 @@ from flask import Flask, Response, g, request
 from prometheus_client import CONTENT_TYPE_LATEST
 from werkzeug.exceptions import HTTPException
 
+from container import openapi
 from container.artifacts import download_root
 from container.errors import (ClientClosedRequest, GatewayTimeout, InputError, MethodNotAllowed, NotFound,
                               PayloadTooLarge, ServingError, describe, envelope_for, is_openai_path)
@@ -232,7 +233,7 @@ def create_app(launch: FrontendLaunch) -> Flask:
         mapped = {
             404: NotFound(f"no route {request.method} {request.path}; the server answers GET /ping, "
                           f"POST /invocations, POST /v1/chat/completions, POST /v1/completions, GET /v1/models, "
-                          f"GET /models, /models/{{model}}/adapters"),
+                          f"GET /models, /models/{{model}}/adapters, GET /openapi.json"),
             405: MethodNotAllowed(f"{request.method} is not allowed on {request.path}"),
             413: PayloadTooLarge(
                 f"the request body is {request.content_length or 'more than'} bytes; the limit is "
@@ -261,6 +262,10 @@ def create_app(launch: FrontendLaunch) -> Flask:
             except ServingError as exc:
                 log.warning("no metrics from worker group %s: %s", client.name, exc)
         return Response(metrics.render(texts), mimetype=CONTENT_TYPE_LATEST)
+
+    @app.get("/openapi.json")
+    def openapi_document() -> Response:
+        return Response(json.dumps(openapi.for_model(model.builtin_schemas)), mimetype="application/json")
 
     @app.get("/execution-parameters")
     def execution_parameters() -> Response:

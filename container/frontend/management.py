@@ -39,7 +39,7 @@ def add_management_routes(app: Flask, router: Router, registry: AdapterRegistry,
         groups = [{"index": g.index, "state": c.state.value, "detail": c.detail, "devices": g.devices}
                   for c, g in zip(router.groups, launch.groups)]
         healthy, _ = router.health()
-        return _json({"models": [{"modelName": model.name, "modelUrl": model.location,
+        return _json({"models": [{"modelName": model.name, "modelUrl": model.url,
                                   "status": "READY" if healthy else "UNAVAILABLE", "workerGroups": groups,
                                   "adapters": [a.name for a in registry.list()]}]})
 

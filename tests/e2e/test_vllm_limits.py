@@ -8,6 +8,7 @@ import time
 import pytest
 import requests
 
+from tests.reliability import record
 from tests.server import metric, send_and_leave_open, wait_idle
 
 pytestmark = pytest.mark.slow
@@ -68,6 +69,12 @@ def test_a_huge_stop_list_does_not_stall_other_requests(vllm_server):
     assert answers["abuse"].status_code == 400
     assert elapsed < 3, f"a 4-token request took {elapsed:.1f}s next to a huge stop list"
     wait_idle(vllm_server, timeout=10)
+    record("huge-stop-list", "400,000 stop strings next to a short request", {
+        "abusive request (4 MB of stop strings)": f"{answers['abuse'].status_code}",
+        "a 4-token request beside it": f"{elapsed:.2f} s",
+        "requests left in the engine": 0,
+    }, note="Before the fix the 4-token request took 8.5 s; stop sequences are now at most "
+            "VLLM_MAX_STOP_STRINGS (4) of at most 1,000 characters.")
 
 
 def test_deeply_nested_json_is_400_without_a_traceback(vllm_server):
@@ -103,7 +110,9 @@ def test_no_local_path_in_model_names(vllm_server, tiny_model):
     metrics = requests.get(vllm_server.url("/metrics"), timeout=60).text
     assert f'model_name="{tiny_model.name}"' in metrics
     assert path not in metrics
-    assert path not in json.dumps(listing) + chat.text + completion.text
+    management = requests.get(vllm_server.url("/models"), timeout=60).json()
+    assert management["models"][0]["modelUrl"] == tiny_model.name
+    assert path not in json.dumps(listing) + json.dumps(management) + chat.text + completion.text
 
 
 TOTAL = 48 * 8000  # tokens (48 of the 64 sequences the server batches): a minute or more of the tiny model's decoding, far longer than the test waits
@@ -125,7 +134,8 @@ def test_a_non_streaming_request_is_aborted_when_its_client_leaves(vllm_server, 
         time.sleep(0.1)
     started = time.monotonic()
     short = vllm_server.invoke({"inputs": "Hello", "parameters": {"max_new_tokens": 4}})
-    print(f"a 4-token request next to it took {time.monotonic() - started:.2f}s")
+    beside = time.monotonic() - started
+    print(f"a 4-token request next to it took {beside:.2f}s")
     assert short.status_code == 200
     client.close()
     dropped = time.monotonic()
@@ -136,3 +146,26 @@ def test_a_non_streaming_request_is_aborted_when_its_client_leaves(vllm_server, 
     assert generated < TOTAL, "the request ran to its end"
     assert seconds < 10
     assert f"POST {path} -> 499" in vllm_server.log()
+    what = f"{path} ({body.get('n', len(body.get('inputs', [])))} x 8000 tokens)"
+    record("client-leaves", "A client that leaves before its (non-streamed) answer", {
+        f"{what}: engine idle after the client left": f"{seconds:.2f} s",
+        f"{what}: tokens generated of {TOTAL}": f"{generated:.0f}",
+        f"{what}: a 4-token request beside it": f"{beside:.2f} s",
+    }, note="Before the fix the engine ran such a request until predict_timeout (120 s), and a 4-token request "
+            "beside it took 20 s.", merge=True)
+
+
+@pytest.mark.parametrize("messages", [
+    [{"author": {"role": "user"}}],  # valid for the schema (a harmony Message); vLLM's renderer raised TypeError
+    [{"role": "assistant", "content": "x", "tool_calls": True}],  # vLLM's before-validator raised TypeError
+], ids=["harmony-message", "tool-calls-true"])
+def test_bodies_vllm_trips_over_are_400_in_the_routes_envelope(vllm_server, messages):
+    """Found by fuzzing (tests/e2e/test_fuzz.py): both were 424 with a traceback in the log,
+    and on /invocations the error came in OpenAI's envelope instead of LMI's."""
+    openai = requests.post(vllm_server.url("/v1/chat/completions"), json={"messages": messages}, timeout=60)
+    assert openai.status_code == 400, openai.text
+    assert "check the types of its fields" in openai.json()["error"]["message"]
+    lmi = requests.post(vllm_server.url("/invocations"), json={"messages": messages}, timeout=60)
+    assert lmi.status_code == 400, lmi.text
+    assert set(lmi.json()) == {"code", "message", "error"}
+    assert "Traceback" not in vllm_server.log()

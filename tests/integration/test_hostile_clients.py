@@ -11,6 +11,7 @@ import time
 import pytest
 import requests
 
+from tests.reliability import record
 from tests.server import MODEL_DIRS, Server
 
 BODY_READ_TIMEOUT = 2
@@ -61,6 +62,10 @@ def test_a_chunked_body_over_the_limit_is_413_without_reading_the_rest(server):
     assert r.getheader("Connection") == "close"
     assert elapsed < 10
     assert server.invoke({"inputs": "after"}).status_code == 200
+    record("chunked-over-limit", "A chunked body over the size limit", {
+        "body sent": "8 MiB in 64 KiB chunks, never terminated", "limit": "6 MiB (max_payload_in_mb)",
+        "answer": f"{r.status}, Connection: close", "seconds to the answer": f"{elapsed:.2f}",
+        "next request": "200"}, note="Before the fix the body was cut at 6 MiB and served with 200.")
 
 
 def test_a_chunked_body_under_the_limit_is_served_whole(server):
@@ -91,6 +96,12 @@ def test_a_body_shorter_than_its_content_length_is_400_after_the_body_read_timeo
     time.sleep(0.5)
     assert not handler_ran(server, "short-stalled")
     assert server.invoke({"inputs": "after"}).status_code == 200
+    record("stalled-body", "A body that never arrives", {
+        "Content-Length": f"{len(SHORT_BODY) + 1000} bytes, {len(SHORT_BODY)} sent",
+        "body_read_timeout (SERVING_BODY_READ_TIMEOUT)": f"{BODY_READ_TIMEOUT} s (default 60 s)",
+        "answer": f"{r.status} after {elapsed:.2f} s", "handler ran": "no", "next request": "200"},
+        note="Before the fix a thread was held for as long as the client stayed (330 s seen), then the "
+             "truncated request ran.")
 
 
 def test_a_body_cut_short_by_the_client_leaving_is_never_run(server):

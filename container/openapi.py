@@ -1,0 +1,181 @@
+"""``GET /openapi.json``: every route, its request schema and its error envelopes.
+
+The schemas are generated from the types the server validates with: LMI's
+``LmiBody``/``LmiParameters`` (``handlers/lmi_schema.py``), vLLM's own
+``ChatCompletionRequest``/``CompletionRequest`` (the built-in handler validates
+``/v1`` bodies with them) and the error envelopes ``LmiError``/``OpenAIError``
+(``container/errors.py``). vLLM takes seconds to import, and the frontend does
+not import it, so the document is generated ahead (``sagelmi openapi --write``)
+into ``container/openapi.json``; a unit test compares the file with what the
+installed types generate, so a vLLM upgrade that changes them fails until the
+file is regenerated.
+
+With a ``model.py`` the handler decides what ``/invocations`` and the ``/v1``
+routes accept and answer: ``for_model`` then leaves their bodies open (any
+content) and keeps the error envelopes, which the server writes whatever the
+handler.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+DOCUMENT_FILE = Path(__file__).with_name("openapi.json")
+SCHEMAS = "#/components/schemas/"
+
+# Which errors each kind of route can answer (the error table, container/errors.py).
+_HANDLER_ERRORS = {
+    "400": "the body or a parameter is not acceptable (the message names the field)",
+    "404": "an adapter named in the request is not registered",
+    "413": "the body is over max_payload_in_mb",
+    "424": "the handler failed",
+    "503": "the server is full (job_queue_size), draining, still loading, or the worker group stopped",
+    "504": "no answer within predict_timeout",
+    "507": "the handler ran out of (device) memory",
+}
+_MANAGEMENT_ERRORS = {
+    "400": "a bad name or source",
+    "404": "no such model or adapter",
+    "409": "an adapter of that name is registered already",
+    "503": "no worker group is ready",
+    "504": "a worker group did not answer within predict_timeout",
+}
+_STREAM_TYPES = ("application/jsonlines", "text/event-stream")
+
+
+def _errors(table: dict[str, str], envelope: str) -> dict[str, Any]:
+    body = {"application/json": {"schema": {"$ref": SCHEMAS + envelope}}}
+    return {status: {"description": text, "content": body} for status, text in table.items()}
+
+
+def _json(schema: dict, description: str = "OK") -> dict:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _answers(schema: dict) -> dict:
+    """A 200 that is JSON (``schema``) or, when the request asked to stream, a stream."""
+    content = {"application/json": {"schema": schema}}
+    content.update({kind: {"schema": {"type": "string"}} for kind in _STREAM_TYPES})
+    return {"description": "the answer, or a stream of it (\"stream\": true)", "content": content}
+
+
+def _ref(name: str) -> dict:
+    return {"$ref": SCHEMAS + name}
+
+
+def build() -> dict[str, Any]:
+    """The document for the built-in vLLM engine, from the installed types (imports vLLM)."""
+    from pydantic.json_schema import models_json_schema
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest, ChatCompletionResponse
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest, CompletionResponse
+    from vllm.entrypoints.serve.engine.protocol import ModelList
+
+    from container.errors import LmiError, OpenAIError
+    from handlers.lmi_schema import LmiAnswer, LmiBody
+
+    models = [(LmiBody, "validation"), (LmiAnswer, "serialization"), (ChatCompletionRequest, "validation"),
+              (CompletionRequest, "validation"), (ChatCompletionResponse, "serialization"),
+              (CompletionResponse, "serialization"), (ModelList, "serialization"),
+              (LmiError, "serialization"), (OpenAIError, "serialization")]
+    keys, schemas = models_json_schema(models, ref_template=SCHEMAS + "{model}")
+    names = {model: keys[(model, mode)]["$ref"].removeprefix(SCHEMAS) for model, mode in models}
+    lmi, answer, chat, completion = (names[m] for m in (LmiBody, LmiAnswer, ChatCompletionRequest, CompletionRequest))
+    chat_answer, completion_answer = names[ChatCompletionResponse], names[CompletionResponse]
+    lmi_error, openai_error = names[LmiError], names[OpenAIError]
+    lmi_errors, openai_errors = _errors(_HANDLER_ERRORS, lmi_error), _errors(_HANDLER_ERRORS, openai_error)
+    management_errors = _errors(_MANAGEMENT_ERRORS, lmi_error)
+
+    def body(*names: str) -> dict:
+        refs = [_ref(n) for n in names]
+        return {"required": True, "content": {"application/json": {"schema": refs[0] if len(refs) == 1
+                                                                   else {"anyOf": refs}}}}
+
+    health = {"type": "object", "required": ["status", "workers"], "properties": {
+        "status": {"type": "string", "enum": ["Healthy", "Loading", "Unhealthy", "Draining"]},
+        "workers": {"type": "array", "items": {"type": "object"}}}}
+    model_name = {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}
+    adapter_name = {"name": "adapter", "in": "path", "required": True, "schema": {"type": "string"}}
+    status = {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}}
+    lmi_answer = {"anyOf": [_ref(answer), {"type": "array", "items": _ref(answer)}, _ref(chat_answer),
+                            _ref(completion_answer)]}
+    paths = {
+        "/ping": {"get": {"summary": "SageMaker's health check: 200 once every worker group is ready",
+                          "responses": {"200": _json(health), "503": _json(health, "loading, unhealthy or draining")}}},
+        "/invocations": {"post": {
+            "summary": "SageMaker's inference route: LMI's schema (inputs), or an OpenAI chat (messages) or "
+                       "completion (prompt) body",
+            "requestBody": body(lmi, chat, completion),
+            "responses": {"200": _answers(lmi_answer), **lmi_errors}}},
+        "/v1/chat/completions": {"post": {
+            "summary": "OpenAI chat completions (vLLM's semantics)", "requestBody": body(chat),
+            "responses": {"200": _answers(_ref(chat_answer)), **openai_errors}}},
+        "/v1/completions": {"post": {
+            "summary": "OpenAI completions (vLLM's semantics)", "requestBody": body(completion),
+            "responses": {"200": _answers(_ref(completion_answer)), **openai_errors}}},
+        "/v1/models": {"get": {"summary": "the served model and its LoRA adapters",
+                               "responses": {"200": _json(_ref(names[ModelList])),
+                                             **{k: v for k, v in openai_errors.items() if k in ("503", "504")}}}},
+        "/metrics": {"get": {"summary": "Prometheus metrics: the frontend's and every worker group's",
+                             "responses": {"200": {"description": "Prometheus text format",
+                                                   "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
+        "/execution-parameters": {"get": {"summary": "SageMaker batch transform's parameters", "responses": {
+            "200": _json({"type": "object", "required": ["MaxConcurrentTransforms", "BatchStrategy",
+                                                         "MaxPayloadInMB"]})}}},
+        "/models": {"get": {"summary": "the served model, its worker groups and adapters (LMI management)",
+                            "responses": {"200": _json({"type": "object", "required": ["models"]})}}},
+        "/models/{model}/adapters": {
+            "get": {"summary": "the registered LoRA adapters", "parameters": [model_name],
+                    "responses": {"200": _json({"type": "object", "required": ["adapters"]}),
+                                  "404": management_errors["404"]}},
+            "post": {"summary": "register a LoRA adapter (option.enable_lora)", "parameters": [
+                model_name, {"name": "name", "in": "query", "required": True, "schema": {"type": "string"}},
+                {"name": "src", "in": "query", "required": True, "schema": {"type": "string"},
+                 "description": "a directory inside option.adapter_roots, or an s3:// prefix"}],
+                "responses": {"200": _json(status), **management_errors}}},
+        "/models/{model}/adapters/{adapter}": {
+            "get": {"summary": "one adapter", "parameters": [model_name, adapter_name],
+                    "responses": {"200": _json({"type": "array"}), "404": management_errors["404"]}},
+            "delete": {"summary": "unregister an adapter", "parameters": [model_name, adapter_name],
+                       "responses": {"200": _json(status), **{k: v for k, v in management_errors.items()
+                                                              if k in ("404", "503", "504")}}}},
+        "/openapi.json": {"get": {"summary": "this document",
+                                  "responses": {"200": _json({"type": "object"})}}},
+    }
+    from importlib.metadata import version
+
+    return {"openapi": "3.1.0",
+            "info": {"title": "sagelmi", "version": version("sagelmi"),
+                     "description": "SageMaker-compatible LLM serving: LMI's and OpenAI's schemas. Errors are "
+                                    f"{lmi_error} on LMI's routes and {openai_error} on /v1 routes."},
+            "paths": paths, "components": {"schemas": schemas["$defs"]},
+            "x-handler-routes": ["/invocations", "/v1/chat/completions", "/v1/completions", "/v1/models"]}
+
+
+def render(document: dict) -> str:
+    return json.dumps(document, indent=1, sort_keys=True) + "\n"
+
+
+@lru_cache(maxsize=1)
+def _packaged() -> dict[str, Any]:
+    return json.loads(DOCUMENT_FILE.read_text())
+
+
+def for_model(builtin_schemas: bool) -> dict[str, Any]:
+    """The document the server gives: the built-in engine's, or with a ``model.py``
+    its handler routes' bodies left open (errors stay documented)."""
+    document = _packaged()
+    if builtin_schemas:
+        return document
+    document = copy.deepcopy(document)
+    for path in document["x-handler-routes"]:
+        for operation in document["paths"][path].values():
+            if "requestBody" in operation:
+                operation["requestBody"] = {"required": False, "content": {"*/*": {"schema": {}}}}
+            operation["responses"]["200"] = {"description": "what the handler answers"}
+            operation["responses"]["default"] = {"description": "a status the handler chose"}
+            operation["summary"] += " (answered by the model's handler: model.py decides the body)"
+    return document

@@ -1,0 +1,146 @@
+"""Fuzzing every route of a real server from its own ``GET /openapi.json`` (schemathesis):
+the built-in vLLM engine on the tiny model, and an LMI ``model.py``.
+
+Each route gets a bounded number of generated requests, valid and invalid. Every answer
+must be in its documented shape (status, content type, JSON schema), no answer may be a
+5xx other than the documented 503/504 causes, and afterwards ``/ping`` is 200, the engine
+holds no request and the log has no traceback. The figures go to docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+import threading
+import time
+
+import pytest
+import requests
+import schemathesis
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis.errors import Unsatisfiable
+from schemathesis import GenerationMode, checks
+
+from tests.reliability import record
+from tests.server import MODEL_DIRS, Server, metric, wait_idle
+
+pytestmark = pytest.mark.slow
+
+EXAMPLES = int(__import__("os").environ.get("SAGELMI_FUZZ_EXAMPLES", "25"))  # generated requests per operation (and schemathesis's explicit and coverage cases)
+REQUEST_TIMEOUT = 120
+# What 503 and 504 may say (container/openapi.py's table): anything else is a server error.
+DOCUMENTED_5XX = {503: ("full", "draining", "loading", "not ready", "stopped", "no worker"),
+                  504: ("predict_timeout",)}
+LOCAL_PATH = re.compile(r'"/(tmp|home|root|opt|var|usr|work)/')  # a local path as a JSON string
+CHECKS = [checks.status_code_conformance, checks.content_type_conformance, checks.response_schema_conformance]
+
+
+class Tally:
+    """What the fuzzing sent and got, for the figures (schemathesis runs cases in this thread)."""
+
+    def __init__(self, builtin: bool) -> None:
+        self.builtin = builtin
+        self.lock = threading.Lock()
+        self.statuses: collections.Counter[int] = collections.Counter()
+        self.operations: collections.Counter[str] = collections.Counter()
+        self.unexpected: list[str] = []
+        self.slowest = 0.0
+        self.started: float | None = None  # the first request
+
+    def add(self, case, response, seconds: float) -> None:
+        with self.lock:
+            self.started = self.started or time.monotonic() - seconds
+            self.statuses[response.status_code] += 1
+            self.operations[f"{case.method} {case.path}"] += 1
+            self.slowest = max(self.slowest, seconds)
+
+
+def _documented_5xx(response) -> bool:
+    causes = DOCUMENTED_5XX.get(response.status_code)
+    if causes is None:
+        return False
+    text = response.text.lower()
+    return any(cause in text for cause in causes)
+
+
+def fuzz(case, tally: Tally) -> None:
+    started = time.monotonic()
+    response = case.call(timeout=REQUEST_TIMEOUT)
+    tally.add(case, response, time.monotonic() - started)
+    if response.status_code >= 500 and not _documented_5xx(response):
+        tally.unexpected.append(f"{case.method} {case.path} -> {response.status_code}: {response.text[:300]}")
+        raise AssertionError(f"{response.status_code} for {case.method} {case.path} with body "
+                             f"{str(case.body)[:500]!r}: {response.text[:500]}")
+    assert "Traceback" not in response.text, response.text[:500]
+    if tally.builtin or response.status_code >= 400:  # a model.py's own answers are its business
+        assert not LOCAL_PATH.search(response.text), response.text[:500]
+    case.validate_response(response, checks=CHECKS)
+
+
+def _check_after(server: Server, tally: Tally, name: str, title: str) -> None:
+    ping = requests.get(server.url("/ping"), timeout=60)
+    assert ping.status_code == 200, ping.text
+    assert [w["in_flight"] for w in ping.json()["workers"]] == [0] * len(ping.json()["workers"])
+    idle = time.monotonic()
+    wait_idle(server, timeout=120)
+    idle_seconds = time.monotonic() - idle
+    assert metric(server, "sagelmi_engine_unfinished_requests") == 0
+    if tally.builtin:  # a model.py that raises gets its traceback logged, for its author
+        assert "Traceback" not in server.log()
+    assert not tally.unexpected, tally.unexpected
+    total = sum(tally.statuses.values())
+    record(name, title, {
+        "operations fuzzed": len(tally.operations),
+        "requests": total,
+        "answers by status": ", ".join(f"{s}: {n}" for s, n in sorted(tally.statuses.items())),
+        "undocumented 5xx": 0,
+        "answers not in their documented shape": 0,
+        "slowest answer": f"{tally.slowest:.1f} s",
+        "whole run": f"{time.monotonic() - tally.started:.0f} s",
+        "engine idle after the run": f"{idle_seconds:.1f} s",
+        "/ping after the run": ping.status_code,
+    }, note=f"schemathesis {schemathesis.__version__}: {EXAMPLES} generated cases per operation plus its "
+            "explicit and coverage cases; checks: status code, content type and response schema conformance, "
+            "no 5xx but the documented 503/504, no traceback or local path in any answer.")
+
+
+def run_fuzzing(server: Server, tally: Tally) -> list[str]:
+    """Fuzz every operation of ``server``'s /openapi.json, with valid and invalid requests;
+    returns the failures (an operation stops at its first). schemathesis's pytest plugin
+    does not run on pytest 9, so its strategies are driven by hypothesis here."""
+    schema = schemathesis.openapi.from_url(server.url("/openapi.json"))
+    failures = []
+    for result in schema.get_all_operations():
+        operation = result.ok()
+        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+            @SETTINGS
+            @given(case=operation.as_strategy(generation_mode=mode))
+            def one(case):
+                fuzz(case, tally)
+
+            try:
+                one()
+            except Unsatisfiable:
+                pass  # nothing of this operation can be made invalid (no body, any string in the path)
+            except Exception as exc:  # noqa: BLE001 - every failure is reported with its operation
+                failures.append(f"{operation.label} ({mode.value}): {type(exc).__name__}: {str(exc)[:1500]}")
+    return failures
+
+
+SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
+                    phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+
+
+def test_fuzzing_the_builtin_engine(vllm_server):
+    tally = Tally(builtin=True)
+    failures = run_fuzzing(vllm_server, tally)
+    assert not failures, "\n".join(failures)
+    _check_after(vllm_server, tally, "fuzz-builtin", "Fuzzing the built-in engine")
+
+
+def test_fuzzing_a_custom_handler():
+    tally = Tally(builtin=False)
+    with Server(MODEL_DIRS / "lmi_echo", env={"OPTION_SYNC_HANDLER_THREADS": "4"}) as server:
+        failures = run_fuzzing(server, tally)
+        assert not failures, "\n".join(failures)
+        _check_after(server, tally, "fuzz-custom-handler", "Fuzzing a custom handler")
