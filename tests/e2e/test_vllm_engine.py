@@ -40,6 +40,37 @@ def test_greedy_answer_equals_offline_vllm(vllm_server, tiny_model):
     assert served_ids == json.loads(match.group(1))
 
 
+LONG_PROMPT = "red green " * 1500  # about 3000 tokens: more than one engine step takes (2048 on the CPU)
+
+
+def test_a_seeded_sample_of_a_prompt_split_across_steps_is_answered_as_if_taken_whole(vllm_server, tiny_model):
+    """vLLM 0.32's CPU build died on this ("CPU Generator does not use offset": every request in
+    flight 503, /ping 503 for ~25 s); handlers/vllm_plugin.py rewinds the seeded generator by its
+    state. The answer must be what offline vLLM gives when the whole prompt fits in one step."""
+    body = {"inputs": LONG_PROMPT, "parameters": {"max_new_tokens": 16, "do_sample": True, "seed": 7,
+                                                  "details": True, "ignore_eos": True}}
+    answers = [vllm_server.invoke(body, timeout=120) for _ in range(2)]
+    assert [a.status_code for a in answers] == [200, 200], answers[-1].text
+    served = [[t["id"] for t in a.json()["details"]["tokens"]] for a in answers]
+    assert served[0] == served[1]
+    assert "does not use offset" not in vllm_server.log()
+    script = textwrap.dedent(f"""
+        import json
+        from vllm import LLM, SamplingParams
+        if __name__ == "__main__":
+            llm = LLM(model={str(tiny_model)!r}, gpu_memory_utilization=0.5, dtype="float32",
+                      max_num_batched_tokens=8192)
+            out = llm.generate([{LONG_PROMPT!r}], SamplingParams(temperature=1.0, seed=7, max_tokens=16,
+                               ignore_eos=True), use_tqdm=False)
+            print("TOKENS=" + json.dumps(list(out[0].outputs[0].token_ids)))
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                            env=clean_env(VLLM_CPU_ENV), cwd=REPO)
+    match = re.search(r"^TOKENS=(.*)$", result.stdout, re.M)
+    assert match, result.stdout[-2000:] + result.stderr[-4000:]
+    assert served[0] == json.loads(match.group(1))
+
+
 def _stream_tokens(server, n):
     with server.invoke({"inputs": f"Stream number {n}", "stream": True,
                         "parameters": {"max_new_tokens": 40, "ignore_eos": True, "do_sample": True, "seed": n}},
