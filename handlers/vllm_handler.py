@@ -273,7 +273,7 @@ class VllmService:
             return _openai_error(path, result.error.code, result.error.message, result.error.type, result.error.param)
         if hasattr(result, "model_dump_json"):
             return Output().add_property("content-type", "application/json").add(result.model_dump_json())
-        return Output().add_property("content-type", "text/event-stream").add_stream_content(result, None)
+        return Output().add_property("content-type", "text/event-stream; charset=utf-8").add_stream_content(result, None)
 
     # -- LMI
     def _lmi_adapters(self, body: dict, header: str | None, prompts: int) -> list[LoRARequest | None]:
