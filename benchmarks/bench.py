@@ -1,14 +1,23 @@
 """Serving benchmark: sagelmi against vLLM's own OpenAI server, same model, same run.
 
-    make bench          (or: python benchmarks/bench.py [--model DIR] [--levels 1,8,32,64])
+    make bench          (or: python benchmarks/bench.py [--model DIR] [--levels 1,8,32,64,128] [--trials 5])
 
-Each server is started alone (the machine's cores are not shared between them), warmed up,
-then loaded with streaming requests at several concurrency levels: the same
-``/v1/completions`` body on both servers (vLLM's serving code answers it in both, so the
-difference is what sits in front of the engine), plus LMI's schema on sagelmi's
-``/invocations``. Every request asks for the same number of tokens (``ignore_eos``).
+Both servers are started one after the other (each one's start-up time to /ping 200 is measured
+while the other is idle or not yet running), then both stay up. For each route and concurrency
+level, trials of the two servers alternate A B B A A B ... so that whatever else the machine is
+doing hits both alike; each trial is a fixed number of streamed requests, all asking for the same
+number of tokens (``ignore_eos``) from the same prompt. The routes compared:
 
-Writes docs/benchmarks/results.md (table), results.json and results.png (plot).
+- ``/v1/completions`` on both servers (vLLM's serving code answers it in both, so the difference
+  is what sits in front of the engine);
+- ``/v1/chat/completions`` on both;
+- LMI's ``/invocations`` (streamed) on sagelmi against ``/v1/completions`` on vLLM.
+
+Per trial: output tokens/s, time to first token, gaps between streamed chunks, errors and the CPU
+seconds of the server's whole process tree. Per route and level: the median over trials for each
+server, and the ratio sagelmi / vLLM of the medians with a bootstrap 90% interval.
+
+Writes docs/benchmarks/results.md (tables), results.json (with every trial) and results.png.
 """
 
 from __future__ import annotations
@@ -24,7 +33,6 @@ import platform
 import shutil
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -32,44 +40,69 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import psutil
+
+from bench_stats import bootstrap_ratio, median_or_none, percentile, trial_order
+
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "docs" / "benchmarks"
 PROMPT = "The quick brown fox jumps over the lazy dog. Tell me a long story about the sea and the sky."
 MAX_TOKENS = 64
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 ENGINE = {"max_num_seqs": "256", "gpu_memory_utilization": "0.5"}
-REPEATS = 3  # runs per level; the table shows the median run and the spread
+SERVERS = ("sagelmi", "vLLM")  # A and B of the trial order; ratios are sagelmi / vLLM
+RESAMPLES, CONFIDENCE, SEED = 2000, 0.9, 0
+# the per-server medians in the table; the ratio of the first three gets a bootstrap interval
+METRICS = ("tokens_per_s", "ttft_p50_ms", "cpu_s_per_1k_tokens", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
+RATIOS = METRICS[:3]
+
+COMPLETION = {"model": "bench", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+              "stream": True, "stream_options": {"include_usage": True}}
+CHAT = {"model": "bench", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": MAX_TOKENS,
+        "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+LMI = {"inputs": PROMPT, "stream": True, "parameters": {"max_new_tokens": MAX_TOKENS, "ignore_eos": True}}
+ROUTES = {
+    # route: {server: (path, body, kind of stream)}
+    "/v1/completions": {"sagelmi": ("/v1/completions", COMPLETION, "completion"),
+                        "vLLM": ("/v1/completions", COMPLETION, "completion")},
+    "/v1/chat/completions": {"sagelmi": ("/v1/chat/completions", CHAT, "chat"),
+                             "vLLM": ("/v1/chat/completions", CHAT, "chat")},
+    "/invocations (LMI)": {"sagelmi": ("/invocations", LMI, "lmi"),
+                           "vLLM": ("/v1/completions", COMPLETION, "completion")},
+}
 
 
 @dataclass
 class Sample:
     ttft: float
-    latency: float
     tokens: int
     gaps: list[float] = field(default_factory=list)
 
 
 @dataclass
-class Row:
-    server: str
-    route: str
-    concurrency: int
-    requests: int
-    seconds: float
-    output_tokens_per_s: float
-    requests_per_s: float
-    ttft_p50_ms: float
-    ttft_p95_ms: float
-    itl_mean_ms: float
-    latency_p50_ms: float
-    latency_p95_ms: float
-    errors: int
-    tokens_per_s_min: float = 0.0
-    tokens_per_s_max: float = 0.0
+class Server:
+    name: str
+    port: int
+    process: subprocess.Popen
+    log: str
+    startup_s: float = 0.0
 
-    @property
-    def tokens_per_s_range(self) -> str:
-        return f"{self.tokens_per_s_min:.0f}-{self.tokens_per_s_max:.0f}"
+
+@dataclass
+class Trial:
+    server: str
+    position: int  # place in the level's trial order, from 0
+    requests: int
+    errors: int
+    seconds: float
+    output_tokens: int
+    tokens_per_s: float
+    cpu_s: float
+    cpu_s_per_1k_tokens: float | None
+    ttft_p50_ms: float | None
+    ttft_p99_ms: float | None
+    itl_p50_ms: float | None
+    itl_p99_ms: float | None
 
 
 def free_port() -> int:
@@ -78,24 +111,55 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_ready(port: int, process: subprocess.Popen, path: str, log: str, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+def start_server(name: str, command: list[str], env: dict, port: int, timeout: float = 300) -> Server:
+    """Start a server and wait for GET /ping to answer 200; the time that took is its start-up."""
+    print(f"starting {name} ...", flush=True)
+    log = tempfile.NamedTemporaryFile(prefix=f"bench-{name}-", suffix=".log", delete=False)
+    started = time.monotonic()
+    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                               cwd=REPO)
+    server = Server(name, port, process, log.name)
+    while time.monotonic() - started < timeout:
         if process.poll() is not None:
-            tail = "".join(Path(log).read_text(errors="replace").splitlines(keepends=True)[-20:])
-            raise SystemExit(f"server on port {port} exited with {process.returncode}; its log ends:\n{tail}")
-        try:
+            tail = "".join(Path(log.name).read_text(errors="replace").splitlines(keepends=True)[-20:])
+            raise SystemExit(f"{name} exited with {process.returncode}; its log ends:\n{tail}")
+        with contextlib.suppress(OSError):
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-            conn.request("GET", path)
+            conn.request("GET", "/ping")
             if conn.getresponse().status == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"server on port {port} not ready after {timeout}s")
+                server.startup_s = round(time.monotonic() - started, 2)
+                print(f"  /ping 200 after {server.startup_s:.1f}s (log: {log.name})", flush=True)
+                return server
+        time.sleep(0.1)
+    stop_server(server)
+    raise SystemExit(f"{name} not ready after {timeout}s (log: {log.name})")
 
 
-def stream_request(port: int, path: str, body: dict, lmi: bool) -> Sample:
+def stop_server(server: Server) -> None:
+    with contextlib.suppress(ProcessLookupError):  # a server that failed to start is gone already
+        os.killpg(server.process.pid, signal.SIGTERM)
+    try:
+        server.process.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.process.pid, signal.SIGKILL)
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process and all its descendants so far.
+
+    Each live process counts its own time plus that of the children it has reaped
+    (``children_user``/``children_system``), so a process that exits between two readings is
+    still counted (in its parent's figures) and one that appears is counted from its start."""
+    root = psutil.Process(pid)
+    total = 0.0
+    for process in [root, *root.children(recursive=True)]:
+        with contextlib.suppress(psutil.NoSuchProcess):  # exited since listed: its parent reaps and counts it
+            times = process.cpu_times()
+            total += times.user + times.system + times.children_user + times.children_system
+    return total
+
+
+def stream_request(port: int, path: str, body: dict, kind: str) -> Sample:
     """One streaming request; token arrival times come from the stream's lines."""
     started = time.perf_counter()
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
@@ -108,7 +172,7 @@ def stream_request(port: int, path: str, body: dict, lmi: bool) -> Sample:
         line = raw.strip()
         if not line:
             continue
-        if lmi:
+        if kind == "lmi":  # jsonlines, one token a line
             if b'"token"' in line:
                 arrivals.append(time.perf_counter())
             continue
@@ -117,26 +181,25 @@ def stream_request(port: int, path: str, body: dict, lmi: bool) -> Sample:
         event = json.loads(line[len(b"data: "):])
         if event.get("usage"):
             usage_tokens = event["usage"]["completion_tokens"]
-        if event.get("choices") and event["choices"][0].get("text"):
-            arrivals.append(time.perf_counter())
+        if event.get("choices"):
+            choice = event["choices"][0]
+            if choice.get("delta", {}).get("content") if kind == "chat" else choice.get("text"):
+                arrivals.append(time.perf_counter())
     conn.close()
     if not arrivals:
         raise RuntimeError("no tokens received")
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
-    return Sample(arrivals[0] - started, time.perf_counter() - started, usage_tokens or len(arrivals), gaps)
+    return Sample(arrivals[0] - started, usage_tokens or len(arrivals), gaps)
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
-
-
-def run_level(port: int, path: str, body: dict, lmi: bool, concurrency: int, count: int) -> tuple[list[Sample], float, int]:
+def run_requests(port: int, path: str, body: dict, kind: str, concurrency: int,
+                 count: int) -> tuple[list[Sample], float, int]:
+    """``count`` requests, ``concurrency`` at a time: (answers, seconds, errors)."""
     errors = 0
     samples = []
     started = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
-        futures = [pool.submit(stream_request, port, path, body, lmi) for _ in range(count)]
+        futures = [pool.submit(stream_request, port, path, body, kind) for _ in range(count)]
         for future in futures:
             try:
                 samples.append(future.result())
@@ -146,128 +209,172 @@ def run_level(port: int, path: str, body: dict, lmi: bool, concurrency: int, cou
     return samples, time.perf_counter() - started, errors
 
 
-def summarise(server: str, route: str, concurrency: int, samples: list[Sample], seconds: float,
-              errors: int) -> Row:
-    if not samples:
-        raise SystemExit(f"{server} {route}: every request at concurrency {concurrency} failed")
-    ttfts = [s.ttft * 1000 for s in samples]
-    latencies = [s.latency * 1000 for s in samples]
-    gaps = [g * 1000 for s in samples for g in s.gaps]
-    return Row(server, route, concurrency, len(samples) + errors, round(seconds, 2),
-               round(sum(s.tokens for s in samples) / seconds, 1), round(len(samples) / seconds, 2),
-               round(percentile(ttfts, 0.5), 1), round(percentile(ttfts, 0.95), 1),
-               round(statistics.mean(gaps), 2) if gaps else 0.0,
-               round(percentile(latencies, 0.5), 1), round(percentile(latencies, 0.95), 1), errors)
+def ms_percentile(values: list[float], q: float) -> float | None:
+    return round(percentile(values, q) * 1000, 2) if values else None
 
 
-WORKLOADS = {
-    # name: (path, body, lmi?)
-    "/v1/completions": ("/v1/completions", {"model": "bench", "prompt": PROMPT, "max_tokens": MAX_TOKENS,
-                                            "temperature": 0, "ignore_eos": True, "stream": True,
-                                            "stream_options": {"include_usage": True}}, False),
-    "/invocations (LMI)": ("/invocations", {"inputs": PROMPT, "stream": True, "parameters": {
-        "max_new_tokens": MAX_TOKENS, "ignore_eos": True}}, True),
-}
+def run_trial(server: Server, position: int, path: str, body: dict, kind: str, concurrency: int,
+              count: int) -> Trial:
+    cpu_before = tree_cpu_seconds(server.process.pid)
+    samples, seconds, errors = run_requests(server.port, path, body, kind, concurrency, count)
+    cpu_s = tree_cpu_seconds(server.process.pid) - cpu_before
+    tokens = sum(s.tokens for s in samples)
+    ttfts = [s.ttft for s in samples]
+    gaps = [g for s in samples for g in s.gaps]
+    return Trial(server.name, position, count, errors, round(seconds, 3), tokens, round(tokens / seconds, 1),
+                 round(cpu_s, 3), round(cpu_s / tokens * 1000, 4) if tokens else None,
+                 ms_percentile(ttfts, 0.5), ms_percentile(ttfts, 0.99), ms_percentile(gaps, 0.5),
+                 ms_percentile(gaps, 0.99))
 
 
-def bench_server(name: str, command: list[str], env: dict, ready_path: str, workloads: list[str],
-                 levels: list[int], port: int) -> list[Row]:
-    print(f"starting {name} ...", flush=True)
-    log = tempfile.NamedTemporaryFile(prefix=f"bench-{name}-", suffix=".log", delete=False)
-    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                               cwd=REPO)
-    rows = []
-    try:
-        started = time.monotonic()
-        wait_ready(port, process, ready_path, log.name)
-        print(f"  ready in {time.monotonic() - started:.0f}s (log: {log.name})", flush=True)
-        for workload in workloads:
-            path, body, lmi = WORKLOADS[workload]
-            for concurrency in levels:
-                # warm-up at this level: the engine compiles once per new batch shape
-                run_level(port, path, body, lmi, concurrency, concurrency)
-                count = max(16, concurrency * 4)
-                runs = [summarise(name, workload, concurrency, *run_level(port, path, body, lmi, concurrency, count))
-                        for _ in range(REPEATS)]
-                runs.sort(key=lambda r: r.output_tokens_per_s)
-                row = runs[len(runs) // 2]  # the median run
-                row.tokens_per_s_min, row.tokens_per_s_max = runs[0].output_tokens_per_s, runs[-1].output_tokens_per_s
-                row.errors = sum(r.errors for r in runs)
-                rows.append(row)
-                print(f"  {workload:22} c={concurrency:<3} {row.output_tokens_per_s:8.1f} tok/s "
-                      f"({row.tokens_per_s_range})  TTFT p50 {row.ttft_p50_ms:7.1f} ms  ITL {row.itl_mean_ms:6.2f} ms  "
-                      f"errors {row.errors}", flush=True)
-    finally:
-        with contextlib.suppress(ProcessLookupError):  # a server that failed to start is gone already
-            os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-    return rows
+def summarise(route: str, concurrency: int, trials: list[Trial]) -> dict:
+    """Medians over each server's trials and the sagelmi / vLLM ratios with their intervals."""
+    by_server = {name: [asdict(t) for t in trials if t.server == name] for name in SERVERS}
+    servers = {name: {**{m: median_or_none([t[m] for t in ts]) for m in METRICS},
+                      "trials": len(ts), "requests": sum(t["requests"] for t in ts),
+                      "errors": sum(t["errors"] for t in ts)}
+               for name, ts in by_server.items()}
+    ratios = {}
+    for metric in RATIOS:
+        a, b = ([t[metric] for t in by_server[name] if t[metric]] for name in SERVERS)
+        ratios[metric] = [round(x, 4) for x in bootstrap_ratio(a, b, RESAMPLES, CONFIDENCE, SEED)] if a and b else None
+    return {"route": route, "concurrency": concurrency, "servers": servers, "ratios": ratios,
+            "trials": [asdict(t) for t in trials]}
 
 
-def write_results(rows: list[Row], meta: dict, out: Path) -> None:
+def requests_per_trial(concurrency: int) -> int:
+    return max(2 * concurrency, 16)
+
+
+def bench_level(servers: dict[str, Server], route: str, concurrency: int, trials: int) -> dict:
+    for name in SERVERS:  # warm-up, not measured: the engine compiles once per new batch shape
+        path, body, kind = ROUTES[route][name]
+        run_requests(servers[name].port, path, body, kind, concurrency, concurrency)
+    order = [SERVERS[0] if x == "A" else SERVERS[1] for x in trial_order(trials)]
+    results = [run_trial(servers[name], position, *ROUTES[route][name], concurrency,
+                         requests_per_trial(concurrency))
+               for position, name in enumerate(order)]
+    level = summarise(route, concurrency, results)
+    s, v, ratio = level["servers"]["sagelmi"], level["servers"]["vLLM"], level["ratios"]["tokens_per_s"]
+    print(f"  {route:22} c={concurrency:<3} tok/s {s['tokens_per_s']} / {v['tokens_per_s']}  "
+          f"ratio {fmt_ratio(ratio)}  TTFT p50 {s['ttft_p50_ms']} / {v['ttft_p50_ms']} ms  "
+          f"errors {s['errors']} / {v['errors']}", flush=True)
+    return level
+
+
+def fmt(value: float | None, digits: int = 1) -> str:
+    return "–" if value is None else f"{value:,.{digits}f}"
+
+
+def fmt_ratio(ratio: list[float] | None) -> str:
+    return "–" if ratio is None else f"{ratio[0]:.2f} [{ratio[1]:.2f}, {ratio[2]:.2f}]"
+
+
+def pair(level: dict, metric: str, digits: int = 1) -> str:
+    return " / ".join(fmt(level["servers"][name][metric], digits) for name in SERVERS)
+
+
+def targets(data: dict) -> list[str]:
+    """The issue's targets, each reported as met or not (the benchmark asserts nothing)."""
+    throughput = [lv["ratios"]["tokens_per_s"] for lv in data["results"]]
+    ttft = [lv["ratios"]["ttft_p50_ms"] for lv in data["results"] if lv["concurrency"] in (1, 32)]
+    startup = data["startup_s"]
+
+    def verdict(ok: bool) -> str:
+        return "**met**" if ok else "**not met**"
+
+    return [
+        f"- Throughput ratio >= 1.0 at every route and level: "
+        f"{verdict(all(r and r[0] >= 1.0 for r in throughput))}",
+        f"- Lower end of its 90% interval >= 0.95 at every route and level: "
+        f"{verdict(all(r and r[1] >= 0.95 for r in throughput))}",
+        "- TTFT p50 ratio <= 1.0 at 1 and 32 streams: "
+        + (verdict(all(r and r[0] <= 1.0 for r in ttft)) if ttft else "not measured (levels 1 and 32 not run)"),
+        f"- Start-up to /ping 200 <= vLLM + 2 s: {verdict(startup['sagelmi'] <= startup['vLLM'] + 2)} "
+        f"(sagelmi {startup['sagelmi']:.1f} s, vLLM {startup['vLLM']:.1f} s)",
+    ]
+
+
+def write_results(data: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=2))
-    meta.setdefault("repeats", REPEATS)
-    header = ("| server | route | concurrency | requests | output tok/s | tok/s over 3 runs | req/s | TTFT p50 ms "
-              "| TTFT p95 ms | inter-token ms | latency p50 ms | latency p95 ms | errors |")
-    lines = [header, "|" + "---|" * 13]
-    for r in rows:
-        lines.append(f"| {r.server} | `{r.route}` | {r.concurrency} | {r.requests} | {r.output_tokens_per_s} | "
-                     f"{r.tokens_per_s_range} | {r.requests_per_s} | {r.ttft_p50_ms} | {r.ttft_p95_ms} | "
-                     f"{r.itl_mean_ms} | {r.latency_p50_ms} | {r.latency_p95_ms} | {r.errors} |")
+    (out / "results.json").write_text(json.dumps(data, indent=2))
+    meta = data["meta"]
+    header = ("| streams | output tok/s | tok/s ratio [90% CI] | TTFT p50 ms | TTFT p50 ratio [90% CI] | TTFT p99 ms "
+              "| inter-token p50 ms | inter-token p99 ms | CPU s / 1k tokens | CPU ratio [90% CI] | errors |")
+    tables = []
+    for route in ROUTES:
+        rows = [header, "|" + "---|" * 11]
+        for lv in (lv for lv in data["results"] if lv["route"] == route):
+            errors = " / ".join(str(lv["servers"][name]["errors"]) for name in SERVERS)
+            rows.append(f"| {lv['concurrency']} | {pair(lv, 'tokens_per_s', 0)} "
+                        f"| {fmt_ratio(lv['ratios']['tokens_per_s'])} | {pair(lv, 'ttft_p50_ms')} | {fmt_ratio(lv['ratios']['ttft_p50_ms'])} "
+                        f"| {pair(lv, 'ttft_p99_ms')} | {pair(lv, 'itl_p50_ms', 2)} | {pair(lv, 'itl_p99_ms', 2)} "
+                        f"| {pair(lv, 'cpu_s_per_1k_tokens', 2)} | {fmt_ratio(lv['ratios']['cpu_s_per_1k_tokens'])} "
+                        f"| {errors} |")
+        vllm_route = ROUTES[route]["vLLM"][0]
+        title = f"`{route}`" + ("" if vllm_route == ROUTES[route]["sagelmi"][0] else f" (vLLM: `{vllm_route}`)")
+        tables.append(f"### {title}\n\n" + "\n".join(rows))
+    startup = data["startup_s"]
     text = f"""# Serving benchmark
 
 Generated by `make bench` (`benchmarks/bench.py`) on {meta['date']}: {meta['machine']}.
 Model: the built-in tiny model (`sagelmi tiny-model`), vLLM {meta['vllm']} CPU build, engine settings
-{meta['engine']} on both servers. Every request streams {MAX_TOKENS} tokens (`ignore_eos`), greedy, from
-the same prompt. Each concurrency level is warmed up, then run {REPEATS} times with max(16, 4 x concurrency)
-requests; the table shows the median run by throughput and the range over the runs. The servers run one
-after the other, never together; the load generator (Python threads) runs on the same machine.
+{meta['engine']} on both servers. Both servers run at once; for each route and level, {meta['trials']}
+trials per server alternate (A B B A A B ...), each max(16, 2 x streams) requests streaming {MAX_TOKENS}
+tokens (`ignore_eos`, greedy, same prompt), after an unmeasured warm-up. Every cell with two numbers
+is **sagelmi / vLLM**, each the median over that server's trials (percentiles are taken within a
+trial). Ratios are sagelmi / vLLM of those medians, with a bootstrap 90% interval ({RESAMPLES} resamples
+of each server's trials). CPU is user + system seconds of each server's whole process tree during its
+trials (psutil), per 1,000 output tokens. The load generator (Python threads) runs on the same machine.
 
 - **vLLM** is vLLM's own OpenAI server (`python -m vllm.entrypoints.openai.api_server`).
 - **sagelmi** is `sagelmi serve` with the built-in vLLM handler: gunicorn + Flask frontend, a model
   worker process holding the engine, the worker protocol between them.
 
-![throughput and time to first token](results.png)
+Start-up to `GET /ping` 200: sagelmi {startup['sagelmi']:.1f} s, vLLM {startup['vLLM']:.1f} s (started
+one after the other, so neither loads while the other does).
 
-{chr(10).join(lines)}
+![sagelmi / vLLM throughput and TTFT ratios with 90% intervals](results.png)
 
-Reading it: with a model this small the engine's own work is cheap, so the table mostly shows what
-each server spends around the engine (HTTP, relaying, formatting) on {meta['cpus']} CPU cores that
-also run the engine and the load generator. Runs of the same level vary a lot on both servers (see
-the range column); compare ranges, not single numbers. What we learned from these runs is in
-[README.md](README.md).
+{(chr(10) * 2).join(tables)}
+
+## Targets (issue 11; reported, not asserted)
+
+{chr(10).join(targets(data))}
+
+What we learned from these runs is in [README.md](README.md).
 """
     (out / "results.md").write_text(text)
-    plot(rows, out)
+    plot(data, out)
 
 
-def plot(rows: list[Row], out: Path) -> None:
+def plot(data: dict, out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for server, route in sorted({(r.server, r.route) for r in rows}):
-        series = sorted((r for r in rows if r.server == server and r.route == route), key=lambda r: r.concurrency)
-        label = f"{server} {route}"
-        x = [r.concurrency for r in series]
-        y = [r.output_tokens_per_s for r in series]
-        spread = [[v - r.tokens_per_s_min for v, r in zip(y, series)], [r.tokens_per_s_max - v for v, r in zip(y, series)]]
-        left.errorbar(x, y, yerr=spread, marker="o", capsize=3, label=label)
-        right.plot([r.concurrency for r in series], [r.ttft_p50_ms for r in series], marker="o", label=label)
-    for axis, title, unit in ((left, "Output throughput (median run; bars: range)", "tokens/s"),
-                              (right, "Time to first token (p50, median run)", "ms")):
+    levels = sorted({lv["concurrency"] for lv in data["results"]})
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for axis, metric, title in ((axes[0], "tokens_per_s", "Output tokens/s, sagelmi / vLLM"),
+                                (axes[1], "ttft_p50_ms", "TTFT p50, sagelmi / vLLM (lower is better)")):
+        for offset, route in zip((0.94, 1.0, 1.06), ROUTES):  # side by side, so the bars don't hide each other
+            points = [(lv["concurrency"], lv["ratios"][metric]) for lv in data["results"]
+                      if lv["route"] == route and lv["ratios"][metric]]
+            if not points:
+                continue
+            x = [c * offset for c, _ in points]
+            y = [r[0] for _, r in points]
+            spread = [[r[0] - r[1] for _, r in points], [r[2] - r[0] for _, r in points]]
+            axis.errorbar(x, y, yerr=spread, marker="o", capsize=3, label=route)
+        axis.axhline(1.0, color="grey", linestyle="--", linewidth=1)
         axis.set_xscale("log", base=2)
+        axis.set_xticks(levels, [str(c) for c in levels])
         axis.set_xlabel("concurrent streams")
-        axis.set_ylabel(unit)
+        axis.set_ylabel("ratio (median; bars: 90% interval)")
         axis.set_title(title)
         axis.grid(True, alpha=0.3)
-    left.legend(fontsize=8)
+    axes[0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "results.png", dpi=110)
 
@@ -275,13 +382,14 @@ def plot(rows: list[Row], out: Path) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="model directory (default: write the tiny model to a temp dir)")
-    parser.add_argument("--levels", default="1,8,32,64", help="concurrency levels (default 1,8,32,64)")
+    parser.add_argument("--levels", default="1,8,32,64,128", help="concurrency levels (default 1,8,32,64,128)")
+    parser.add_argument("--trials", type=int, default=5, help="trials per server per route and level (default 5)")
     parser.add_argument("--out", default=str(DEFAULT_OUT), help="where to write results (default docs/benchmarks)")
-    parser.add_argument("--replot", action="store_true", help="only rewrite the table and plot from results.json")
+    parser.add_argument("--replot", action="store_true", help="only rewrite the tables and plot from results.json")
     args = parser.parse_args()
+    out = Path(args.out)
     if args.replot:
-        saved = json.loads((Path(args.out) / "results.json").read_text())
-        write_results([Row(**r) for r in saved["rows"]], saved["meta"], Path(args.out))
+        write_results(json.loads((out / "results.json").read_text()), out)
         return 0
     levels = [int(x) for x in args.levels.split(",")]
     workdir = Path(tempfile.mkdtemp(prefix="sagelmi-bench-"))
@@ -290,30 +398,34 @@ def main() -> int:
         subprocess.run([sys.executable, "-m", "container", "tiny-model", str(model)], check=True, cwd=REPO,
                        capture_output=True)
     env = {**os.environ, **ENGINE_ENV}
-    rows: list[Row] = []
+    servers: dict[str, Server] = {}
     try:
         port = free_port()
-        sagelmi_env = {**env, **{f"OPTION_{k.upper()}": v for k, v in ENGINE.items()},
-                       "OPTION_SERVED_MODEL_NAME": "bench"}
-        rows += bench_server("sagelmi", [sys.executable, "-m", "container", "serve", "--model-dir", str(model),
-                                         "--port", str(port)], sagelmi_env, "/ping",
-                             ["/v1/completions", "/invocations (LMI)"], levels, port)
+        servers["sagelmi"] = start_server(
+            "sagelmi", [sys.executable, "-m", "container", "serve", "--model-dir", str(model), "--port", str(port)],
+            {**env, **{f"OPTION_{k.upper()}": v for k, v in ENGINE.items()}, "OPTION_SERVED_MODEL_NAME": "bench"},
+            port)
         port = free_port()
-        rows += bench_server("vLLM", [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
-                                      str(model), "--served-model-name", "bench", "--port", str(port),
-                                      "--max-num-seqs", ENGINE["max_num_seqs"], "--gpu-memory-utilization",
-                                      ENGINE["gpu_memory_utilization"], "--disable-uvicorn-access-log"],
-                             env, "/health", ["/v1/completions"], levels, port)
+        servers["vLLM"] = start_server(
+            "vLLM", [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+                     "--served-model-name", "bench", "--port", str(port), "--max-num-seqs", ENGINE["max_num_seqs"],
+                     "--gpu-memory-utilization", ENGINE["gpu_memory_utilization"], "--disable-uvicorn-access-log"],
+            env, port)
+        results = [bench_level(servers, route, concurrency, args.trials) for route in ROUTES for concurrency in levels]
     finally:
+        for server in servers.values():
+            stop_server(server)
         shutil.rmtree(workdir, ignore_errors=True)
     import vllm
 
     meta = {"date": datetime.date.today().isoformat(), "cpus": os.cpu_count(),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
             "vllm": vllm.__version__, "engine": ", ".join(f"{k}={v}" for k, v in ENGINE.items()),
-            "max_tokens": MAX_TOKENS, "levels": levels}
-    write_results(rows, meta, Path(args.out))
-    print(f"wrote {Path(args.out) / 'results.md'} and results.png")
+            "max_tokens": MAX_TOKENS, "trials": args.trials, "resamples": RESAMPLES, "confidence": CONFIDENCE,
+            "seed": SEED}
+    data = {"meta": meta, "startup_s": {name: s.startup_s for name, s in servers.items()}, "results": results}
+    write_results(data, out)
+    print(f"wrote {out / 'results.md'}, results.json and results.png")
     return 0
 
 
