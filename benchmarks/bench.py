@@ -186,10 +186,11 @@ def stream_request(port: int, path: str, body: dict, kind: str) -> Sample:
             if choice.get("delta", {}).get("content") if kind == "chat" else choice.get("text"):
                 arrivals.append(time.perf_counter())
     conn.close()
-    if not arrivals:
-        raise RuntimeError("no tokens received")
+    tokens = usage_tokens or len(arrivals)
+    if not arrivals or tokens != MAX_TOKENS:  # ignore_eos: anything else is a broken answer
+        raise RuntimeError(f"{tokens} tokens received, {MAX_TOKENS} asked")
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
-    return Sample(arrivals[0] - started, usage_tokens or len(arrivals), gaps)
+    return Sample(arrivals[0] - started, tokens, gaps)
 
 
 def run_requests(port: int, path: str, body: dict, kind: str, concurrency: int,
