@@ -61,8 +61,8 @@ class LmiBody(BaseModel):
         description="a prompt, or a list of prompts (answered with a list; not with stream)")
     parameters: LmiParameters | None = None
     stream: StrictBool = False
-    adapters: StrictStr | list[StrictStr] | None = Field(
-        None, description="a LoRA adapter's name, or one per prompt (option.enable_lora)")
+    adapters: StrictStr | list[StrictStr | None] | None = Field(
+        None, description="a LoRA adapter's name, or one per prompt (null: the base model) (option.enable_lora)")
 
 
 class LmiToken(BaseModel):
@@ -164,7 +164,7 @@ def _body_errors(exc: ValidationError, body: dict) -> str:
         elif name == "parameters" and not isinstance(body["parameters"], dict):
             messages.append("'parameters' must be a JSON object")
         elif name == "adapters":
-            messages.append("'adapters' must be an adapter's name or a list of names")
+            messages.append("'adapters' must be an adapter's name or a list of names (null for the base model)")
         else:
             messages.append("; ".join(f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}"
                                       for err in exc.errors() if str(err["loc"][0]) == name))

@@ -138,3 +138,9 @@ def test_the_stop_bound_follows_the_engines():
     assert parse({"inputs": "hi", "parameters": {"stop_sequences": ["a"] * 4, "stop": "x" * 1000}}).sampling["stop"]
     body = {"inputs": "hi", "parameters": {"stop_sequences": ["a"] * 6}}
     assert parse_request(body, SAMPLING_FIELDS, max_stop_sequences=6).sampling["stop"] == ["a"] * 6
+
+
+def test_adapters_name_one_per_prompt_and_null_is_the_base_model():
+    assert parse_request({"inputs": ["a", "b"], "adapters": ["x", None]}, set()).prompts == ["a", "b"]
+    with pytest.raises(InputError, match="'adapters' must be"):
+        parse_request({"inputs": "a", "adapters": 3}, set())
