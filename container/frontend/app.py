@@ -10,6 +10,7 @@ it. A client that disconnects mid-stream cancels its request in the group.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import select
@@ -263,9 +264,13 @@ def create_app(launch: FrontendLaunch) -> Flask:
                 log.warning("no metrics from worker group %s: %s", client.name, exc)
         return Response(metrics.render(texts), mimetype=CONTENT_TYPE_LATEST)
 
+    @functools.cache
+    def openapi_text() -> str:  # 125 KB of JSON: rendered at the first request, then reused
+        return json.dumps(openapi.for_model(model.builtin_schemas))
+
     @app.get("/openapi.json")
     def openapi_document() -> Response:
-        return Response(json.dumps(openapi.for_model(model.builtin_schemas)), mimetype="application/json")
+        return Response(openapi_text(), mimetype="application/json")
 
     @app.get("/execution-parameters")
     def execution_parameters() -> Response:
