@@ -200,8 +200,8 @@ class RawStream:
     """A streaming POST whose connection the test can really close (``requests``
     keeps the socket open until garbage collection, which hides disconnects)."""
 
-    def __init__(self, port: int, path: str, body: dict) -> None:
-        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    def __init__(self, port: int, path: str, body: dict, timeout: float = 30) -> None:
+        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
         self.conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
         self.response = self.conn.getresponse()
         self._buffer = b""

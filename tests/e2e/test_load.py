@@ -10,7 +10,6 @@ The figures go to docs/reliability.md (scenario ``load``).
 from __future__ import annotations
 
 import collections
-import http.client
 import json
 import os
 import random
@@ -120,16 +119,6 @@ MALFORMED = {  # kind -> (path, raw body)
     "chat-top-p-5-stream": ("/v1/chat/completions", {"messages": _CHAT, "max_tokens": 4, "top_p": 5,
                                                      "stream": True}),
 }
-
-
-class Stream(RawStream):
-    """``RawStream`` with this test's generous timeout (a first line can take seconds under this load)."""
-
-    def __init__(self, port: int, path: str, body: dict) -> None:
-        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=REQUEST_TIMEOUT)
-        self.conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
-        self.response = self.conn.getresponse()
-        self._buffer = b""
 
 
 class Tally:
@@ -269,7 +258,7 @@ def dropped(server: Server, rng: random.Random, tally: Tally) -> None:
     tally.sent[f"dropped/{kind}"] += 1
     stream = None
     try:
-        stream = Stream(server.port, path, make(rng, tokens))
+        stream = RawStream(server.port, path, make(rng, tokens), timeout=REQUEST_TIMEOUT)  # a first line can take seconds
         lines = stream.read_lines(rng.randint(1, 5))
         if stream.response.status != 200 or not lines or any(b'"error"' in line for line in lines):
             wrong = f"status {stream.response.status}, first lines {lines[:3]}"
