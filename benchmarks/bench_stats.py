@@ -18,6 +18,18 @@ def trial_order(trials: int) -> list[str]:
     return [server for i in range(trials) for server in (("A", "B") if i % 2 == 0 else ("B", "A"))]
 
 
+def rotation(servers: Sequence[str], rounds: int) -> list[str]:
+    """The order of ``rounds`` rounds over any number of servers, each round running every
+    server once: every other round runs them in reverse, and each round starts one place further
+    on, so no server always runs first, or always right after the same one."""
+    order: list[str] = []
+    for r in range(rounds):
+        base = list(servers) if r % 2 == 0 else list(servers)[::-1]
+        shift = r % len(base)
+        order += base[shift:] + base[:shift]
+    return order
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """The ``q`` quantile (0..1) of ``values``, linearly interpolated between the nearest ranks."""
     if not values:

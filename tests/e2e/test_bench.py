@@ -1,4 +1,5 @@
-"""`make bench` runs end to end (one short level, two trials) and writes its tables and plot."""
+"""`make bench` runs end to end (short levels, two trials) and writes its tables and plots: the
+serving benchmark against vLLM's own server, then the relay benchmark with no engine."""
 
 import json
 import subprocess
@@ -16,7 +17,8 @@ def test_make_bench_compares_both_servers(tmp_path):
     venv = installed_venv()
     stamp = venv / ".sagelmi-installed"
     result = subprocess.run(["make", "-o", str(stamp), "bench", f"VENV={venv}",
-                             f"BENCH_ARGS=--levels 2 --trials 2 --out {tmp_path}"], cwd=REPO, env=clean_env(),
+                             f"BENCH_ARGS=--levels 2 --trials 2 --out {tmp_path}",
+                             f"RELAY_ARGS=--levels 1,8 --trials 2 --tokens 64 --out {tmp_path}"], cwd=REPO, env=clean_env(),
                             capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     data = json.loads((tmp_path / "results.json").read_text())
@@ -30,3 +32,15 @@ def test_make_bench_compares_both_servers(tmp_path):
         assert low <= ratio <= high
     assert "### `/v1/chat/completions`" in (tmp_path / "results.md").read_text()
     assert (tmp_path / "results.png").stat().st_size > 10_000
+
+    relay = json.loads((tmp_path / "relay.json").read_text())
+    assert [level["streams"] for level in relay["results"]] == [1, 8]
+    for level in relay["results"]:
+        assert len(level["trials"]) == 6  # two rounds of the three servers
+        for name, server in level["servers"].items():
+            assert server["errors"] == 0 and server["items_per_s"] > 0, name
+        assert all(t["items"] == t["requests"] * 64 for t in level["trials"])
+        ratio, low, high = level["ratios"]["items_per_s vs gunicorn+Flask"]
+        assert low <= ratio <= high
+    assert "| 8 |" in (tmp_path / "relay.md").read_text()
+    assert (tmp_path / "relay.png").stat().st_size > 10_000

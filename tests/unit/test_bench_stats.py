@@ -7,13 +7,21 @@ import pytest
 from tests.server import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
-from bench_stats import bootstrap_ratio, median_or_none, percentile, trial_order  # noqa: E402
+from bench_stats import bootstrap_ratio, median_or_none, percentile, rotation, trial_order  # noqa: E402
 
 
 def test_trials_alternate_which_server_goes_first():
     assert trial_order(3) == ["A", "B", "B", "A", "A", "B"]
     order = trial_order(5)
     assert order.count("A") == order.count("B") == 5
+
+
+def test_rotation_runs_every_server_once_a_round_and_varies_who_goes_first():
+    order = rotation(("s", "f", "a"), 4)
+    assert order == ["s", "f", "a", "f", "s", "a", "a", "s", "f", "a", "f", "s"]
+    rounds = [order[i:i + 3] for i in range(0, 12, 3)]
+    assert all(sorted(r) == ["a", "f", "s"] for r in rounds)
+    assert {r[0] for r in rounds[:3]} == {"s", "f", "a"}
 
 
 def test_percentile_interpolates_between_ranks():

@@ -1,0 +1,335 @@
+"""Relay benchmark: what sagelmi's request path costs with the engine taken away.
+
+    make bench          (runs benchmarks/bench.py, then this)
+    python benchmarks/relay.py [--levels 1,64,256] [--trials 5] [--tokens 256] [--out DIR]
+
+A handler that streams pre-made token lines as fast as the event loop allows
+(``benchmarks/relay_model/model.py``) is served three ways, all up at once:
+
+- **sagelmi**: ``sagelmi serve`` with that ``model.py`` (gunicorn + Flask frontend, the worker
+  protocol, the model worker's event loop): the relay as users run it;
+- **gunicorn+Flask**: the same items from a Flask route in one gthread gunicorn worker, with as
+  many threads as sagelmi's frontend, in-process (no worker hop): the floor of this stack;
+- **asyncio**: the same items from a minimal HTTP/1.1 server on one asyncio loop.
+
+For each level (concurrent streams) the trials rotate through the servers (every round runs each
+once, the order shifted and reversed from round to round). A trial is ``max(2, 16 // streams)``
+requests per connection, over ``streams`` keep-alive connections, each request streaming
+``--tokens`` items. The client is one asyncio loop in this process that counts items in the raw
+bytes. Per trial: items (chunks) per second at the client, and the CPU seconds of each server's
+process tree per item. Ratios sagelmi / floor of the medians come with a bootstrap 90% interval.
+
+Writes relay.md, relay.json and relay.png (next to results.md of benchmarks/bench.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench import DEFAULT_OUT, REPO, free_port, start_server, stop_server, tree_cpu_seconds
+from bench_stats import bootstrap_ratio, median_or_none, rotation
+
+MODEL_DIR = Path(__file__).resolve().parent / "relay_model"
+SERVERS = ("sagelmi", "gunicorn+Flask", "asyncio")
+FLOOR = "gunicorn+Flask"
+THREADS = 1000 + 32  # sagelmi's frontend threads with the default job_queue_size (container/frontend/server.py)
+RESAMPLES, CONFIDENCE, SEED = 2000, 0.9, 0
+HIGH_WATER = 1 << 16
+
+
+def load_model():
+    spec = importlib.util.spec_from_file_location("relay_model", MODEL_DIR / "model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# -- the two minimal servers (run as `relay.py serve-flask|serve-asyncio PORT`)
+
+def serve_flask(port: int) -> None:
+    from flask import Flask, Response, request
+    from gunicorn.app.base import BaseApplication
+
+    model = load_model()
+    app = Flask("relay-floor")
+
+    @app.get("/ping")
+    def ping():
+        return {"status": "Healthy"}
+
+    @app.post("/invocations")
+    def invocations():
+        return Response(model.sync_tokens(model.token_count(request.get_data())), mimetype="application/jsonlines")
+
+    class Floor(BaseApplication):
+        def load_config(self):
+            for key, value in {"bind": [f"127.0.0.1:{port}"], "workers": 1, "worker_class": "gthread",
+                               "threads": THREADS, "worker_connections": THREADS + 256, "keepalive": 75,
+                               "accesslog": None, "loglevel": "warning"}.items():
+                self.cfg.set(key, value)
+
+        def load(self):
+            return app
+
+    Floor().run()
+
+
+def serve_asyncio(port: int) -> None:
+    model = load_model()
+
+    async def connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                lines = head.decode("latin-1").split("\r\n")
+                method, path, _ = lines[0].split(" ", 2)
+                length = next((int(line.split(":", 1)[1]) for line in lines[1:]
+                               if line.lower().startswith("content-length:")), 0)
+                body = await reader.readexactly(length) if length else b""
+                if method == "GET" and path == "/ping":
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 21\r\n\r\n"
+                                 b'{"status": "Healthy"}')
+                    continue
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/jsonlines\r\n"
+                             b"Transfer-Encoding: chunked\r\n\r\n")
+                async for item in model.tokens(model.token_count(body)):
+                    writer.write(b"%x\r\n%s\r\n" % (len(item), item))
+                    if writer.transport.get_write_buffer_size() > HIGH_WATER:
+                        await writer.drain()
+                writer.write(b"0\r\n\r\n")
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async def main() -> None:
+        server = await asyncio.start_server(connection, "127.0.0.1", port, backlog=1024)
+        async with server:
+            await server.serve_forever()
+
+    asyncio.run(main())
+
+
+# -- the client
+
+class Broken(Exception):
+    pass
+
+
+async def stream_requests(port: int, requests: int, tokens: int, marker: bytes) -> tuple[int, int]:
+    """``requests`` streamed requests, one after the other on one keep-alive connection:
+    (items received, errors)."""
+    body = json.dumps({"tokens": tokens}).encode()
+    message = (b"POST /invocations HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    items = errors = 0
+    try:
+        for _ in range(requests):
+            writer.write(message)
+            try:
+                items += await read_stream(reader, tokens, marker)
+            except Broken as exc:
+                print(f"  request failed: {exc}", file=sys.stderr)
+                errors += 1
+                writer.close()
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    finally:
+        writer.close()
+    return items, errors
+
+
+async def read_stream(reader: asyncio.StreamReader, tokens: int, marker: bytes) -> int:
+    """Read one chunked answer of ``tokens`` items; count them by their marker."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    if not head.startswith(b"HTTP/1.1 200"):
+        raise Broken(head.split(b"\r\n", 1)[0].decode("latin-1"))
+    seen, tail, keep = 0, b"", len(marker) - 1
+    while True:
+        data = await reader.read(1 << 16)
+        if not data:
+            raise Broken(f"connection closed after {seen} of {tokens} items")
+        window = tail + data
+        seen += window.count(marker)
+        tail = window[-max(keep, 5):]
+        if seen >= tokens and window.endswith(b"0\r\n\r\n"):
+            if seen != tokens:
+                raise Broken(f"{seen} items received, {tokens} asked")
+            return seen
+
+
+async def run_load(port: int, streams: int, requests_each: int, tokens: int, marker: bytes) -> tuple[int, int, float]:
+    started = time.perf_counter()
+    results = await asyncio.gather(*(stream_requests(port, requests_each, tokens, marker) for _ in range(streams)))
+    return sum(r[0] for r in results), sum(r[1] for r in results), time.perf_counter() - started
+
+
+def trial(server, streams: int, tokens: int, marker: bytes) -> dict:
+    requests_each = max(2, 16 // streams)
+    cpu_before = tree_cpu_seconds(server.process.pid)
+    items, errors, seconds = asyncio.run(run_load(server.port, streams, requests_each, tokens, marker))
+    cpu = tree_cpu_seconds(server.process.pid) - cpu_before
+    return {"server": server.name, "streams": streams, "requests": streams * requests_each, "errors": errors,
+            "items": items, "seconds": round(seconds, 3), "items_per_s": round(items / seconds, 1),
+            "cpu_us_per_item": round(cpu / items * 1e6, 2) if items else None}
+
+
+def summarise(streams: int, trials: list[dict]) -> dict:
+    by_server = {name: [t for t in trials if t["server"] == name] for name in SERVERS}
+    servers = {name: {"items_per_s": median_or_none([t["items_per_s"] for t in ts]),
+                      "cpu_us_per_item": median_or_none([t["cpu_us_per_item"] for t in ts]),
+                      "errors": sum(t["errors"] for t in ts), "trials": len(ts)} for name, ts in by_server.items()}
+    ratios = {}
+    for other in SERVERS[1:]:
+        for metric in ("items_per_s", "cpu_us_per_item"):
+            a = [t[metric] for t in by_server["sagelmi"] if t[metric]]
+            b = [t[metric] for t in by_server[other] if t[metric]]
+            ratios[f"{metric} vs {other}"] = ([round(x, 4) for x in bootstrap_ratio(a, b, RESAMPLES, CONFIDENCE, SEED)]
+                                              if a and b else None)
+    return {"streams": streams, "servers": servers, "ratios": ratios, "trials": trials}
+
+
+def fmt(value: float | None, digits: int = 0) -> str:
+    return "–" if value is None else f"{value:,.{digits}f}"
+
+
+def fmt_ratio(ratio) -> str:
+    return "–" if ratio is None else f"{ratio[0]:.2f} [{ratio[1]:.2f}, {ratio[2]:.2f}]"
+
+
+def write_results(data: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "relay.json").write_text(json.dumps(data, indent=2))
+    meta = data["meta"]
+    rows = ["| streams | items/s: " + " / ".join(SERVERS) + " | sagelmi / floor [90% CI] | sagelmi / asyncio [90% CI] "
+            "| CPU µs per item: " + " / ".join(SERVERS) + " | CPU sagelmi / floor [90% CI] | errors |",
+            "|" + "---|" * 7]
+    for lv in data["results"]:
+        s = lv["servers"]
+        rows.append(f"| {lv['streams']} | " + " / ".join(fmt(s[n]['items_per_s']) for n in SERVERS)
+                    + f" | {fmt_ratio(lv['ratios'][f'items_per_s vs {FLOOR}'])}"
+                    + f" | {fmt_ratio(lv['ratios']['items_per_s vs asyncio'])} | "
+                    + " / ".join(fmt(s[n]['cpu_us_per_item'], 1) for n in SERVERS)
+                    + f" | {fmt_ratio(lv['ratios'][f'cpu_us_per_item vs {FLOOR}'])} | "
+                    + " / ".join(str(s[n]["errors"]) for n in SERVERS) + " |")
+    at64 = next((lv for lv in data["results"] if lv["streams"] == 64), None)
+    verdict = ("not measured (level 64 not run)" if at64 is None else
+               ("**met**" if (at64["ratios"][f"items_per_s vs {FLOOR}"] or [0])[0] >= 0.8 else "**not met**")
+               + f" ({fmt_ratio(at64['ratios'][f'items_per_s vs {FLOOR}'])})")
+    text = f"""# Relay benchmark
+
+Generated by `make bench` (`benchmarks/relay.py`) on {meta['date']}: {meta['machine']}.
+No engine: a handler streams {meta['tokens']} pre-made token lines of {meta['item_bytes']} bytes per request
+as fast as the event loop allows (`benchmarks/relay_model/model.py`), served by **sagelmi**
+(`sagelmi serve` with that `model.py`: frontend, worker protocol, model worker), by the same
+items from a Flask route in one gthread gunicorn worker with sagelmi's thread count
+(**gunicorn+Flask**, in-process: the floor of this stack) and by a minimal HTTP/1.1 server on
+one **asyncio** loop. All three are up at once; {meta['trials']} trials per server and level, in
+rotating order. Cells list the three servers' medians over their trials. Items per second are
+counted at the client (one asyncio loop in the benchmark's process, on the same cores); CPU is
+user + system time of each server's whole process tree per item. Ratios are of medians, with a
+bootstrap 90% interval ({RESAMPLES} resamples).
+
+![items per second by server and level](relay.png)
+
+{chr(10).join(rows)}
+
+## Target (issue 11; reported, not asserted)
+
+- Relay capacity >= 0.8x the gunicorn + Flask floor at 64 streams: {verdict}
+
+What we learned from these runs is in [README.md](README.md).
+"""
+    (out / "relay.md").write_text(text)
+    plot(data, out)
+
+
+def plot(data: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = [lv["streams"] for lv in data["results"]]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    width = 0.8 / len(SERVERS)
+    for i, name in enumerate(SERVERS):
+        x = [j + (i - 1) * width for j in range(len(levels))]
+        axes[0].bar(x, [lv["servers"][name]["items_per_s"] for lv in data["results"]], width, label=name)
+        axes[1].bar(x, [lv["servers"][name]["cpu_us_per_item"] for lv in data["results"]], width, label=name)
+    for axis, title in ((axes[0], "Items (chunks) per second, median"),
+                        (axes[1], "CPU µs per item, server process tree (lower is better)")):
+        axis.set_xticks(range(len(levels)), [str(c) for c in levels])
+        axis.set_xlabel("concurrent streams")
+        axis.set_title(title)
+        axis.grid(True, axis="y", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "relay.png", dpi=110)
+
+
+def main() -> int:
+    if len(sys.argv) == 3 and sys.argv[1] in ("serve-flask", "serve-asyncio"):
+        (serve_flask if sys.argv[1] == "serve-flask" else serve_asyncio)(int(sys.argv[2]))
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--levels", default="1,64,256", help="concurrent streams (default 1,64,256)")
+    parser.add_argument("--trials", type=int, default=5, help="trials per server and level (default 5)")
+    parser.add_argument("--tokens", type=int, default=256, help="items streamed per request (default 256)")
+    parser.add_argument("--out", default=str(DEFAULT_OUT), help="where to write results (default docs/benchmarks)")
+    parser.add_argument("--replot", action="store_true", help="only rewrite the table and plot from relay.json")
+    args = parser.parse_args()
+    out = Path(args.out)
+    if args.replot:
+        write_results(json.loads((out / "relay.json").read_text()), out)
+        return 0
+    model = load_model()
+    workdir = Path(tempfile.mkdtemp(prefix="sagelmi-relay-"))
+    shutil.copy(MODEL_DIR / "model.py", workdir / "model.py")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    me = [sys.executable, str(Path(__file__).resolve())]
+    servers = {}
+    try:
+        for name, command in (("sagelmi", [sys.executable, "-m", "container", "serve", "--model-dir", str(workdir)]),
+                              ("gunicorn+Flask", [*me, "serve-flask"]), ("asyncio", [*me, "serve-asyncio"])):
+            port = free_port()
+            args_port = ["--port", str(port)] if name == "sagelmi" else [str(port)]
+            servers[name] = start_server(name, command + args_port, env, port)
+        results = []
+        for streams in (int(x) for x in args.levels.split(",")):
+            for name in SERVERS:  # warm-up, not measured
+                trial(servers[name], streams, args.tokens, model.MARKER)
+            trials = [trial(servers[name], streams, args.tokens, model.MARKER) for name in rotation(SERVERS, args.trials)]
+            level = summarise(streams, trials)
+            s = level["servers"]
+            print(f"  streams={streams:<4} items/s " + " / ".join(fmt(s[n]['items_per_s']) for n in SERVERS)
+                  + f"  sagelmi/floor {fmt_ratio(level['ratios'][f'items_per_s vs {FLOOR}'])}  CPU µs/item "
+                  + " / ".join(fmt(s[n]['cpu_us_per_item'], 1) for n in SERVERS), flush=True)
+            results.append(level)
+    finally:
+        for server in servers.values():
+            stop_server(server)
+        shutil.rmtree(workdir, ignore_errors=True)
+    meta = {"date": datetime.date.today().isoformat(), "cpus": os.cpu_count(),
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
+            "tokens": args.tokens, "item_bytes": len(model.ITEM), "trials": args.trials, "resamples": RESAMPLES,
+            "confidence": CONFIDENCE, "seed": SEED}
+    write_results({"meta": meta, "results": results}, out)
+    print(f"wrote {out / 'relay.md'}, relay.json and relay.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(REPO))
+    sys.exit(main())
