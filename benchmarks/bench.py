@@ -103,6 +103,7 @@ class Trial:
     ttft_p99_ms: float | None
     itl_p50_ms: float | None
     itl_p99_ms: float | None
+    cpu_s_by_role: dict[str, float] = field(default_factory=dict)  # the CPU seconds by part (ROLES)
 
 
 def free_port() -> int:
@@ -144,19 +145,36 @@ def stop_server(server: Server) -> None:
         os.killpg(server.process.pid, signal.SIGKILL)
 
 
-def tree_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process and all its descendants so far.
+# Which part of a server a process is, by its command line (first match), for the CPU split.
+ROLES = (("engine worker", "VLLM::Worker"), ("engine core", "VLLM::EngineCore"), ("frontend", "gunicorn"),
+         ("model worker", "container.worker"), ("API server", "api_server"))
+
+
+def role_of(process: psutil.Process) -> str:
+    command = " ".join(process.cmdline()) or process.name()
+    return next((role for role, mark in ROLES if mark in command), "other")
+
+
+def tree_cpu_by_role(pid: int) -> dict[str, float]:
+    """User + system CPU seconds so far of a process and all its descendants, by role.
 
     Each live process counts its own time plus that of the children it has reaped
     (``children_user``/``children_system``), so a process that exits between two readings is
     still counted (in its parent's figures) and one that appears is counted from its start."""
     root = psutil.Process(pid)
-    total = 0.0
+    totals: dict[str, float] = {}
     for process in [root, *root.children(recursive=True)]:
         with contextlib.suppress(psutil.NoSuchProcess):  # exited since listed: its parent reaps and counts it
             times = process.cpu_times()
-            total += times.user + times.system + times.children_user + times.children_system
-    return total
+            role = role_of(process)
+            totals[role] = totals.get(role, 0.0) + times.user + times.system + times.children_user \
+                + times.children_system
+    return totals
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds so far of a process and all its descendants."""
+    return sum(tree_cpu_by_role(pid).values())
 
 
 def stream_request(port: int, path: str, body: dict, kind: str) -> Sample:
@@ -216,16 +234,25 @@ def ms_percentile(values: list[float], q: float) -> float | None:
 
 def run_trial(server: Server, position: int, path: str, body: dict, kind: str, concurrency: int,
               count: int) -> Trial:
-    cpu_before = tree_cpu_seconds(server.process.pid)
+    cpu_before = tree_cpu_by_role(server.process.pid)
     samples, seconds, errors = run_requests(server.port, path, body, kind, concurrency, count)
-    cpu_s = tree_cpu_seconds(server.process.pid) - cpu_before
+    cpu_after = tree_cpu_by_role(server.process.pid)
+    cpu_roles = {role: round(cpu_after[role] - cpu_before.get(role, 0.0), 3) for role in cpu_after}
+    cpu_s = sum(cpu_roles.values())
     tokens = sum(s.tokens for s in samples)
     ttfts = [s.ttft for s in samples]
     gaps = [g for s in samples for g in s.gaps]
     return Trial(server.name, position, count, errors, round(seconds, 3), tokens, round(tokens / seconds, 1),
                  round(cpu_s, 3), round(cpu_s / tokens * 1000, 4) if tokens else None,
                  ms_percentile(ttfts, 0.5), ms_percentile(ttfts, 0.99), ms_percentile(gaps, 0.5),
-                 ms_percentile(gaps, 0.99))
+                 ms_percentile(gaps, 0.99), cpu_roles)
+
+
+def cpu_split(trials: list[dict]) -> dict[str, float | None]:
+    """Median over trials of each role's CPU seconds per 1,000 output tokens."""
+    roles = sorted({role for t in trials for role in t["cpu_s_by_role"]})
+    return {role: median_or_none([round(t["cpu_s_by_role"].get(role, 0.0) / t["output_tokens"] * 1000, 4)
+                                  for t in trials if t["output_tokens"]]) for role in roles}
 
 
 def summarise(route: str, concurrency: int, trials: list[Trial]) -> dict:
@@ -233,7 +260,7 @@ def summarise(route: str, concurrency: int, trials: list[Trial]) -> dict:
     by_server = {name: [asdict(t) for t in trials if t.server == name] for name in SERVERS}
     servers = {name: {**{m: median_or_none([t[m] for t in ts]) for m in METRICS},
                       "trials": len(ts), "requests": sum(t["requests"] for t in ts),
-                      "errors": sum(t["errors"] for t in ts)}
+                      "errors": sum(t["errors"] for t in ts), "cpu_s_per_1k_tokens_by_role": cpu_split(ts)}
                for name, ts in by_server.items()}
     ratios = {}
     for metric in RATIOS:
@@ -318,6 +345,14 @@ def write_results(data: dict, out: Path) -> None:
         vllm_route = ROUTES[route]["vLLM"][0]
         title = f"`{route}`" + ("" if vllm_route == ROUTES[route]["sagelmi"][0] else f" (vLLM: `{vllm_route}`)")
         tables.append(f"### {title}\n\n" + "\n".join(rows))
+    split_rows = ["| route | streams | server | " + " | ".join(role for role, _ in ROLES) + " | other |",
+                  "|" + "---|" * (len(ROLES) + 4)]
+    for lv in data["results"]:
+        for name in SERVERS:
+            split = lv["servers"][name].get("cpu_s_per_1k_tokens_by_role", {})
+            split_rows.append(f"| `{lv['route']}` | {lv['concurrency']} | {name} | "
+                              + " | ".join(fmt(split.get(role), 3) for role, _ in ROLES)
+                              + f" | {fmt(split.get('other'), 3)} |")
     startup = data["startup_s"]
     text = f"""# Serving benchmark
 
@@ -341,6 +376,17 @@ one after the other, so neither loads while the other does).
 ![sagelmi / vLLM throughput and TTFT ratios with 90% intervals](results.png)
 
 {(chr(10) * 2).join(tables)}
+
+## Where the CPU goes
+
+CPU seconds per 1,000 output tokens by part of each server (medians over trials): vLLM's engine
+worker (`VLLM::Worker`, the model runner) and engine core (`VLLM::EngineCore`, the scheduler) in
+both; vLLM's API server (HTTP, OpenAI serving, detokenising) against sagelmi's frontend (gunicorn +
+Flask) and model worker (the handler with vLLM's OpenAI serving and `AsyncLLM`); "other" is
+sagelmi's supervisor. The engine's processes wait for each other by spinning (`sched_yield`) for up
+to a second, so their figures grow with the time a trial takes, not only with the work done.
+
+{chr(10).join(split_rows)}
 
 ## Targets (issue 11; reported, not asserted)
 

@@ -30,6 +30,12 @@ def test_make_bench_compares_both_servers(tmp_path):
             assert server["errors"] == 0 and server["tokens_per_s"] > 0 and server["cpu_s_per_1k_tokens"] > 0
         ratio, low, high = level["ratios"]["tokens_per_s"]
         assert low <= ratio <= high
+        # the CPU split names each server's parts, and adds up to the total
+        sagelmi, vllm = (level["servers"][name]["cpu_s_per_1k_tokens_by_role"] for name in ("sagelmi", "vLLM"))
+        assert {"frontend", "model worker", "engine core"} <= set(sagelmi) and "API server" in vllm
+        for trial in level["trials"]:
+            assert abs(sum(trial["cpu_s_by_role"].values()) - trial["cpu_s"]) < 0.01
+    assert "## Where the CPU goes" in (tmp_path / "results.md").read_text()
     assert "### `/v1/chat/completions`" in (tmp_path / "results.md").read_text()
     assert (tmp_path / "results.png").stat().st_size > 10_000
 
