@@ -37,7 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import DEFAULT_OUT, REPO, free_port, start_server, stop_server, tree_cpu_seconds
+from bench import DEFAULT_OUT, fmt, fmt_ratio, free_port, start_server, stop_server, tree_cpu_seconds
 from bench_stats import bootstrap_ratio, median_or_none, rotation
 
 MODEL_DIR = Path(__file__).resolve().parent / "relay_model"
@@ -200,14 +200,6 @@ def summarise(streams: int, trials: list[dict]) -> dict:
     return {"streams": streams, "servers": servers, "ratios": ratios, "trials": trials}
 
 
-def fmt(value: float | None, digits: int = 0) -> str:
-    return "–" if value is None else f"{value:,.{digits}f}"
-
-
-def fmt_ratio(ratio) -> str:
-    return "–" if ratio is None else f"{ratio[0]:.2f} [{ratio[1]:.2f}, {ratio[2]:.2f}]"
-
-
 def write_results(data: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "relay.json").write_text(json.dumps(data, indent=2))
@@ -217,7 +209,7 @@ def write_results(data: dict, out: Path) -> None:
             "|" + "---|" * 7]
     for lv in data["results"]:
         s = lv["servers"]
-        rows.append(f"| {lv['streams']} | " + " / ".join(fmt(s[n]['items_per_s']) for n in SERVERS)
+        rows.append(f"| {lv['streams']} | " + " / ".join(fmt(s[n]['items_per_s'], 0) for n in SERVERS)
                     + f" | {fmt_ratio(lv['ratios'][f'items_per_s vs {FLOOR}'])}"
                     + f" | {fmt_ratio(lv['ratios']['items_per_s vs asyncio'])} | "
                     + " / ".join(fmt(s[n]['cpu_us_per_item'], 1) for n in SERVERS)
@@ -313,7 +305,7 @@ def main() -> int:
             trials = [trial(servers[name], streams, args.tokens, model.MARKER) for name in rotation(SERVERS, args.trials)]
             level = summarise(streams, trials)
             s = level["servers"]
-            print(f"  streams={streams:<4} items/s " + " / ".join(fmt(s[n]['items_per_s']) for n in SERVERS)
+            print(f"  streams={streams:<4} items/s " + " / ".join(fmt(s[n]['items_per_s'], 0) for n in SERVERS)
                   + f"  sagelmi/floor {fmt_ratio(level['ratios'][f'items_per_s vs {FLOOR}'])}  CPU µs/item "
                   + " / ".join(fmt(s[n]['cpu_us_per_item'], 1) for n in SERVERS), flush=True)
             results.append(level)
@@ -331,5 +323,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(REPO))
     sys.exit(main())
