@@ -53,7 +53,8 @@ ENGINE = {"max_num_seqs": "256", "gpu_memory_utilization": "0.5"}
 SERVERS = ("sagelmi", "vLLM")  # A and B of the trial order; ratios are sagelmi / vLLM
 RESAMPLES, CONFIDENCE, SEED = 2000, 0.9, 0
 # the per-server medians in the table; the ratio of the first three gets a bootstrap interval
-METRICS = ("tokens_per_s", "ttft_p50_ms", "cpu_s_per_1k_tokens", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
+METRICS = ("tokens_per_s", "ttft_p50_ms", "cpu_s_per_1k_tokens", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
+           "engine_tokens_per_step")
 RATIOS = METRICS[:3]
 
 COMPLETION = {"model": "bench", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
@@ -104,6 +105,7 @@ class Trial:
     itl_p50_ms: float | None
     itl_p99_ms: float | None
     cpu_s_by_role: dict[str, float] = field(default_factory=dict)  # the CPU seconds by part (ROLES)
+    engine_tokens_per_step: float | None = None  # how well the engine batched during the trial
 
 
 def free_port() -> int:
@@ -232,11 +234,34 @@ def ms_percentile(values: list[float], q: float) -> float | None:
     return round(percentile(values, q) * 1000, 2) if values else None
 
 
+# vLLM's histogram of tokens per engine step (prompt and output), on both servers' GET /metrics
+STEP_TOKENS = "vllm:iteration_tokens_total"
+
+
+def engine_steps(port: int) -> tuple[float, float]:
+    """(steps, tokens) the engine has run so far, summed over its label sets."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+    finally:
+        conn.close()
+    totals = {"_count": 0.0, "_sum": 0.0}
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        for suffix in totals:
+            if name.startswith(STEP_TOKENS + suffix):
+                totals[suffix] += float(value)
+    return totals["_count"], totals["_sum"]
+
+
 def run_trial(server: Server, position: int, path: str, body: dict, kind: str, concurrency: int,
               count: int) -> Trial:
+    steps_before = engine_steps(server.port)
     cpu_before = tree_cpu_by_role(server.process.pid)
     samples, seconds, errors = run_requests(server.port, path, body, kind, concurrency, count)
     cpu_after = tree_cpu_by_role(server.process.pid)
+    steps, step_tokens = (after - before for after, before in zip(engine_steps(server.port), steps_before))
     cpu_roles = {role: round(cpu_after[role] - cpu_before.get(role, 0.0), 3) for role in cpu_after}
     cpu_s = sum(cpu_roles.values())
     tokens = sum(s.tokens for s in samples)
@@ -245,7 +270,7 @@ def run_trial(server: Server, position: int, path: str, body: dict, kind: str, c
     return Trial(server.name, position, count, errors, round(seconds, 3), tokens, round(tokens / seconds, 1),
                  round(cpu_s, 3), round(cpu_s / tokens * 1000, 4) if tokens else None,
                  ms_percentile(ttfts, 0.5), ms_percentile(ttfts, 0.99), ms_percentile(gaps, 0.5),
-                 ms_percentile(gaps, 0.99), cpu_roles)
+                 ms_percentile(gaps, 0.99), cpu_roles, round(step_tokens / steps, 1) if steps else None)
 
 
 def cpu_split(trials: list[dict]) -> dict[str, float | None]:
@@ -331,17 +356,18 @@ def write_results(data: dict, out: Path) -> None:
     (out / "results.json").write_text(json.dumps(data, indent=2))
     meta = data["meta"]
     header = ("| streams | output tok/s | tok/s ratio [90% CI] | TTFT p50 ms | TTFT p50 ratio [90% CI] | TTFT p99 ms "
-              "| inter-token p50 ms | inter-token p99 ms | CPU s / 1k tokens | CPU ratio [90% CI] | errors |")
+              "| inter-token p50 ms | inter-token p99 ms | CPU s / 1k tokens | CPU ratio [90% CI] | tokens / engine step "
+              "| errors |")
     tables = []
     for route in ROUTES:
-        rows = [header, "|" + "---|" * 11]
+        rows = [header, "|" + "---|" * 12]
         for lv in (lv for lv in data["results"] if lv["route"] == route):
             errors = " / ".join(str(lv["servers"][name]["errors"]) for name in SERVERS)
             rows.append(f"| {lv['concurrency']} | {pair(lv, 'tokens_per_s', 0)} "
                         f"| {fmt_ratio(lv['ratios']['tokens_per_s'])} | {pair(lv, 'ttft_p50_ms')} | {fmt_ratio(lv['ratios']['ttft_p50_ms'])} "
                         f"| {pair(lv, 'ttft_p99_ms')} | {pair(lv, 'itl_p50_ms', 2)} | {pair(lv, 'itl_p99_ms', 2)} "
                         f"| {pair(lv, 'cpu_s_per_1k_tokens', 2)} | {fmt_ratio(lv['ratios']['cpu_s_per_1k_tokens'])} "
-                        f"| {errors} |")
+                        f"| {pair(lv, 'engine_tokens_per_step')} | {errors} |")
         vllm_route = ROUTES[route]["vLLM"][0]
         title = f"`{route}`" + ("" if vllm_route == ROUTES[route]["sagelmi"][0] else f" (vLLM: `{vllm_route}`)")
         tables.append(f"### {title}\n\n" + "\n".join(rows))
@@ -364,7 +390,11 @@ tokens (`ignore_eos`, greedy, same prompt), after an unmeasured warm-up. Every c
 is **sagelmi / vLLM**, each the median over that server's trials (percentiles are taken within a
 trial). Ratios are sagelmi / vLLM of those medians, with a bootstrap 90% interval ({RESAMPLES} resamples
 of each server's trials). CPU is user + system seconds of each server's whole process tree during its
-trials (psutil), per 1,000 output tokens. The load generator (Python threads) runs on the same machine.
+trials (psutil), per 1,000 output tokens. Tokens per engine step (prompt and output tokens over
+steps, from vLLM's `vllm:iteration_tokens_total` on each server's `GET /metrics`) tells how well the
+engine batched: near the number of streams when every stream is in each step, a few when the engine
+ran many small steps (requests reaching it one by one). The load generator (Python threads) runs on
+the same machine.
 
 - **vLLM** is vLLM's own OpenAI server (`python -m vllm.entrypoints.openai.api_server`).
 - **sagelmi** is `sagelmi serve` with the built-in vLLM handler: gunicorn + Flask frontend, a model

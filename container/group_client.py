@@ -25,9 +25,9 @@ import socket
 import threading
 import time
 import uuid
-from typing import Callable
+from typing import Callable, Protocol
 
-from container.errors import GatewayTimeout, ServiceUnavailable, ServingError
+from container.errors import ClientClosedRequest, GatewayTimeout, ServiceUnavailable, ServingError
 from container.protocol import (METRICS_PATH, Cancel, Chunk, End, Fail, FrameBuffer, Head, Invoke, Message,
                                 ProtocolError, RegisterAdapter, Status, UnregisterAdapter, WorkerState, encode)
 
@@ -46,8 +46,29 @@ class WorkerFailed(ServingError):
         self.message = fail.message
 
 
+class Sink(Protocol):
+    """Where a streamed answer can be written without its request thread: the
+    client's socket, framed as the HTTP server frames the rest of the body."""
+
+    def frame(self, data: bytes) -> bytes: ...
+
+    def send_nowait(self, frame: bytes) -> int:
+        """Send what the socket takes now (raises ``OSError`` when the client is gone)."""
+
+    def send_all(self, frame: bytes) -> None:
+        """Send all of it, waiting for the client to read."""
+
+
 class PendingRequest:
-    """The answer to one request, filled in by the client's reader thread."""
+    """The answer to one request, filled in by the client's reader thread.
+
+    Once a stream's headers are out, its request thread can ``attach`` a
+    ``Sink``: from then on the reader thread writes each chunk to the client's
+    socket itself, without waking the request thread, as long as the socket
+    takes it at once. What it does not take (a slow client), and every chunk
+    after it, is left to the request thread, which writes with back-pressure;
+    the reader writes again once that backlog is gone. So at load a token
+    costs one system call in the reader thread, not a thread switch."""
 
     def __init__(self, request_id: str) -> None:
         self.id = request_id
@@ -56,21 +77,48 @@ class PendingRequest:
         self._chunks: list[bytes] = []
         self._finished = False
         self._error: ServingError | None = None
+        self._sink: Sink | None = None
+        self._unsent = b""  # the part of a frame the sink did not take; the request thread sends it
+        self._writing = False  # the request thread is writing to the client: the reader must not
+        self.progress = 0  # batches delivered: a stream written by the reader still shows it is alive
 
     # -- reader thread side
     def deliver(self, messages: list) -> None:
-        """Take a batch of this request's messages; wake its thread once."""
+        """Take a batch of this request's messages; wake its thread once, and
+        only if it has something to do."""
         with self._cond:
+            self.progress += 1
             for message in messages:
-                if isinstance(message, Head):
+                if isinstance(message, Chunk):
+                    if not self._write_direct(message.data):
+                        self._chunks.append(message.data)
+                elif isinstance(message, Head):
                     self._head = message
-                elif isinstance(message, Chunk):
-                    self._chunks.append(message.data)
                 elif isinstance(message, End):
                     self._finished = True
                 elif isinstance(message, Fail):
                     self._error = WorkerFailed(message)
-            self._cond.notify_all()
+            if self._sink is None or self.has_data():
+                self._cond.notify_all()
+
+    def _write_direct(self, data: bytes) -> bool:
+        """Write a chunk to the attached sink now if nothing is queued before it;
+        False leaves it for the request thread. A chunk for a client that is
+        gone is dropped."""
+        if self._error is not None:
+            return True
+        if self._sink is None or self._writing or self._chunks or self._unsent:
+            return False
+        frame = self._sink.frame(data)
+        try:
+            sent = self._sink.send_nowait(frame)
+        except BlockingIOError:
+            sent = 0
+        except OSError:
+            self._error = ClientClosedRequest("the client closed the connection during the stream")
+            return True
+        self._unsent = frame[sent:]
+        return True
 
     def fail(self, error: ServingError) -> None:
         with self._cond:
@@ -86,13 +134,25 @@ class PendingRequest:
         return self._head is not None or self._error is not None
 
     def has_data(self) -> bool:
-        return bool(self._chunks) or self._finished or self._error is not None
+        return bool(self._chunks or self._unsent) or self._finished or self._error is not None
 
-    def wait_until(self, ready, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds for ``ready()`` (``has_head`` or
-        ``has_data``); False if it did not come."""
+    def wait_head_for(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the ``Head`` (or an error); False if it did not come."""
         with self._cond:
-            return self._cond.wait_for(ready, timeout)
+            return self._cond.wait_for(self.has_head, timeout)
+
+    def wait_done_for(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the answer to end (or fail)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self.done, timeout)
+
+    def wait_data_for(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for something to take with ``next_data``;
+        False if nothing came. The caller is not writing to the client
+        meanwhile, so the reader thread writes to an attached sink itself."""
+        with self._cond:
+            self._writing = False
+            return self._cond.wait_for(self.has_data, timeout)
 
     # -- request thread side
     def wait_head(self, timeout: float) -> Head:
@@ -105,6 +165,12 @@ class PendingRequest:
                 raise self._error
             return self._head
 
+    def attach(self, sink: Sink) -> None:
+        """Let the reader thread write the rest of the stream to ``sink``. Called
+        by the request thread between two writes of its own."""
+        with self._cond:
+            self._sink = sink
+
     def read_body(self, timeout: float) -> bytes:
         """The whole answer body, which must be complete within ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
@@ -114,21 +180,35 @@ class PendingRequest:
         return b"".join(parts)
 
     def next_data(self, timeout: float) -> bytes | None:
-        """Everything received since the last call, as one piece; ``None`` once
-        the answer is complete. Raises the request's error, or
-        ``GatewayTimeout`` when nothing arrives for ``timeout`` seconds."""
+        """Everything received since the last call, as one piece, for the caller
+        to write; ``None`` once the answer is complete. Raises the request's
+        error, or ``GatewayTimeout`` when nothing arrives for ``timeout``
+        seconds. Until the next call the caller is writing to the client, so
+        the reader thread leaves chunks to it; a sink's backlog is sent here
+        (the answer is then ``b""``)."""
         with self._cond:
+            self._writing = False
             ready = self._cond.wait_for(self.has_data, timeout)
-            if self._chunks:
+            if self._unsent:
+                unsent, self._unsent = self._unsent, b""
+                self._writing = True
+            elif self._chunks:
                 data = self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
                 self._chunks.clear()
+                self._writing = True
                 return data
-            if self._error is not None:
+            elif self._error is not None:
                 raise self._error
-            if self._finished:
+            elif self._finished:
                 return None
-            assert not ready
-            raise GatewayTimeout(f"the model sent nothing for {timeout:g}s (option.predict_timeout)")
+            else:
+                assert not ready
+                raise GatewayTimeout(f"the model sent nothing for {timeout:g}s (option.predict_timeout)")
+        try:
+            self._sink.send_all(unsent)
+        except OSError:
+            raise ClientClosedRequest("the client closed the connection during the stream") from None
+        return b""
 
 
 class GroupClient:
@@ -205,7 +285,7 @@ class GroupClient:
             sock = self._sock
         try:
             self._send(sock, encode(message))
-            if not pending.wait_until(lambda: pending.done, timeout):
+            if not pending.wait_done_for(timeout):
                 raise GatewayTimeout(f"worker group {self.name} did not answer within {timeout:g}s")
             with pending._cond:
                 error = pending._error
@@ -219,9 +299,9 @@ class GroupClient:
 
     def cancel(self, request_id: str) -> None:
         """Abandon a request: the group cancels it; late answers are dropped."""
-        pending = self._pending.pop(request_id, None)
+        pending = self._pending.pop(request_id, None)  # the reader drops it at End or Fail
         sock = self._sock
-        if pending is None or pending.done or sock is None:
+        if pending is None or sock is None:
             return
         try:
             self._send(sock, encode(Cancel(id=request_id)))

@@ -29,7 +29,7 @@ from container.artifacts import download_root
 from container.errors import (ClientClosedRequest, GatewayTimeout, InputError, MethodNotAllowed, NotFound,
                               PayloadTooLarge, ServingError, describe, envelope_for, is_openai_path)
 from container.frontend.adapters import AdapterRegistry
-from container.frontend.body import read_body
+from container.frontend.body import WSGI_RESPONSE, read_body
 from container.frontend.management import add_management_routes
 from container.frontend.metrics import FrontendMetrics
 from container.frontend.router import Router
@@ -99,6 +99,38 @@ def client_gone(sock: socket.socket | None) -> bool:
         return True
 
 
+class ClientSink:
+    """The client's socket of a streamed answer whose headers gunicorn has sent,
+    for ``PendingRequest.attach``: frames chunks as gunicorn does (HTTP/1.1
+    chunked, or raw for an HTTP/1.0 client)."""
+
+    def __init__(self, sock: socket.socket, chunked: bool) -> None:
+        self.sock = sock
+        self.chunked = chunked
+
+    @classmethod
+    def of(cls, environ: dict) -> "ClientSink | None":
+        """The sink of this request, if it is served by gunicorn over a plain
+        blocking socket and its headers are sent; otherwise ``None`` (the request
+        thread writes everything)."""
+        response = environ.get(WSGI_RESPONSE)
+        sock = environ.get("gunicorn.socket")
+        if response is None or sock is None or not getattr(response, "headers_sent", False):
+            return None
+        if not isinstance(sock, socket.socket) or sock.gettimeout() is not None:
+            return None
+        return cls(sock, bool(response.chunked))
+
+    def frame(self, data: bytes) -> bytes:
+        return b"%X\r\n%s\r\n" % (len(data), data) if self.chunked else data
+
+    def send_nowait(self, frame: bytes) -> int:
+        return self.sock.send(frame, socket.MSG_DONTWAIT)
+
+    def send_all(self, frame: bytes) -> None:
+        self.sock.sendall(frame)
+
+
 class Invocation:
     """One request in flight: owns its queue slot until the answer is sent.
 
@@ -114,6 +146,7 @@ class Invocation:
         self.request_id = request_id
         self.client = client
         self.path = request.path
+        self.environ = request.environ  # the stream is written after the request context ended
         self.wire_id = uuid.uuid4().hex
         self.group: GroupClient | None = None
         self.pending: PendingRequest | None = None
@@ -137,7 +170,7 @@ class Invocation:
                                                    body=body, path=request.path,
                                                    query=request.query_string.decode("latin-1")))
             try:
-                self._await(self.pending.has_head, "no answer from the model")
+                self._await(self.pending.wait_head_for, "no answer from the model")
                 head = self.pending.wait_head(0)
                 if head.stream:
                     streaming = True
@@ -151,19 +184,26 @@ class Invocation:
             if not streaming:
                 self.release()
 
-    def _await(self, ready: Callable[[], bool], what: str) -> None:
-        """Wait up to ``predict_timeout`` for ``ready()``; raises ``GatewayTimeout``,
-        or ``ClientClosedRequest`` as soon as the client is seen gone."""
+    def _await(self, wait: Callable[[float], bool], what: str) -> None:
+        """Wait (``wait(seconds)``, True once ready) up to ``predict_timeout``;
+        raises ``GatewayTimeout``, or ``ClientClosedRequest`` as soon as the
+        client is seen gone. Time counts from the request's last message: a
+        stream the reader thread writes itself moves on without waking this
+        thread."""
         deadline = time.monotonic() + self.launch.predict_timeout
-        while not self.pending.wait_until(ready, min(CLIENT_CHECK_INTERVAL, max(deadline - time.monotonic(), 0))):
-            if time.monotonic() >= deadline:
+        progress = self.pending.progress
+        while not wait(min(CLIENT_CHECK_INTERVAL, max(deadline - time.monotonic(), 0))):
+            if self.pending.progress != progress:
+                progress = self.pending.progress
+                deadline = time.monotonic() + self.launch.predict_timeout
+            elif time.monotonic() >= deadline:
                 raise GatewayTimeout(f"{what} within {self.launch.predict_timeout:g}s (option.predict_timeout)")
             if client_gone(self.client):
                 raise ClientClosedRequest("the client closed the connection before the answer was ready")
 
     def _next(self) -> bytes | None:
         """The next piece of the answer (``None`` at its end), within ``predict_timeout``."""
-        self._await(self.pending.has_data, "the model sent nothing")
+        self._await(self.pending.wait_data_for, "the model sent nothing")
         return self.pending.next_data(0)
 
     def _body(self) -> bytes:
@@ -176,8 +216,13 @@ class Invocation:
         request_id_var.set(self.request_id)
         finished = False
         try:
+            first = True
             while (data := self._next()) is not None:
                 yield data
+                if first:  # the headers are out: the reader thread can write the rest
+                    first = False
+                    if (sink := ClientSink.of(self.environ)) is not None:
+                        self.pending.attach(sink)
             finished = True
         except ClientClosedRequest:
             pass  # cancelled below, as when a write finds the client gone

@@ -30,6 +30,9 @@ READ_SIZE = 1 << 16
 # Set in a request's WSGI environ when its connection must not be reused (the
 # body was not read to its end); container.frontend.server closes it.
 CLOSE_CONNECTION = "sagelmi.close_connection"
+# Set in every request's WSGI environ by container.frontend.server: gunicorn's
+# response object (whether it sent the headers, whether it frames chunks).
+WSGI_RESPONSE = "sagelmi.wsgi_response"
 
 
 class IncompleteBody(InputError):

@@ -26,7 +26,7 @@ from gunicorn.workers.gthread import ThreadWorker
 from container import logs, proc
 from container.errors import InputError, envelope_for, scrub
 from container.frontend.app import create_app
-from container.frontend.body import CLOSE_CONNECTION
+from container.frontend.body import CLOSE_CONNECTION, WSGI_RESPONSE
 from container.launch import FrontendLaunch, decode_frontend_launch
 
 log = logging.getLogger("sagelmi.frontend")
@@ -101,21 +101,23 @@ class DrainingWorker(ThreadWorker):
         ThreadWorker.handle_exit(self, signal.SIGTERM, None)
 
 
-class CloseWhenAsked:
-    """WSGI middleware: a request whose environ has ``CLOSE_CONNECTION`` (its body
-    was left unread) gets ``Connection: close``, and gunicorn closes the
-    connection gracefully (FIN, then a short drain) instead of reading the rest
-    of the body to reuse it."""
+class GunicornBridge:
+    """WSGI middleware between gunicorn and the app. It puts gunicorn's response
+    object in the environ (``WSGI_RESPONSE``: a stream's chunks can then be
+    written to the client as gunicorn frames them). And a request whose environ
+    has ``CLOSE_CONNECTION`` (its body was left unread) gets ``Connection:
+    close``, so gunicorn closes the connection gracefully (FIN, then a short
+    drain) instead of reading the rest of the body to reuse it."""
 
     def __init__(self, app) -> None:
         self.app = app
 
     def __call__(self, environ, start_response):
+        response = getattr(start_response, "__self__", None)  # gunicorn's Response, headers not yet sent
+        environ[WSGI_RESPONSE] = response
         result = self.app(environ, start_response)
-        if environ.get(CLOSE_CONNECTION):
-            response = getattr(start_response, "__self__", None)  # gunicorn's Response, headers not yet sent
-            if hasattr(response, "force_close"):
-                response.force_close()
+        if environ.get(CLOSE_CONNECTION) and hasattr(response, "force_close"):
+            response.force_close()
         return result
 
 
@@ -146,7 +148,7 @@ class FrontendServer(BaseApplication):
 
     def load(self):
         app = create_app(self.launch)
-        app.wsgi_app = CloseWhenAsked(app.wsgi_app)
+        app.wsgi_app = GunicornBridge(app.wsgi_app)
         return app
 
 

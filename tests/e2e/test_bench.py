@@ -35,6 +35,8 @@ def test_make_bench_compares_both_servers(tmp_path):
         assert {"frontend", "model worker", "engine core"} <= set(sagelmi) and "API server" in vllm
         for trial in level["trials"]:
             assert abs(sum(trial["cpu_s_by_role"].values()) - trial["cpu_s"]) < 0.01
+            # each engine step runs at least one token, and at 2 streams decodes at most 2 (prompts aside)
+            assert trial["engine_tokens_per_step"] >= 1, trial
     assert "## Where the CPU goes" in (tmp_path / "results.md").read_text()
     assert "### `/v1/chat/completions`" in (tmp_path / "results.md").read_text()
     assert (tmp_path / "results.png").stat().st_size > 10_000

@@ -166,3 +166,15 @@ def test_a_plain_generator_stops_when_its_client_goes_away(server, tmp_path):
     while not (marker.exists() and marker.read_text() == "closed"):
         assert time.monotonic() < deadline, "the generator kept running after its client left"
         time.sleep(0.02)
+
+
+def test_a_stream_that_keeps_sending_outlives_predict_timeout(server, tmp_path):
+    """predict_timeout (3 s here) bounds the wait for each piece, not the stream:
+    a stream the frontend's reader thread writes straight to the client is no
+    less alive for not waking its request thread."""
+    stream = RawStream(server.port, "/invocations", {"lines_forever": str(tmp_path / "marker")})
+    try:
+        lines = stream.read_lines(100)  # one line every 50 ms: 5 s
+        assert [json.loads(line) for line in lines] == [{"outputs": f"line {n}\n"} for n in range(100)]
+    finally:
+        stream.close()
