@@ -62,6 +62,9 @@ COMPLETION = {"model": "bench", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "tem
 CHAT = {"model": "bench", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": MAX_TOKENS,
         "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
 LMI = {"inputs": PROMPT, "stream": True, "parameters": {"max_new_tokens": MAX_TOKENS, "ignore_eos": True}}
+# LMI's stream gives each token's log-probability, so the engine computes it at every step; vLLM's
+# side of that comparison asks for the same (the sampled token's, logprobs 0).
+COMPLETION_WITH_LOGPROBS = {**COMPLETION, "logprobs": 0}
 ROUTES = {
     # route: {server: (path, body, kind of stream)}
     "/v1/completions": {"sagelmi": ("/v1/completions", COMPLETION, "completion"),
@@ -69,7 +72,7 @@ ROUTES = {
     "/v1/chat/completions": {"sagelmi": ("/v1/chat/completions", CHAT, "chat"),
                              "vLLM": ("/v1/chat/completions", CHAT, "chat")},
     "/invocations (LMI)": {"sagelmi": ("/invocations", LMI, "lmi"),
-                           "vLLM": ("/v1/completions", COMPLETION, "completion")},
+                           "vLLM": ("/v1/completions", COMPLETION_WITH_LOGPROBS, "completion")},
 }
 
 
@@ -369,7 +372,8 @@ def write_results(data: dict, out: Path) -> None:
                         f"| {pair(lv, 'cpu_s_per_1k_tokens', 2)} | {fmt_ratio(lv['ratios']['cpu_s_per_1k_tokens'])} "
                         f"| {pair(lv, 'engine_tokens_per_step')} | {errors} |")
         vllm_route = ROUTES[route]["vLLM"][0]
-        title = f"`{route}`" + ("" if vllm_route == ROUTES[route]["sagelmi"][0] else f" (vLLM: `{vllm_route}`)")
+        title = f"`{route}`" + ("" if vllm_route == ROUTES[route]["sagelmi"][0] else
+                                f" (vLLM: `{vllm_route}` with `logprobs: 0`, as LMI's stream gives each token's)")
         tables.append(f"### {title}\n\n" + "\n".join(rows))
     split_rows = ["| route | streams | server | " + " | ".join(role for role, _ in ROLES) + " | other |",
                   "|" + "---|" * (len(ROLES) + 4)]
