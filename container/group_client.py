@@ -171,6 +171,16 @@ class PendingRequest:
         with self._cond:
             self._sink = sink
 
+    def take_over(self) -> None:
+        """Make the request thread the only writer to the client from now on
+        (before it writes something of its own, an in-band error): the reader
+        stops writing, and what the sink left unsent goes out first."""
+        with self._cond:
+            self._writing = True
+            unsent, self._unsent = self._unsent, b""
+        if unsent:
+            self._sink.send_all(unsent)
+
     def read_body(self, timeout: float) -> bytes:
         """The whole answer body, which must be complete within ``timeout`` seconds."""
         deadline = time.monotonic() + timeout

@@ -231,6 +231,10 @@ class Invocation:
             if isinstance(exc, GatewayTimeout):
                 self.abandon()
             log.warning("stream ended with an error: %s", exc)
+            try:
+                self.pending.take_over()
+            except OSError:
+                return  # the client is gone too
             yield _in_band_error(exc, content_type, self.path)
         finally:
             if not finished:

@@ -155,3 +155,13 @@ def test_an_error_after_direct_writes_reaches_the_request_thread():
     with pytest.raises(Exception, match="boom"):
         pending.next_data(0)
     assert read_until(client, chunked(b"two\n")).endswith(chunked(b"one\n", b"two\n"))
+
+
+def test_after_take_over_the_reader_leaves_every_chunk_to_the_request_thread():
+    resp, environ, client = gunicorn_stream()
+    pending = streaming(resp, b"one\n")
+    pending.attach(ClientSink.of(environ))
+    assert not pending.wait_data_for(0)
+    pending.take_over()  # e.g. to write an in-band error of its own
+    pending.deliver([Chunk(id="r1", data=b"late\n")])
+    assert pending.wait_data_for(0) and pending.next_data(0) == b"late\n"
