@@ -86,18 +86,26 @@ class PendingRequest:
     def deliver(self, messages: list) -> None:
         """Take a batch of this request's messages; wake its thread once, and
         only if it has something to do."""
+        head, data, last = None, [], None
+        for message in messages:  # a Head first, then chunks, then at most one End or Fail
+            if isinstance(message, Chunk):
+                data.append(message.data)
+            elif isinstance(message, Head):
+                head = message
+            else:
+                last = message
         with self._cond:
             self.progress += 1
-            for message in messages:
-                if isinstance(message, Chunk):
-                    if not self._write_direct(message.data):
-                        self._chunks.append(message.data)
-                elif isinstance(message, Head):
-                    self._head = message
-                elif isinstance(message, End):
-                    self._finished = True
-                elif isinstance(message, Fail):
-                    self._error = WorkerFailed(message)
+            if head is not None:
+                self._head = head
+            if data:  # the batch's chunks of this request go out in one write
+                joined = data[0] if len(data) == 1 else b"".join(data)
+                if not self._write_direct(joined):
+                    self._chunks.append(joined)
+            if isinstance(last, End):
+                self._finished = True
+            elif isinstance(last, Fail):
+                self._error = WorkerFailed(last)
             if self._sink is None or self.has_data():
                 self._cond.notify_all()
 

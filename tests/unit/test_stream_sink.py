@@ -58,7 +58,7 @@ def chunked(*pieces: bytes) -> bytes:
     return b"".join(b"%X\r\n%s\r\n" % (len(p), p) for p in pieces)
 
 
-def test_the_reader_thread_writes_chunks_in_gunicorns_framing_without_waking_the_request_thread():
+def test_the_reader_thread_writes_each_batch_in_gunicorns_framing_without_waking_the_request_thread():
     resp, environ, client = gunicorn_stream()
     pending = streaming(resp, b"one\n")
     sink = ClientSink.of(environ)
@@ -77,7 +77,8 @@ def test_the_reader_thread_writes_chunks_in_gunicorns_framing_without_waking_the
     got = read_until(client, b"0\r\n\r\n")
     head, _, body = got.partition(b"\r\n\r\n")
     assert b"Transfer-Encoding: chunked" in head
-    assert body == chunked(b"one\n", b"two\n", b"three\n", b"four\n") + b"0\r\n\r\n"
+    # one write, one HTTP chunk, per batch the reader received
+    assert body == chunked(b"one\n", b"two\n", b"three\nfour\n") + b"0\r\n\r\n"
 
 
 def test_an_http_1_0_client_gets_the_rest_unframed():
