@@ -6,7 +6,8 @@ socket and reads every message from it. Status messages update ``state``;
 answers are handed to the ``PendingRequest`` of their request id. Request
 threads write under a lock and wait on their own ``PendingRequest``, which
 merges the chunks that arrive while its reader is busy, so a slow client never
-makes a queue grow one entry per token.
+makes a queue grow one entry per token. Once a stream's headers are out, the
+reader thread writes its chunks to the client itself (``attach``).
 
 When the connection drops, every request in flight on it fails at once with
 503 and the client keeps trying to reconnect (a restarted group binds the same
