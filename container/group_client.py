@@ -241,18 +241,23 @@ class GroupClient:
         self.incarnation = 0  # which start of the group the last Status came from
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
-        self._send_lock = threading.Lock()
+        self._outbox: list[tuple[socket.socket, bytes]] = []  # frames for the sender thread, in order
+        self._outbox_ready = threading.Condition()
         self._pending: dict[str, PendingRequest] = {}
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"group-{name}", daemon=True)
+        self._sender = threading.Thread(target=self._send_queued, name=f"group-{name}-send", daemon=True)
         self.on_connect: Callable[[], list[Message]] | None = None
 
     def start(self) -> "GroupClient":
         self._thread.start()
+        self._sender.start()
         return self
 
     def close(self) -> None:
         self._stopped.set()
+        with self._outbox_ready:
+            self._outbox_ready.notify()
         sock = self._sock
         if sock is not None:
             try:
@@ -274,11 +279,7 @@ class GroupClient:
                 raise ServiceUnavailable(f"worker group {self.name} is {self.state.value}")
             self._pending[invoke.id] = pending
             sock = self._sock
-        try:
-            self._send(sock, encode(invoke))
-        except OSError:
-            self._pending.pop(invoke.id, None)
-            raise ServiceUnavailable(f"worker group {self.name} went away before the request was sent") from None
+        self._send(sock, encode(invoke))  # a connection that drops fails the request (503) in _lost
         return pending
 
     def fetch_metrics(self, timeout: float) -> str:
@@ -311,8 +312,6 @@ class GroupClient:
             if isinstance(error, WorkerFailed):
                 raise error
             return error is None  # a connection that dropped meanwhile: the replay covers it
-        except OSError:
-            return False
         finally:
             self._pending.pop(message.id, None)
 
@@ -322,14 +321,37 @@ class GroupClient:
         sock = self._sock
         if pending is None or sock is None:
             return
-        try:
-            self._send(sock, encode(Cancel(id=request_id)))
-        except OSError:
-            pass
+        self._send(sock, encode(Cancel(id=request_id)))
 
     def _send(self, sock: socket.socket, frame: bytes) -> None:
-        with self._send_lock:
-            sock.sendall(frame)
+        """Queue ``frame`` for ``sock``; the sender thread writes it. A request
+        thread never waits for the socket (or, around a blocking write, for the
+        GIL while holding a lock the next sender needs: that convoy held new
+        requests for up to seconds at 32-64 streams)."""
+        with self._outbox_ready:
+            self._outbox.append((sock, frame))
+            self._outbox_ready.notify()
+
+    def _send_queued(self) -> None:
+        """The sender thread: writes what is queued, in order, every frame queued
+        meanwhile in one write. Frames for a connection that has been replaced
+        are dropped (their requests failed with it); a write that fails leaves
+        the reader thread to notice the broken connection."""
+        while True:
+            with self._outbox_ready:
+                while not self._outbox and not self._stopped.is_set():
+                    self._outbox_ready.wait()
+                if self._stopped.is_set():
+                    return
+                queued, self._outbox = self._outbox, []
+            sock = self._sock
+            frames = [frame for target, frame in queued if target is sock]
+            if not frames:
+                continue
+            try:
+                sock.sendall(frames[0] if len(frames) == 1 else b"".join(frames))
+            except OSError:
+                pass
 
     # -- reader thread
     def _set_state(self, state: WorkerState, detail: str = "") -> None:
