@@ -4,7 +4,8 @@
 ``GroupClient`` owns a background thread that (re)connects to the group's Unix
 socket and reads every message from it. Status messages update ``state``;
 answers are handed to the ``PendingRequest`` of their request id. Request
-threads write under a lock and wait on their own ``PendingRequest``, which
+threads queue their frames for a sender thread, which writes whatever is
+queued in one write, and wait on their own ``PendingRequest``, which
 merges the chunks that arrive while its reader is busy, so a slow client never
 makes a queue grow one entry per token. Once a stream's headers are out, the
 reader thread writes its chunks to the client itself (``attach``).
