@@ -101,7 +101,7 @@ class PendingRequest:
             if head is not None:
                 self._head = head
             if data:  # the batch's chunks of this request go out in one write
-                joined = data[0] if len(data) == 1 else b"".join(data)
+                joined = b"".join(data)  # one item: joined is that item, no copy
                 if not self._write_direct(joined):
                     self._chunks.append(joined)
             if isinstance(last, End):
@@ -184,12 +184,21 @@ class PendingRequest:
     def take_over(self) -> None:
         """Make the request thread the only writer to the client from now on
         (before it writes something of its own, an in-band error): the reader
-        stops writing, and what the sink left unsent goes out first."""
+        stops writing, and what the sink left unsent goes out first. Raises
+        ``ClientClosedRequest`` if the client is gone."""
         with self._cond:
             self._writing = True
             unsent, self._unsent = self._unsent, b""
-        if unsent:
+        self._send_unsent(unsent)
+
+    def _send_unsent(self, unsent: bytes) -> None:
+        """Send what the sink did not take, waiting for the client (the caller is the writer)."""
+        if not unsent:
+            return
+        try:
             self._sink.send_all(unsent)
+        except OSError:
+            raise ClientClosedRequest("the client closed the connection during the stream") from None
 
     def read_body(self, timeout: float) -> bytes:
         """The whole answer body, which must be complete within ``timeout`` seconds."""
@@ -213,7 +222,7 @@ class PendingRequest:
                 unsent, self._unsent = self._unsent, b""
                 self._writing = True
             elif self._chunks:
-                data = self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
+                data = b"".join(self._chunks)
                 self._chunks.clear()
                 self._writing = True
                 return data
@@ -224,10 +233,7 @@ class PendingRequest:
             else:
                 assert not ready
                 raise GatewayTimeout(f"the model sent nothing for {timeout:g}s (option.predict_timeout)")
-        try:
-            self._sink.send_all(unsent)
-        except OSError:
-            raise ClientClosedRequest("the client closed the connection during the stream") from None
+        self._send_unsent(unsent)
         return b""
 
 
@@ -350,7 +356,7 @@ class GroupClient:
             if not frames:
                 continue
             try:
-                sock.sendall(frames[0] if len(frames) == 1 else b"".join(frames))
+                sock.sendall(b"".join(frames))
             except OSError:
                 pass
 

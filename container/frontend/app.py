@@ -115,7 +115,7 @@ class ClientSink:
         thread writes everything)."""
         response = environ.get(WSGI_RESPONSE)
         sock = environ.get("gunicorn.socket")
-        if response is None or sock is None or not getattr(response, "headers_sent", False):
+        if not getattr(response, "headers_sent", False):
             return None
         if not isinstance(sock, socket.socket) or sock.gettimeout() is not None:
             return None
@@ -233,7 +233,7 @@ class Invocation:
             log.warning("stream ended with an error: %s", exc)
             try:
                 self.pending.take_over()
-            except OSError:
+            except ClientClosedRequest:
                 return  # the client is gone too
             yield _in_band_error(exc, content_type, self.path)
         finally:
