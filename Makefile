@@ -44,12 +44,14 @@ test: install
 test-fast: install
 	$(BIN)/python -m pytest tests -m "not slow"
 
-# sagelmi against vLLM's own server on the tiny model, then the relay with no engine
-# (sagelmi against in-process gunicorn + Flask and asyncio); writes docs/benchmarks/
+# sagelmi against vLLM's own server on the tiny model, the same with vLLM on both sides (an A/A
+# run: what the benchmark can resolve here), then the relay with no engine (sagelmi against
+# in-process gunicorn + Flask and asyncio); writes docs/benchmarks/
 BENCH_ARGS ?=
 RELAY_ARGS ?=
 bench: install
 	$(BIN)/python benchmarks/bench.py $(BENCH_ARGS)
+	$(BIN)/python benchmarks/bench.py --control $(BENCH_ARGS)
 	$(BIN)/python benchmarks/relay.py $(RELAY_ARGS)
 
 # The serving image (Dockerfile): DEVICE=gpu (default, NVIDIA's CUDA base image) or cpu (a plain

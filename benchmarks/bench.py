@@ -1,6 +1,7 @@
 """Serving benchmark: sagelmi against vLLM's own OpenAI server, same model, same run.
 
-    make bench          (or: python benchmarks/bench.py [--model DIR] [--levels 1,8,32,64,128] [--trials 5])
+    make bench          (or: python benchmarks/bench.py [--model DIR] [--levels 1,8,32,64,128] [--trials 5]
+                                                        [--control])
 
 Both servers are started one after the other (each one's start-up time to /ping 200 is measured
 while the other is idle or not yet running), then both stay up. For each route and concurrency
@@ -18,6 +19,10 @@ seconds of the server's whole process tree. Per route and level: the median over
 server, and the ratio sagelmi / vLLM of the medians with a bootstrap 90% interval.
 
 Writes docs/benchmarks/results.md (tables), results.json (with every trial) and results.png.
+
+``--control`` runs the same method with vLLM's own server on both sides (an A/A run, on
+``/v1/completions``), so the ratios should be 1.0: how far they and their intervals stray from 1.0
+is what this benchmark can resolve on this machine. Writes control.md, control.json and control.png.
 """
 
 from __future__ import annotations
@@ -50,7 +55,6 @@ PROMPT = "The quick brown fox jumps over the lazy dog. Tell me a long story abou
 MAX_TOKENS = 64
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 ENGINE = {"max_num_seqs": "256", "gpu_memory_utilization": "0.5"}
-SERVERS = ("sagelmi", "vLLM")  # A and B of the trial order; ratios are sagelmi / vLLM
 RESAMPLES, CONFIDENCE, SEED = 2000, 0.9, 0
 # the per-server medians in the table; the ratio of the first three gets a bootstrap interval
 METRICS = ("tokens_per_s", "ttft_p50_ms", "cpu_s_per_1k_tokens", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
@@ -65,15 +69,24 @@ LMI = {"inputs": PROMPT, "stream": True, "parameters": {"max_new_tokens": MAX_TO
 # LMI's stream gives each token's log-probability, so the engine computes it at every step; vLLM's
 # side of that comparison asks for the same (the sampled token's, logprobs 0).
 COMPLETION_WITH_LOGPROBS = {**COMPLETION, "logprobs": 0}
-ROUTES = {
-    # route: {server: (path, body, kind of stream)}
-    "/v1/completions": {"sagelmi": ("/v1/completions", COMPLETION, "completion"),
-                        "vLLM": ("/v1/completions", COMPLETION, "completion")},
-    "/v1/chat/completions": {"sagelmi": ("/v1/chat/completions", CHAT, "chat"),
-                             "vLLM": ("/v1/chat/completions", CHAT, "chat")},
-    "/invocations (LMI)": {"sagelmi": ("/invocations", LMI, "lmi"),
-                           "vLLM": ("/v1/completions", COMPLETION_WITH_LOGPROBS, "completion")},
-}
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """What a run compares: servers A and B of the trial order (ratios are A / B), and per route
+    the (path, body, kind of stream) each is asked; ``stem`` names the files written."""
+    servers: tuple[str, str]
+    routes: dict[str, tuple[tuple[str, dict, str], tuple[str, dict, str]]]
+    stem: str
+
+
+MAIN = Comparison(("sagelmi", "vLLM"), {
+    "/v1/completions": (("/v1/completions", COMPLETION, "completion"), ("/v1/completions", COMPLETION, "completion")),
+    "/v1/chat/completions": (("/v1/chat/completions", CHAT, "chat"), ("/v1/chat/completions", CHAT, "chat")),
+    "/invocations (LMI)": (("/invocations", LMI, "lmi"), ("/v1/completions", COMPLETION_WITH_LOGPROBS, "completion")),
+}, "results")
+# the A/A run: vLLM's own server against another of itself
+CONTROL = Comparison(("vLLM A", "vLLM B"), {"/v1/completions": MAIN.routes["/v1/completions"]}, "control")
 
 
 @dataclass
@@ -283,16 +296,16 @@ def cpu_split(trials: list[dict]) -> dict[str, float | None]:
                                   for t in trials if t["output_tokens"]]) for role in roles}
 
 
-def summarise(route: str, concurrency: int, trials: list[Trial]) -> dict:
-    """Medians over each server's trials and the sagelmi / vLLM ratios with their intervals."""
-    by_server = {name: [asdict(t) for t in trials if t.server == name] for name in SERVERS}
+def summarise(names: tuple[str, str], route: str, concurrency: int, trials: list[Trial]) -> dict:
+    """Medians over each server's trials and the A / B ratios with their intervals."""
+    by_server = {name: [asdict(t) for t in trials if t.server == name] for name in names}
     servers = {name: {**{m: median_or_none([t[m] for t in ts]) for m in METRICS},
                       "trials": len(ts), "requests": sum(t["requests"] for t in ts),
                       "errors": sum(t["errors"] for t in ts), "cpu_s_per_1k_tokens_by_role": cpu_split(ts)}
                for name, ts in by_server.items()}
     ratios = {}
     for metric in RATIOS:
-        a, b = ([t[metric] for t in by_server[name] if t[metric]] for name in SERVERS)
+        a, b = ([t[metric] for t in by_server[name] if t[metric]] for name in names)
         ratios[metric] = [round(x, 4) for x in bootstrap_ratio(a, b, RESAMPLES, CONFIDENCE, SEED)] if a and b else None
     return {"route": route, "concurrency": concurrency, "servers": servers, "ratios": ratios,
             "trials": [asdict(t) for t in trials]}
@@ -305,16 +318,17 @@ def requests_per_trial(concurrency: int) -> int:
     return max(8 * concurrency, 64)
 
 
-def bench_level(servers: dict[str, Server], route: str, concurrency: int, trials: int) -> dict:
-    for name in SERVERS:  # warm-up, not measured: the engine compiles once per new batch shape
-        path, body, kind = ROUTES[route][name]
+def bench_level(run: Comparison, servers: dict[str, Server], route: str, concurrency: int, trials: int) -> dict:
+    asks = dict(zip(run.servers, run.routes[route]))
+    for name in run.servers:  # warm-up, not measured: the engine compiles once per new batch shape
+        path, body, kind = asks[name]
         run_requests(servers[name].port, path, body, kind, concurrency, concurrency)
-    order = [SERVERS[0] if x == "A" else SERVERS[1] for x in trial_order(trials)]
-    results = [run_trial(servers[name], position, *ROUTES[route][name], concurrency,
-                         requests_per_trial(concurrency))
+    order = [run.servers[0] if x == "A" else run.servers[1] for x in trial_order(trials)]
+    results = [run_trial(servers[name], position, *asks[name], concurrency, requests_per_trial(concurrency))
                for position, name in enumerate(order)]
-    level = summarise(route, concurrency, results)
-    s, v, ratio = level["servers"]["sagelmi"], level["servers"]["vLLM"], level["ratios"]["tokens_per_s"]
+    level = summarise(run.servers, route, concurrency, results)
+    s, v = (level["servers"][name] for name in run.servers)
+    ratio = level["ratios"]["tokens_per_s"]
     print(f"  {route:22} c={concurrency:<3} tok/s {s['tokens_per_s']} / {v['tokens_per_s']}  "
           f"ratio {fmt_ratio(ratio)}  TTFT p50 {s['ttft_p50_ms']} / {v['ttft_p50_ms']} ms  "
           f"errors {s['errors']} / {v['errors']}", flush=True)
@@ -330,7 +344,7 @@ def fmt_ratio(ratio: list[float] | None) -> str:
 
 
 def pair(level: dict, metric: str, digits: int = 1) -> str:
-    return " / ".join(fmt(level["servers"][name][metric], digits) for name in SERVERS)
+    return " / ".join(fmt(server[metric], digits) for server in level["servers"].values())
 
 
 def targets(data: dict) -> list[str]:
@@ -354,36 +368,59 @@ def targets(data: dict) -> list[str]:
     ]
 
 
-def write_results(data: dict, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(data, indent=2))
-    meta = data["meta"]
+def route_tables(run: Comparison, data: dict) -> tuple[str, str]:
+    """The markdown of the per-route tables, and of the CPU split by part of each server."""
     header = ("| streams | output tok/s | tok/s ratio [90% CI] | TTFT p50 ms | TTFT p50 ratio [90% CI] | TTFT p99 ms "
               "| inter-token p50 ms | inter-token p99 ms | CPU s / 1k tokens | CPU ratio [90% CI] | tokens / engine step "
               "| errors |")
     tables = []
-    for route in ROUTES:
+    for route, (ask_a, ask_b) in run.routes.items():
         rows = [header, "|" + "---|" * 12]
         for lv in (lv for lv in data["results"] if lv["route"] == route):
-            errors = " / ".join(str(lv["servers"][name]["errors"]) for name in SERVERS)
+            errors = " / ".join(str(server["errors"]) for server in lv["servers"].values())
             rows.append(f"| {lv['concurrency']} | {pair(lv, 'tokens_per_s', 0)} "
                         f"| {fmt_ratio(lv['ratios']['tokens_per_s'])} | {pair(lv, 'ttft_p50_ms')} | {fmt_ratio(lv['ratios']['ttft_p50_ms'])} "
                         f"| {pair(lv, 'ttft_p99_ms')} | {pair(lv, 'itl_p50_ms', 2)} | {pair(lv, 'itl_p99_ms', 2)} "
                         f"| {pair(lv, 'cpu_s_per_1k_tokens', 2)} | {fmt_ratio(lv['ratios']['cpu_s_per_1k_tokens'])} "
                         f"| {pair(lv, 'engine_tokens_per_step')} | {errors} |")
-        vllm_route = ROUTES[route]["vLLM"][0]
-        title = f"`{route}`" + ("" if vllm_route == ROUTES[route]["sagelmi"][0] else
-                                f" (vLLM: `{vllm_route}` with `logprobs: 0`, as LMI's stream gives each token's)")
+        title = f"`{route}`" + ("" if ask_b[0] == ask_a[0] else f" ({run.servers[1]}: `{ask_b[0]}` with `logprobs: 0`, "
+                                                                "as LMI's stream gives each token's)")
         tables.append(f"### {title}\n\n" + "\n".join(rows))
     split_rows = ["| route | streams | server | " + " | ".join(role for role, _ in ROLES) + " | other |",
                   "|" + "---|" * (len(ROLES) + 4)]
     for lv in data["results"]:
-        for name in SERVERS:
-            split = lv["servers"][name].get("cpu_s_per_1k_tokens_by_role", {})
+        for name, server in lv["servers"].items():
+            split = server.get("cpu_s_per_1k_tokens_by_role", {})
             split_rows.append(f"| `{lv['route']}` | {lv['concurrency']} | {name} | "
                               + " | ".join(fmt(split.get(role), 3) for role, _ in ROLES)
                               + f" | {fmt(split.get('other'), 3)} |")
+    return (chr(10) * 2).join(tables), chr(10).join(split_rows)
+
+
+def resolution(data: dict) -> list[str]:
+    """Of an A/A run: how far the ratios of two identical servers strayed from 1.0."""
+    lines = []
+    for metric, label in (("tokens_per_s", "Throughput"), ("ttft_p50_ms", "TTFT p50"),
+                          ("cpu_s_per_1k_tokens", "CPU per 1k tokens")):
+        ratios = [lv["ratios"][metric] for lv in data["results"] if lv["ratios"][metric]]
+        if not ratios:
+            continue
+        medians = [r[0] for r in ratios]
+        lines.append(f"- {label} ratio: medians {min(medians):.2f}-{max(medians):.2f} over the levels; "
+                     f"90% intervals from {min(r[1] for r in ratios):.2f} to {max(r[2] for r in ratios):.2f}; "
+                     f"{sum(r[1] <= 1.0 <= r[2] for r in ratios)} of {len(ratios)} intervals hold 1.0")
+    return lines
+
+
+def write_results(run: Comparison, data: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{run.stem}.json").write_text(json.dumps(data, indent=2))
+    meta = data["meta"]
+    tables, split = route_tables(run, data)
     startup = data["startup_s"]
+    if run is CONTROL:
+        write_control(run, data, out, tables, split)
+        return
     text = f"""# Serving benchmark
 
 Generated by `make bench` (`benchmarks/bench.py`) on {meta['date']}: {meta['machine']}.
@@ -410,7 +447,7 @@ both compile the model's kernels cold: vLLM keys its compile cache by the model'
 
 ![sagelmi / vLLM throughput and TTFT ratios with 90% intervals](results.png)
 
-{(chr(10) * 2).join(tables)}
+{tables}
 
 ## Where the CPU goes
 
@@ -421,19 +458,53 @@ Flask) and model worker (the handler with vLLM's OpenAI serving and `AsyncLLM`);
 sagelmi's supervisor. The engine's processes wait for each other by spinning (`sched_yield`) for up
 to a second, so their figures grow with the time a trial takes, not only with the work done.
 
-{chr(10).join(split_rows)}
+{split}
 
 ## Targets (issue 11; reported, not asserted)
 
 {chr(10).join(targets(data))}
 
-What we learned from these runs is in [README.md](README.md).
+The same method with vLLM on both sides (an A/A run) is in [control.md](control.md): the spread of
+its ratios is what this benchmark can resolve on this machine. What we learned from these runs is
+in [README.md](README.md).
 """
     (out / "results.md").write_text(text)
-    plot(data, out)
+    plot(run, data, out)
 
 
-def plot(data: dict, out: Path) -> None:
+def write_control(run: Comparison, data: dict, out: Path, tables: str, split: str) -> None:
+    meta, (a, b) = data["meta"], run.servers
+    text = f"""# A/A control: vLLM against vLLM
+
+Generated by `make bench` (`benchmarks/bench.py --control`) on {meta['date']}: {meta['machine']}.
+The method of [results.md](results.md) with vLLM's own server on both sides: two of them up at
+once, each from its own copy of the tiny model, same engine settings ({meta['engine']}), vLLM
+{meta['vllm']} CPU build; {meta['trials']} trials per server and level alternating A B B A ...,
+each max(64, 8 x streams) requests streaming {MAX_TOKENS} tokens on `/v1/completions`. Cells with
+two numbers are **{a} / {b}**, medians over trials; ratios are {a} / {b} with a bootstrap 90%
+interval. Both servers are the same program, so every ratio should be 1.0: how far the medians
+and their intervals stray from it is what this benchmark can resolve here. A sagelmi / vLLM ratio
+in results.md within that spread is not a difference this machine can show.
+
+Start-up to `GET /ping` 200: {a} {data['startup_s'][a]:.1f} s, {b} {data['startup_s'][b]:.1f} s.
+
+![{a} / {b} throughput and TTFT ratios with 90% intervals]({run.stem}.png)
+
+## Resolution
+
+{chr(10).join(resolution(data))}
+
+{tables}
+
+## Where the CPU goes
+
+{split}
+"""
+    (out / f"{run.stem}.md").write_text(text)
+    plot(run, data, out)
+
+
+def plot(run: Comparison, data: dict, out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -441,9 +512,10 @@ def plot(data: dict, out: Path) -> None:
 
     levels = sorted({lv["concurrency"] for lv in data["results"]})
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for axis, metric, title in ((axes[0], "tokens_per_s", "Output tokens/s, sagelmi / vLLM"),
-                                (axes[1], "ttft_p50_ms", "TTFT p50, sagelmi / vLLM (lower is better)")):
-        for offset, route in zip((0.94, 1.0, 1.06), ROUTES):  # side by side, so the bars don't hide each other
+    a_b = " / ".join(run.servers)
+    for axis, metric, title in ((axes[0], "tokens_per_s", f"Output tokens/s, {a_b}"),
+                                (axes[1], "ttft_p50_ms", f"TTFT p50, {a_b} (lower is better)")):
+        for offset, route in zip((0.94, 1.0, 1.06), run.routes):  # side by side, so the bars don't hide each other
             points = [(lv["concurrency"], lv["ratios"][metric]) for lv in data["results"]
                       if lv["route"] == route and lv["ratios"][metric]]
             if not points:
@@ -461,7 +533,23 @@ def plot(data: dict, out: Path) -> None:
         axis.grid(True, alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out / "results.png", dpi=110)
+    fig.savefig(out / f"{run.stem}.png", dpi=110)
+
+
+def start_vllm(name: str, model: Path, env: dict) -> Server:
+    port = free_port()
+    return start_server(
+        name, [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+               "--served-model-name", "bench", "--port", str(port), "--max-num-seqs", ENGINE["max_num_seqs"],
+               "--gpu-memory-utilization", ENGINE["gpu_memory_utilization"], "--disable-uvicorn-access-log"],
+        env, port)
+
+
+def start_sagelmi(name: str, model: Path, env: dict) -> Server:
+    port = free_port()
+    return start_server(
+        name, [sys.executable, "-m", "container", "serve", "--model-dir", str(model), "--port", str(port)],
+        {**env, **{f"OPTION_{k.upper()}": v for k, v in ENGINE.items()}, "OPTION_SERVED_MODEL_NAME": "bench"}, port)
 
 
 def main() -> int:
@@ -470,11 +558,14 @@ def main() -> int:
     parser.add_argument("--levels", default="1,8,32,64,128", help="concurrency levels (default 1,8,32,64,128)")
     parser.add_argument("--trials", type=int, default=5, help="trials per server per route and level (default 5)")
     parser.add_argument("--out", default=str(DEFAULT_OUT), help="where to write results (default docs/benchmarks)")
-    parser.add_argument("--replot", action="store_true", help="only rewrite the tables and plot from results.json")
+    parser.add_argument("--control", action="store_true",
+                        help="vLLM against vLLM on /v1/completions (an A/A run): writes control.md/.json/.png")
+    parser.add_argument("--replot", action="store_true", help="only rewrite the tables and plot from the .json")
     args = parser.parse_args()
     out = Path(args.out)
+    run = CONTROL if args.control else MAIN
     if args.replot:
-        write_results(json.loads((out / "results.json").read_text()), out)
+        write_results(run, json.loads((out / f"{run.stem}.json").read_text()), out)
         return 0
     levels = [int(x) for x in args.levels.split(",")]
     workdir = Path(tempfile.mkdtemp(prefix="sagelmi-bench-"))
@@ -482,27 +573,21 @@ def main() -> int:
     # started first compiled the model's kernels and the second reused them (8-10 s faster to
     # /ping 200). Each server gets its own copy of the tiny model, so both start cold, as a
     # container does. A --model directory is shared: the second server's start-up is then warmer.
-    models = {name: Path(args.model) if args.model else workdir / name / "tiny-model" for name in SERVERS}
+    models = {name: Path(args.model) if args.model else workdir / f"server-{i}" / "tiny-model"
+              for i, name in enumerate(run.servers)}
     if not args.model:
-        subprocess.run([sys.executable, "-m", "container", "tiny-model", str(models["sagelmi"])], check=True,
-                       cwd=REPO, capture_output=True)
-        shutil.copytree(models["sagelmi"], models["vLLM"])
+        first, second = models.values()
+        subprocess.run([sys.executable, "-m", "container", "tiny-model", str(first)], check=True, cwd=REPO,
+                       capture_output=True)
+        shutil.copytree(first, second)
     env = {**os.environ, **ENGINE_ENV}
     servers: dict[str, Server] = {}
     try:
-        port = free_port()
-        servers["sagelmi"] = start_server(
-            "sagelmi", [sys.executable, "-m", "container", "serve", "--model-dir", str(models["sagelmi"]), "--port",
-                        str(port)],
-            {**env, **{f"OPTION_{k.upper()}": v for k, v in ENGINE.items()}, "OPTION_SERVED_MODEL_NAME": "bench"},
-            port)
-        port = free_port()
-        servers["vLLM"] = start_server(
-            "vLLM", [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(models["vLLM"]),
-                     "--served-model-name", "bench", "--port", str(port), "--max-num-seqs", ENGINE["max_num_seqs"],
-                     "--gpu-memory-utilization", ENGINE["gpu_memory_utilization"], "--disable-uvicorn-access-log"],
-            env, port)
-        results = [bench_level(servers, route, concurrency, args.trials) for route in ROUTES for concurrency in levels]
+        for name in run.servers:  # one after the other: neither loads while the other does
+            start = start_sagelmi if name == "sagelmi" else start_vllm
+            servers[name] = start(name, models[name], env)
+        results = [bench_level(run, servers, route, concurrency, args.trials)
+                   for route in run.routes for concurrency in levels]
     finally:
         for server in servers.values():
             stop_server(server)
@@ -513,10 +598,10 @@ def main() -> int:
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
             "vllm": vllm.__version__, "engine": ", ".join(f"{k}={v}" for k, v in ENGINE.items()),
             "max_tokens": MAX_TOKENS, "trials": args.trials, "resamples": RESAMPLES, "confidence": CONFIDENCE,
-            "seed": SEED}
+            "seed": SEED, "servers": list(run.servers)}
     data = {"meta": meta, "startup_s": {name: s.startup_s for name, s in servers.items()}, "results": results}
-    write_results(data, out)
-    print(f"wrote {out / 'results.md'}, results.json and results.png")
+    write_results(run, data, out)
+    print(f"wrote {out / run.stem}.md, {run.stem}.json and {run.stem}.png")
     return 0
 
 

@@ -194,6 +194,7 @@ class WorkerGroup:
         env = self._env()
         command = self.command(env)
         self.process = subprocess.Popen(command, env=env, cwd=self.settings.model_dir, start_new_session=True)
+        proc.lower_session_priority(self.process.pid)  # before it starts the engine: see its docstring
         self.started_at = time.monotonic()
         self.ready = False
         self.restart_at = None

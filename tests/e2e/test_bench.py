@@ -1,5 +1,6 @@
 """`make bench` runs end to end (short levels, two trials) and writes its tables and plots: the
-serving benchmark against vLLM's own server, then the relay benchmark with no engine."""
+serving benchmark against vLLM's own server, the same with vLLM on both sides (the A/A control),
+then the relay benchmark with no engine."""
 
 import json
 import subprocess
@@ -40,6 +41,19 @@ def test_make_bench_compares_both_servers(tmp_path):
     assert "## Where the CPU goes" in (tmp_path / "results.md").read_text()
     assert "### `/v1/chat/completions`" in (tmp_path / "results.md").read_text()
     assert (tmp_path / "results.png").stat().st_size > 10_000
+
+    # the A/A run: vLLM against vLLM on /v1/completions, by the same method
+    control = json.loads((tmp_path / "control.json").read_text())
+    assert control["meta"]["servers"] == ["vLLM A", "vLLM B"]
+    assert [(r["route"], r["concurrency"]) for r in control["results"]] == [("/v1/completions", 2)]
+    level = control["results"][0]
+    assert [t["server"] for t in level["trials"]] == ["vLLM A", "vLLM B", "vLLM B", "vLLM A"]
+    assert all(server["errors"] == 0 and server["tokens_per_s"] > 0 for server in level["servers"].values())
+    ratio, low, high = level["ratios"]["tokens_per_s"]
+    assert low <= ratio <= high
+    control_md = (tmp_path / "control.md").read_text()
+    assert "## Resolution" in control_md and "- Throughput ratio: medians" in control_md
+    assert (tmp_path / "control.png").stat().st_size > 10_000
 
     relay = json.loads((tmp_path / "relay.json").read_text())
     assert [level["streams"] for level in relay["results"]] == [1, 8]

@@ -6,9 +6,12 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
+import pytest
 import requests
 
+from container.proc import WORKER_SESSION_NICE
 from tests.reliability import record
 from tests.server import MODEL_DIRS, Server
 
@@ -111,6 +114,26 @@ def test_two_groups_get_their_device_slices():
         assert [w["devices"] for w in workers] == ["0,1", "2,3"]
         seen = {server.invoke({"inputs": i}).json()["cuda_visible_devices"] for i in range(4)}
         assert seen == {"0,1", "2,3"}
+
+
+def autogroup_nice(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/autogroup").read_text().split()[-1])  # "/autogroup-123 nice 5"
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/autogroup"), reason="a kernel without autogroup")
+def test_worker_groups_sessions_give_way_to_the_frontend_for_the_cpu():
+    """Where Linux shares CPU time between sessions, a busy engine's session kept the
+    frontend's off the CPU for seconds (proc.lower_session_priority): each group's session
+    runs at a higher autogroup nice than the frontend's, its worker included."""
+    with Server(MODEL_DIRS / "gpu_groups", env={"CUDA_VISIBLE_DEVICES": "0,1,2,3"}) as server:
+        sessions = server.group_sessions()
+        assert len(sessions) == 2
+        assert [autogroup_nice(pid) for pid in sessions] == [WORKER_SESSION_NICE] * 2
+        assert {autogroup_nice(pid) for pid in server.worker_pids()} == {WORKER_SESSION_NICE}
+        frontend = subprocess.run(["pgrep", "-P", str(server.process.pid), "-f", "frontend"],
+                                  capture_output=True, text=True).stdout.split()
+        assert frontend and {autogroup_nice(int(pid)) for pid in frontend} == {0}
+        assert server.invoke({"inputs": "x"}).status_code == 200
 
 
 def test_requirements_txt_is_installed_before_loading():
