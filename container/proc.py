@@ -27,7 +27,7 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
 WORKER_SESSION_NICE = 5
 
 
-def lower_session_priority(session: int, nice: int = WORKER_SESSION_NICE) -> bool:
+def lower_session_priority(session: int) -> None:
     """Give the processes of ``session`` (a worker group: its engine and ranks) a
     lower share of the CPU than other sessions' when both want it. Where Linux
     groups CPU time by session (autogroup, on by default in many kernels), each
@@ -35,14 +35,12 @@ def lower_session_priority(session: int, nice: int = WORKER_SESSION_NICE) -> boo
     each other, then kept the frontend's session off the CPU for seconds at a
     time on 2 cores (``/metrics`` answered in 5-27 s, a departed client noticed
     after 6-14 s; 0.2 s at nice 5). The frontend needs little CPU, but at once;
-    when nothing else wants the CPU the engine gets all of it as before.
-    Returns whether the setting took (False without autogroup)."""
+    when nothing else wants the CPU the engine gets all of it as before."""
     try:
         with open(f"/proc/{session}/autogroup", "w") as f:
-            f.write(str(nice))
-        return True
-    except OSError:  # a kernel without autogroup, or the session is gone
-        return False
+            f.write(str(WORKER_SESSION_NICE))
+    except OSError:  # a kernel without autogroup, or the session is gone: nothing to adjust
+        pass
 
 
 def session_members(session: int) -> list[int]:
