@@ -23,64 +23,67 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
         os.kill(os.getpid(), sig)
 
 
-# The autogroup nice of a worker group's session (see lower_session_priority).
-WORKER_SESSION_NICE = 5
+_PR_SET_CHILD_SUBREAPER = 36
+
+# Popen arguments that start a child in a process group of its own, in sagelmi's
+# session: a terminal's Ctrl-C reaches the supervisor alone, which stops the rest in
+# order. Not a session of its own: where Linux shares CPU time between sessions
+# (autogroup), each session is one contender, and a CPU-bound engine's session kept
+# the frontend's off the CPU for seconds on 2 cores (see docs/architecture.md).
+NEW_PROCESS_GROUP = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
 
 
-def lower_session_priority(session: int) -> None:
-    """Give the processes of ``session`` (a worker group: its engine and ranks) a
-    lower share of the CPU than other sessions' when both want it. Where Linux
-    groups CPU time by session (autogroup, on by default in many kernels), each
-    session is one contender: a CPU-bound engine, whose processes busy-wait on
-    each other, then kept the frontend's session off the CPU for seconds at a
-    time on 2 cores (``/metrics`` answered in 5-27 s, a departed client noticed
-    after 6-14 s; 0.2 s at nice 5). The frontend needs little CPU, but at once;
-    when nothing else wants the CPU the engine gets all of it as before."""
+def adopt_orphans() -> None:
+    """Become the parent of this process's orphaned descendants, instead of init
+    (``PR_SET_CHILD_SUBREAPER``; kept across exec): whatever a worker group starts
+    stays below the group's first process while it lives, and below the supervisor
+    after, so that ``descendants`` finds all of it."""
     try:
-        with open(f"/proc/{session}/autogroup", "w") as f:
-            f.write(str(WORKER_SESSION_NICE))
-    except OSError:  # a kernel without autogroup, or the session is gone: nothing to adjust
-        pass
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:  # not Linux/glibc
+        return
+    libc.prctl(_PR_SET_CHILD_SUBREAPER, 1)
 
 
-def session_members(session: int) -> list[int]:
-    """PIDs of the live processes in ``session`` (a child started with
-    ``start_new_session=True`` leads the session numbered by its pid). MPI ranks
-    and engine processes each lead their own process group, but all stay in the
-    session of the process that started them."""
-    members = []
+def parents(zombies: bool = False) -> dict[int, int]:
+    """pid -> parent pid of every live process (and of zombies too, if asked)."""
+    found = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/stat", "rb") as f:
                 stat = f.read()
-        except OSError:
+        except OSError:  # gone
             continue
         # Fields after the command (which may hold spaces) start at the last ')'.
         fields = stat[stat.rindex(b")") + 2:].split()
-        state, sid = fields[0], int(fields[3])
-        if sid == session and state != b"Z":
-            members.append(int(entry))
-    return members
+        if zombies or fields[0] != b"Z":
+            found[int(entry)] = int(fields[1])
+    return found
 
 
-def signal_session(session: int, sig: int) -> int:
-    """Send ``sig`` to every process of ``session``; returns how many there were."""
-    pids = session_members(session)
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-    return len(pids)
+def descendants(roots: list[int], table: dict[int, int] | None = None) -> list[int]:
+    """The live processes below ``roots`` (``parents()`` when ``table`` is not given)."""
+    table = parents() if table is None else table
+    children: dict[int, list[int]] = {}
+    for pid, parent in table.items():
+        children.setdefault(parent, []).append(pid)
+    found, todo = [], list(roots)
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
 
 
 def exec_dying_with_parent(argv: list[str]) -> None:
     """Become ``argv`` (``execvp``), set to get SIGTERM when the parent dies: the
     setting outlives exec. ``mpirun`` is started this way, since it has no such
-    tie of its own and a killed supervisor would leave it and its ranks running."""
+    tie of its own and a killed supervisor would leave it and its ranks running;
+    it adopts its group's orphans too (``adopt_orphans``)."""
     die_with_parent(signal.SIGTERM)
+    adopt_orphans()
     os.execvp(argv[0], argv)
 
 

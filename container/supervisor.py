@@ -63,15 +63,54 @@ def _exit_text(code: int) -> str:
     return f"exit code {code}" + (f": {meaning}" if meaning else "")
 
 
-def _kill_session(process: subprocess.Popen) -> None:
-    """Kill what is left of a child's session (it leads its own): an engine's
-    helper processes (vLLM's EngineCore ...) and MPI ranks must not outlive it."""
-    proc.signal_session(process.pid, signal.SIGKILL)
+# The children this process started and has not reaped: any other child is an orphan
+# it adopted (proc.adopt_orphans), left by a group or frontend whose first process died.
+_started: set[int] = set()
+
+
+def _start(command: list[str], **options) -> subprocess.Popen:
+    """Start a child in its own process group, in this session (proc.NEW_PROCESS_GROUP)."""
+    process = subprocess.Popen(command, **options, **proc.NEW_PROCESS_GROUP)
+    _started.add(process.pid)
+    return process
+
+
+def _kill_family(process: subprocess.Popen) -> None:
+    """Kill a child and everything it started: an engine's helper processes
+    (vLLM's EngineCore ...) and MPI ranks must not outlive it. Each lives below the
+    child (it adopts its orphans) or, once the child is gone, below this process.
+    A process killed while it starts another leaves that one orphaned: repeat until
+    nothing is left."""
+    me = os.getpid()
+    for _ in range(100):
+        table = proc.parents()
+        orphans = [pid for pid, parent in table.items() if parent == me and pid not in _started]
+        roots = [process.pid] if process.pid in table else []
+        doomed = roots + orphans + proc.descendants(roots + orphans, table)
+        if not doomed:
+            break
+        for pid in doomed:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.01)
+    # Reap the orphans this process adopted, killed now or dead before (a group's first
+    # process does not reap what it adopts: waiting for any child would take exit codes
+    # the handler's own subprocesses are waiting for).
+    for pid, parent in proc.parents(zombies=True).items():
+        if parent == me and pid not in _started:
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+    process.wait()
+    _started.discard(process.pid)
 
 
 def _terminate(process: subprocess.Popen, timeout: float, graceful=None) -> None:
     """Stop a child: SIGTERM (to ``graceful`` pids instead of the child itself,
-    when given), wait up to ``timeout``, then kill the whole session."""
+    when given), wait up to ``timeout``, then kill it and everything it started."""
     if process.poll() is None:
         targets = graceful if graceful is not None else [process.pid]
         for pid in targets:
@@ -83,8 +122,7 @@ def _terminate(process: subprocess.Popen, timeout: float, graceful=None) -> None
             process.wait(timeout)
         except subprocess.TimeoutExpired:
             log.warning("pid %d did not stop within %gs; killing it", process.pid, timeout)
-    _kill_session(process)
-    process.wait()
+    _kill_family(process)
 
 
 def find_mpirun() -> str:
@@ -193,8 +231,7 @@ class WorkerGroup:
         self.incarnation += 1
         env = self._env()
         command = self.command(env)
-        self.process = subprocess.Popen(command, env=env, cwd=self.settings.model_dir, start_new_session=True)
-        proc.lower_session_priority(self.process.pid)  # before it starts the engine: see its docstring
+        self.process = _start(command, env=env, cwd=self.settings.model_dir)
         self.started_at = time.monotonic()
         self.ready = False
         self.restart_at = None
@@ -246,7 +283,7 @@ class WorkerGroup:
                     f"{self.name} did not become ready within "
                     f"{self.settings.model_loading_timeout:g}s (option.model_loading_timeout)")
             return
-        _kill_session(self.process)
+        _kill_family(self.process)
         if not self.ever_ready:
             reason = self.client.detail if self._reports(WorkerState.FAILED) else "see the log above"
             raise StartupError(f"{self.name} could not load the model ({_exit_text(code)}): {reason}")
@@ -265,7 +302,7 @@ class WorkerGroup:
         # ranks themselves, so that each stops its engine, and mpirun ends when they have.
         ranks = None
         if self.mpirun is not None:
-            ranks = [pid for pid in proc.session_members(self.process.pid) if pid != self.process.pid]
+            ranks = proc.descendants([self.process.pid])
         _terminate(self.process, STOP_TIMEOUT, graceful=ranks)
 
 
@@ -311,9 +348,8 @@ class Supervisor:
             body_read_timeout=self.settings.body_read_timeout)
         path = self.runtime / "frontend.json"
         path.write_bytes(encode_launch(launch))
-        self.frontend = subprocess.Popen(
-            [sys.executable, "-m", "container.frontend.server", str(path)],
-            pass_fds=[self.listener.fileno()], start_new_session=True)
+        self.frontend = _start([sys.executable, "-m", "container.frontend.server", str(path)],
+                               pass_fds=[self.listener.fileno()])
         self.frontend_started = time.monotonic()
 
     def _install_requirements(self) -> None:
@@ -343,6 +379,7 @@ class Supervisor:
     def run(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
+        proc.adopt_orphans()  # what a group leaves when its first process dies comes here: _kill_family
         try:
             mpirun = find_mpirun() if self.settings.use_mpi else None
             devices = discover_devices(self.settings)
@@ -385,6 +422,7 @@ class Supervisor:
                 if now - self.frontend_started < FRONTEND_MIN_UPTIME:
                     raise StartupError(f"the HTTP frontend could not start ({reason}); see the log above")
                 log.error("the HTTP frontend stopped (%s); restarting it", reason)
+                _kill_family(self.frontend)  # a gunicorn worker left behind would still take connections
                 self._start_frontend([group.plan for group in self.groups])
             time.sleep(POLL_INTERVAL)
 

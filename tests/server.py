@@ -162,26 +162,27 @@ class Server:
                              capture_output=True, text=True).stdout
         return [int(p) for p in out.split()]
 
-    def group_sessions(self) -> list[int]:
-        """The sessions of the worker groups: each group's process (a worker, or
-        mpirun in MPI mode) leads one, and everything it starts stays in it."""
+    def group_pids(self) -> list[int]:
+        """The first process of each worker group (a worker, or mpirun in MPI mode):
+        everything the group starts stays below it (container.proc.adopt_orphans)."""
         out = subprocess.run(["pgrep", "-P", str(self.process.pid)], capture_output=True, text=True).stdout
         frontend = subprocess.run(["pgrep", "-P", str(self.process.pid), "-f", "gunicorn|frontend"],
                                   capture_output=True, text=True).stdout.split()
         return [int(p) for p in out.split() if p not in frontend]
 
 
-def processes(session: int) -> dict[int, str]:
-    """The live processes of ``session``: pid -> command line."""
-    from container.proc import session_members
+def processes(group: int) -> dict[int, str]:
+    """The live processes of the group whose first process is ``group``, itself
+    included: pid -> command line."""
+    from container.proc import descendants
 
     found = {}
-    for pid in session_members(session):
+    for pid in [group, *descendants([group])]:
         try:
             found[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
         except OSError:
             pass
-    return found
+    return {pid: cmd for pid, cmd in found.items() if cmd}  # a zombie has no command line
 
 
 def mpi_rank(pid: int) -> int | None:

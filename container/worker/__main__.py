@@ -39,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mpi", action="store_true", help="one rank of an MPI worker group (under mpirun)")
     args = parser.parse_args(argv)
     proc.die_with_parent()
+    if not args.mpi:
+        proc.adopt_orphans()  # the group's first process (in MPI mode, mpirun is)
     context = _context(args)
     name = f"worker-{context.launch.group}" + (f".rank-{context.rank}" if args.mpi else "")
     logs.configure(name, context.settings.log_level)

@@ -7,6 +7,7 @@ import openai
 import pytest
 import requests
 
+from container.proc import parents
 from tests.e2e.conftest import ENGINE_READY_TIMEOUT, EXACT, VLLM_CPU_ENV
 from tests.readme import run_shell, section, serve_settings, shell_commands
 from tests.server import Server, drop_stream_and_wait_until_idle, kill_mid_stream, metric, mpi_rank, processes
@@ -43,15 +44,15 @@ def _answer_ids(server, prompt):
     return [t["id"] for t in server.invoke(body, timeout=120).json()["details"]["tokens"]]
 
 
-def _ranks(session) -> dict[int, int]:
+def _ranks(group) -> dict[int, int]:
     """rank -> pid of the group's model workers."""
-    return {mpi_rank(pid): pid for pid, cmd in processes(session).items()
-            if "container.worker" in cmd and pid != session}  # mpirun (the session leader) names it too
+    return {mpi_rank(pid): pid for pid, cmd in processes(group).items()
+            if "container.worker" in cmd and pid != group}  # mpirun (the group's first process) names it too
 
 
 def test_is_served_by_two_ranks(lmi_dist):
-    (session,) = lmi_dist.group_sessions()
-    assert sorted(_ranks(session)) == [0, 1]
+    (group,) = lmi_dist.group_pids()
+    assert sorted(_ranks(group)) == [0, 1]
 
 
 def test_streams_give_the_greedy_tokens_of_python_mode(lmi_dist, vllm_server):
@@ -94,22 +95,23 @@ def test_a_dropped_stream_is_aborted_on_both_ranks(lmi_dist, path, body):
 
 def test_a_killed_rank_ends_in_flight_streams_and_the_group_restarts(lmi_dist):
     """Last in this module: it restarts the group."""
-    (session,) = lmi_dist.group_sessions()
-    seconds, endings = kill_mid_stream(lmi_dist, _ranks(session)[1], streams=12, tokens=1000)  # the README's model: 1024
+    (group,) = lmi_dist.group_pids()
+    old = processes(group)
+    seconds, endings = kill_mid_stream(lmi_dist, _ranks(group)[1], streams=12, tokens=1000)  # the README's model: 1024
     assert seconds < 5
     assert all(e.get("code") == 503 and "stopped while handling the request" in e["error"] for e in endings)
     assert requests.get(lmi_dist.url("/ping"), timeout=2).status_code != 200
     lmi_dist.wait_until(lambda r: r.status_code == 200, timeout=ENGINE_READY_TIMEOUT)
     assert len(_answer_ids(lmi_dist, PROMPTS[0])) == 24
-    assert processes(session) == {}  # nothing of the old group is left
+    assert not set(old) & set(parents())  # nothing of the old group is left
     assert "rank 1 of the group went away" in lmi_dist.log()
 
 
 def test_pipeline_parallel_lmi_dist_gives_the_greedy_tokens_of_python_mode(tiny_model, vllm_server):
     env = {**VLLM_CPU_ENV, **EXACT, "OPTION_ROLLING_BATCH": "lmi-dist", "PIPELINE_PARALLEL_DEGREE": "2"}
     with Server(tiny_model, env=env, ready_timeout=ENGINE_READY_TIMEOUT) as pipeline:
-        (session,) = pipeline.group_sessions()
-        assert sorted(_ranks(session)) == [0, 1]
+        (group,) = pipeline.group_pids()
+        assert sorted(_ranks(group)) == [0, 1]
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             staged = list(pool.map(lambda p: _streamed_ids(pipeline, p), PROMPTS))
     assert staged == [_answer_ids(vllm_server, p) for p in PROMPTS]

@@ -3,6 +3,7 @@
 import pytest
 import requests
 
+from container.proc import parents
 from tests.e2e.conftest import ENGINE_READY_TIMEOUT, EXACT, VLLM_CPU_ENV
 from tests.server import Server, kill_mid_stream, processes
 
@@ -24,8 +25,8 @@ def _ids(server, prompt):
 
 
 def test_pipeline_parallel_2_gives_the_greedy_tokens_of_1(pipeline, vllm_server):
-    (session,) = pipeline.group_sessions()
-    stages = [cmd for cmd in processes(session).values() if cmd.startswith("VLLM::Worker_PP")]
+    (group,) = pipeline.group_pids()
+    stages = [cmd for cmd in processes(group).values() if cmd.startswith("VLLM::Worker_PP")]
     assert sorted(stages) == ["VLLM::Worker_PP0", "VLLM::Worker_PP1"]
     assert "VLLM_CPU_OMP_THREADS_BIND=" in pipeline.log()  # each stage got its own cores
     assert [_ids(pipeline, p) for p in PROMPTS] == [_ids(vllm_server, p) for p in PROMPTS]
@@ -33,8 +34,8 @@ def test_pipeline_parallel_2_gives_the_greedy_tokens_of_1(pipeline, vllm_server)
 
 def test_a_killed_engine_core_ends_in_flight_requests_and_the_group_restarts(pipeline):
     """Last in this module: it restarts the group."""
-    (session,) = pipeline.group_sessions()
-    old = processes(session)
+    (group,) = pipeline.group_pids()
+    old = processes(group)
     engine_core = next(pid for pid, cmd in old.items() if cmd.startswith("VLLM::EngineCore"))
     seconds, endings = kill_mid_stream(pipeline, engine_core, streams=8, tokens=8000)
     assert seconds < 5
@@ -42,5 +43,5 @@ def test_a_killed_engine_core_ends_in_flight_requests_and_the_group_restarts(pip
     assert requests.get(pipeline.url("/ping"), timeout=2).status_code != 200
     pipeline.wait_until(lambda r: r.status_code == 200, timeout=ENGINE_READY_TIMEOUT)
     assert len(_ids(pipeline, PROMPTS[0])) == 24
-    assert processes(session) == {}  # the old worker, its EngineCore and both stages are gone
+    assert not set(old) & set(parents())  # the old worker, its EngineCore and both stages are gone
     assert "its engine died" in pipeline.log()

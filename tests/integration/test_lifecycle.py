@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from container.proc import WORKER_SESSION_NICE
 from tests.reliability import record
+from container.proc import parents
 from tests.server import MODEL_DIRS, Server
 
 
@@ -116,24 +116,36 @@ def test_two_groups_get_their_device_slices():
         assert seen == {"0,1", "2,3"}
 
 
-def autogroup_nice(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/autogroup").read_text().split()[-1])  # "/autogroup-123 nice 5"
-
-
-@pytest.mark.skipif(not os.path.exists("/proc/self/autogroup"), reason="a kernel without autogroup")
-def test_worker_groups_sessions_give_way_to_the_frontend_for_the_cpu():
-    """Where Linux shares CPU time between sessions, a busy engine's session kept the
-    frontend's off the CPU for seconds (proc.lower_session_priority): each group's session
-    runs at a higher autogroup nice than the frontend's, its worker included."""
+def test_frontend_and_groups_share_the_session_each_in_a_process_group_of_its_own():
+    """One session: where Linux shares CPU time between sessions (autogroup), a busy
+    engine in a session of its own kept the frontend off the CPU for seconds. Own process
+    groups: a terminal's Ctrl-C reaches the supervisor alone, which stops the rest."""
     with Server(MODEL_DIRS / "gpu_groups", env={"CUDA_VISIBLE_DEVICES": "0,1,2,3"}) as server:
-        sessions = server.group_sessions()
-        assert len(sessions) == 2
-        assert [autogroup_nice(pid) for pid in sessions] == [WORKER_SESSION_NICE] * 2
-        assert {autogroup_nice(pid) for pid in server.worker_pids()} == {WORKER_SESSION_NICE}
-        frontend = subprocess.run(["pgrep", "-P", str(server.process.pid), "-f", "frontend"],
-                                  capture_output=True, text=True).stdout.split()
-        assert frontend and {autogroup_nice(int(pid)) for pid in frontend} == {0}
+        supervisor = server.process.pid
+        children = [int(p) for p in subprocess.run(["pgrep", "-P", str(supervisor)],
+                                                   capture_output=True, text=True).stdout.split()]
+        assert len(children) == 3  # the frontend and two groups
+        assert {os.getsid(pid) for pid in children} == {os.getsid(supervisor)}
+        assert {os.getpgid(pid) for pid in children} == set(children)
+        assert sorted(server.group_pids()) == sorted(server.worker_pids())
         assert server.invoke({"inputs": "x"}).status_code == 200
+
+
+def test_what_a_group_leaves_behind_goes_with_it():
+    """A process the handler orphans stays below the group's worker (which adopts it),
+    and is killed with the rest of the group when the worker dies; the worker's next
+    start serves again."""
+    with Server(MODEL_DIRS / "orphans") as server:
+        answer = server.invoke({}).json()
+        orphan, worker = answer["orphan"], answer["worker"]
+        assert parents()[orphan] == worker
+        os.kill(worker, signal.SIGKILL)
+        server.wait_until(lambda r: r.status_code != 200, timeout=10)
+        server.wait_until(lambda r: r.status_code == 200, timeout=60)
+        assert orphan not in parents()
+        again = server.invoke({}).json()
+        assert again["worker"] != worker and parents()[again["orphan"]] == again["worker"]
+    assert again["orphan"] not in parents()  # a stopped server leaves nothing either
 
 
 def test_requirements_txt_is_installed_before_loading():

@@ -11,7 +11,8 @@ import requests
 
 from tests.mpi.conftest import alive, rank_log, rank_records
 from tests.readme import run_shell, section, serve_settings, shell_commands
-from tests.server import REPO, MODEL_DIRS, Server
+from container.proc import parents
+from tests.server import REPO, MODEL_DIRS, Server, processes
 
 pytestmark = pytest.mark.mpi
 
@@ -91,7 +92,9 @@ def test_a_killed_rank_fails_requests_at_once_and_the_group_restarts(tmp_path):
     env = {**MPI, "OPTION_RECORD_DIR": str(tmp_path)}
     with Server(MODEL_DIRS / "mpi_ranks", env=env) as server:
         old = {r["RANK"]: r["pid"] for r in rank_records(tmp_path)}
-        session = os.getsid(old["0"])  # the group's mpirun leads it
+        (group,) = server.group_pids()  # mpirun
+        family = processes(group)
+        assert set(old.values()) < set(family)  # the ranks are below mpirun
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
             running = [pool.submit(server.invoke, {"sleep": 60}) for _ in range(3)]
             server.wait_until(lambda r: r.json()["workers"][0]["in_flight"] == 3, timeout=5)
@@ -104,7 +107,7 @@ def test_a_killed_rank_fails_requests_at_once_and_the_group_restarts(tmp_path):
         assert requests.get(server.url("/ping"), timeout=2).status_code != 200
         server.wait_until(lambda r: r.status_code == 200, timeout=60)
         assert server.invoke({"sleep": 0}).status_code == 200
-        assert not any(alive(pid) for pid in [*old.values(), session])
+        assert not set(family) & set(parents())  # mpirun and the old ranks are gone
         new = {r["RANK"]: r["pid"] for r in rank_records(tmp_path) if r["pid"] not in old.values()}
         assert set(new) == {"0", "1"} and all(alive(pid) for pid in new.values())
         assert "rank 1 of the group went away" in server.log()
@@ -142,10 +145,11 @@ def test_a_killed_supervisor_leaves_no_mpirun_or_rank_behind(tmp_path):
     env = {**MPI, "OPTION_RECORD_DIR": str(tmp_path)}
     with Server(MODEL_DIRS / "mpi_ranks", env=env) as server:
         ranks = [r["pid"] for r in rank_records(tmp_path)]
-        session = os.getsid(ranks[0])  # mpirun's
-        assert all(alive(pid) for pid in [*ranks, session])
+        (group,) = server.group_pids()  # mpirun
+        family = processes(group)
+        assert set(ranks) < set(family)
         os.kill(server.process.pid, signal.SIGKILL)
         deadline = time.monotonic() + 30
-        while any(alive(pid) for pid in [*ranks, session]):
+        while set(family) & set(parents()):
             assert time.monotonic() < deadline, "mpirun or its ranks outlived the killed supervisor"
             time.sleep(0.2)
