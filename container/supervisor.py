@@ -78,16 +78,23 @@ def _start(command: list[str], **options) -> subprocess.Popen:
 def _kill_family(process: subprocess.Popen) -> None:
     """Kill a child and everything it started: an engine's helper processes
     (vLLM's EngineCore ...) and MPI ranks must not outlive it. Each lives below the
-    child (it adopts its orphans) or, once the child is gone, below this process.
-    A process killed while it starts another leaves that one orphaned: repeat until
-    nothing is left."""
+    child (it adopts its orphans) or, once the child is gone, below this process,
+    which reaps them. A process killed while it starts another orphans that one:
+    repeat until nothing is left."""
     me = os.getpid()
-    for _ in range(100):
-        table = proc.parents()
-        orphans = [pid for pid, parent in table.items() if parent == me and pid not in _started]
-        roots = [process.pid] if process.pid in table else []
-        doomed = roots + orphans + proc.descendants(roots + orphans, table)
-        if not doomed:
+    deadline = time.monotonic() + STOP_TIMEOUT
+    while True:
+        adopted = [pid for pid, parent in proc.parents(zombies=True).items()
+                   if parent == me and pid not in _started]
+        for pid in adopted:  # a group's first process does not reap what it adopts, nor do we until now
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+        live = proc.parents()
+        roots = [pid for pid in [process.pid, *adopted] if pid in live]
+        doomed = roots + proc.descendants(roots, live)
+        if not doomed and not adopted or time.monotonic() > deadline:
             break
         for pid in doomed:
             try:
@@ -95,15 +102,6 @@ def _kill_family(process: subprocess.Popen) -> None:
             except ProcessLookupError:
                 pass
         time.sleep(0.01)
-    # Reap the orphans this process adopted, killed now or dead before (a group's first
-    # process does not reap what it adopts: waiting for any child would take exit codes
-    # the handler's own subprocesses are waiting for).
-    for pid, parent in proc.parents(zombies=True).items():
-        if parent == me and pid not in _started:
-            try:
-                os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                pass
     process.wait()
     _started.discard(process.pid)
 

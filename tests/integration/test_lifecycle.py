@@ -142,7 +142,7 @@ def test_what_a_group_leaves_behind_goes_with_it():
         os.kill(worker, signal.SIGKILL)
         server.wait_until(lambda r: r.status_code != 200, timeout=10)
         server.wait_until(lambda r: r.status_code == 200, timeout=60)
-        assert orphan not in parents()
+        assert orphan not in parents(zombies=True)  # killed, and reaped
         again = server.invoke({}).json()
         assert again["worker"] != worker and parents()[again["orphan"]] == again["worker"]
     assert again["orphan"] not in parents()  # a stopped server leaves nothing either
