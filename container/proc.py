@@ -45,8 +45,8 @@ def adopt_orphans() -> None:
     libc.prctl(_PR_SET_CHILD_SUBREAPER, 1)
 
 
-def parents(zombies: bool = False) -> dict[int, int]:
-    """pid -> parent pid of every live process (and of zombies too, if asked)."""
+def process_table() -> dict[int, tuple[int, bool]]:
+    """pid -> (parent pid, whether it is a zombie) of every process."""
     found = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -58,9 +58,15 @@ def parents(zombies: bool = False) -> dict[int, int]:
             continue
         # Fields after the command (which may hold spaces) start at the last ')'.
         fields = stat[stat.rindex(b")") + 2:].split()
-        if zombies or fields[0] != b"Z":
-            found[int(entry)] = int(fields[1])
+        found[int(entry)] = (int(fields[1]), fields[0] == b"Z")
     return found
+
+
+def parents(zombies: bool = False, table: dict[int, tuple[int, bool]] | None = None) -> dict[int, int]:
+    """pid -> parent pid of every live process (and of zombies too, if asked), from
+    ``table`` (``process_table()`` when not given)."""
+    table = process_table() if table is None else table
+    return {pid: parent for pid, (parent, zombie) in table.items() if zombies or not zombie}
 
 
 def descendants(roots: list[int], table: dict[int, int] | None = None) -> list[int]:

@@ -84,17 +84,17 @@ def _kill_family(process: subprocess.Popen) -> None:
     me = os.getpid()
     deadline = time.monotonic() + STOP_TIMEOUT
     while True:
-        adopted = [pid for pid, parent in proc.parents(zombies=True).items()
-                   if parent == me and pid not in _started]
+        table = proc.process_table()
+        adopted = [pid for pid, (parent, _) in table.items() if parent == me and pid not in _started]
         for pid in adopted:  # a group's first process does not reap what it adopts, nor do we until now
             try:
                 os.waitpid(pid, os.WNOHANG)
             except ChildProcessError:
                 pass
-        live = proc.parents()
+        live = proc.parents(table=table)  # those reaped just now were zombies
         roots = [pid for pid in [process.pid, *adopted] if pid in live]
         doomed = roots + proc.descendants(roots, live)
-        if not doomed and not adopted or time.monotonic() > deadline:
+        if (not doomed and not adopted) or time.monotonic() > deadline:
             break
         for pid in doomed:
             try:

@@ -6,13 +6,11 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-import pytest
 import requests
 
-from tests.reliability import record
 from container.proc import parents
+from tests.reliability import record
 from tests.server import MODEL_DIRS, Server
 
 

@@ -9,9 +9,9 @@ import time
 import pytest
 import requests
 
+from container.proc import parents
 from tests.mpi.conftest import alive, rank_log, rank_records
 from tests.readme import run_shell, section, serve_settings, shell_commands
-from container.proc import parents
 from tests.server import REPO, MODEL_DIRS, Server, processes
 
 pytestmark = pytest.mark.mpi
