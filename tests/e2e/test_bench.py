@@ -24,6 +24,7 @@ def test_make_bench_compares_both_servers(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     data = json.loads((tmp_path / "results.json").read_text())
     assert all(data["startup_s"][name] > 0 for name in ("sagelmi", "vLLM"))
+    assert data["meta"]["priming_s"] > 0  # an unmeasured server warmed the shared caches first
     assert {(r["route"], r["concurrency"]) for r in data["results"]} == {(route, 2) for route in ROUTES}
     for level in data["results"]:
         assert [t["server"] for t in level["trials"]] == ["sagelmi", "vLLM", "vLLM", "sagelmi"]
