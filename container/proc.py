@@ -83,6 +83,31 @@ def descendants(roots: list[int], table: dict[int, int] | None = None) -> list[i
     return found
 
 
+# The nice value of the processes a handler starts (the engine's): below the worker's and the
+# frontend's 0, so that the request path, which needs little CPU but at once, is never kept
+# waiting by an engine that busy-waits between its steps; an engine with the CPU to itself still
+# gets all of it. See docs/architecture.md.
+ENGINE_NICE = 10
+
+
+def lower_priority(pids: list[int], nice: int = ENGINE_NICE) -> None:
+    """Give every thread of ``pids`` at least ``nice`` (never a higher priority than it has).
+
+    Linux keeps a nice value per thread, and a new thread takes its creator's, so each existing
+    thread is set; the threads they start later inherit it."""
+    for pid in pids:
+        try:
+            tids = [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
+        except OSError:  # gone, or no /proc
+            continue
+        for tid in tids:
+            try:
+                if os.getpriority(os.PRIO_PROCESS, tid) < nice:
+                    os.setpriority(os.PRIO_PROCESS, tid, nice)
+            except OSError:  # the thread ended meanwhile
+                continue
+
+
 def exec_dying_with_parent(argv: list[str]) -> None:
     """Become ``argv`` (``execvp``), set to get SIGTERM when the parent dies: the
     setting outlives exec. ``mpirun`` is started this way, since it has no such

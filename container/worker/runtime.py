@@ -38,7 +38,7 @@ from typing import Any, AsyncIterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from container import logs
+from container import logs, proc
 from container.errors import ServiceUnavailable, describe
 from container.metrics_text import merge
 from container.protocol import (EXIT_ENGINE_DEAD, EXIT_LOAD_FAILED, EXIT_RANK_LOST, FRAME_HEADER, METRICS_PATH,
@@ -250,6 +250,10 @@ class Worker:
             return await self._set_own_state(WorkerState.FAILED,
                                              f"{origin}: {what} failed: {type(exc).__name__}: {exc}")
         log.info("model ready in %.1fs", time.monotonic() - started)
+        engine = proc.descendants([os.getpid()])
+        if engine:  # what the handler started (vLLM's EngineCore and workers ...)
+            proc.lower_priority(engine)
+            log.info("%d process(es) the handler started run at nice %d", len(engine), proc.ENGINE_NICE)
         return await self._set_own_state(WorkerState.READY)
 
     def _common_properties(self) -> dict[str, Any]:

@@ -146,6 +146,43 @@ def test_what_a_group_leaves_behind_goes_with_it():
     assert again["orphan"] not in parents()  # a stopped server leaves nothing either
 
 
+ENGINE_LIKE = """
+import subprocess, sys
+from djl_python import Input, Output
+
+engine = None
+
+def handle(inputs: Input):
+    global engine
+    if inputs.is_empty():  # initialisation: start an engine-like process with a second thread
+        engine = subprocess.Popen([sys.executable, "-c", "import threading, time; "
+                                   "threading.Thread(target=time.sleep, args=(600,)).start(); time.sleep(600)"])
+        return None
+    return Output().add_as_json({"engine": engine.pid})
+"""
+
+
+def _nice_of_threads(pid: int) -> set[int]:
+    return {os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
+
+
+def test_what_the_handler_starts_runs_below_the_request_path(tmp_path):
+    """Once the model is loaded, every thread of the processes the handler started (an
+    engine's) runs at nice 10; the worker, the frontend and the supervisor stay at 0."""
+    (tmp_path / "model.py").write_text(ENGINE_LIKE)
+    with Server(tmp_path) as server:
+        engine = server.invoke({"inputs": "x"}).json()["engine"]
+        deadline = time.monotonic() + 10
+        while len(os.listdir(f"/proc/{engine}/task")) < 2:  # its second thread has started
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert _nice_of_threads(engine) == {10}
+        (worker,) = server.worker_pids()
+        frontend = [pid for pid in parents() if parents().get(pid) == server.process.pid and pid != worker]
+        for pid in (worker, server.process.pid, *frontend):
+            assert _nice_of_threads(pid) == {0}, pid
+
+
 def test_requirements_txt_is_installed_before_loading():
     try:
         with Server(MODEL_DIRS / "with_requirements") as server:
