@@ -7,7 +7,8 @@ passed in as a file descriptor.
 
 Shutdown: on SIGTERM the worker first drains: it keeps accepting connections
 but answers 503, lets the requests in flight finish (up to the grace period),
-and only then stops.
+and only then stops. A stop signal that reaches the worker while it boots
+waits (blocked) until it has loaded the app, so none is lost.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 
 from gunicorn import glogging, util
 from gunicorn.app.base import BaseApplication
+from gunicorn.arbiter import Arbiter
 from gunicorn.workers.gthread import ThreadWorker
 
 from container import logs, proc
@@ -46,6 +48,27 @@ class GunicornLog(glogging.Logger):
         self.access_log.handlers.clear()
         self.access_log.propagate = False
         self.access_log.disabled = True
+
+
+# What stops gunicorn's worker: TERM drains it (handle_exit), INT and QUIT end it at once.
+STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGQUIT}
+
+
+class FrontendArbiter(Arbiter):
+    """gunicorn's arbiter, forking its worker with the stop signals blocked: a
+    new worker runs the arbiter's handlers until its own are installed, and the
+    app it serves is loaded after that, so a stop signal sent to it in between
+    (the supervisor stopping right after start-up) would be lost, and the
+    arbiter would wait ``graceful_timeout`` before killing it, or would find the
+    app not there yet. The worker unblocks them once it can act on them
+    (``DrainingWorker.load_wsgi``)."""
+
+    def spawn_worker(self):
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            return super().spawn_worker()  # in the worker, it returns only by exiting
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 # The path of the request gunicorn is rejecting in this thread ("" when it never got that far).
@@ -75,6 +98,10 @@ class DrainingWorker(ThreadWorker):
         proc.die_with_parent()
         util.write_error = write_json_error
         super().init_process()
+
+    def load_wsgi(self) -> None:
+        super().load_wsgi()
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # what came while booting is handled now
 
     def handle_error(self, req, client, addr, exc) -> None:
         _rejected.path = getattr(req or getattr(exc, "req", None), "path", None) or ""
@@ -145,6 +172,13 @@ class FrontendServer(BaseApplication):
         }
         for key, value in settings.items():
             self.cfg.set(key, value)
+
+    def run(self) -> None:
+        try:
+            FrontendArbiter(self).run()
+        except RuntimeError as exc:  # what gunicorn raises for a configuration it cannot start with
+            log.error("the HTTP frontend could not start: %s", exc)
+            sys.exit(1)
 
     def load(self):
         app = create_app(self.launch)

@@ -3,13 +3,15 @@
 import concurrent.futures
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 
 import requests
 
-from container.proc import parents
+from container.launch import FrontendLaunch, GroupAddress, encode_launch
+from container.proc import descendants, parents
 from tests.reliability import record
 from tests.server import MODEL_DIRS, Server
 
@@ -104,6 +106,32 @@ def test_model_directory_without_handler_stops_start_up(tmp_path):
     server = Server(tmp_path).start(wait_ready=False)
     assert server.wait_exit(30) == 1
     assert "nothing to serve: the model directory has neither model.py nor a model (config.json)" in server.log()
+
+
+def test_a_frontend_stopped_while_its_worker_boots_stops_at_once(tmp_path):
+    """When start-up fails, the supervisor stops the frontend it has just started, whose
+    gunicorn worker may still be booting. Stopped then, the worker must still drain and
+    exit: not lose the signal (gunicorn would wait its graceful timeout, 7 s here, before
+    killing it) nor fail on the app it has not loaded yet. Sent as soon as the worker is
+    forked, the signal lands in that window in most of these tries."""
+    for attempt in range(6):
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        launch = FrontendLaunch(listen_fd=listener.fileno(), groups=[GroupAddress(0, str(tmp_path / "g.sock"))],
+                                job_queue_size=4, max_payload_bytes=1 << 20, predict_timeout=10, grace_period=2)
+        (tmp_path / "frontend.json").write_bytes(encode_launch(launch))
+        frontend = subprocess.Popen([sys.executable, "-m", "container.frontend.server", str(tmp_path / "frontend.json")],
+                                    pass_fds=[listener.fileno()], stderr=subprocess.PIPE, text=True)
+        listener.close()
+        deadline = time.monotonic() + 30
+        while not descendants([frontend.pid]) and frontend.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        frontend.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        _, log = frontend.communicate(timeout=30)
+        took = time.monotonic() - started
+        assert (frontend.returncode, took < 5, "Traceback" in log) == (0, True, False), f"try {attempt}: {log}"
 
 
 def test_two_groups_get_their_device_slices():
