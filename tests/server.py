@@ -197,6 +197,11 @@ def mpi_rank(pid: int) -> int | None:
     return None
 
 
+def nice_of_threads(pid: int) -> set[int]:
+    """The nice values of a process's threads (Linux keeps one per thread)."""
+    return {os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
+
+
 class RawStream:
     """A streaming POST whose connection the test can really close (``requests``
     keeps the socket open until garbage collection, which hides disconnects)."""

@@ -9,13 +9,11 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 
-from container.proc import descendants
 from tests.e2e.conftest import ENGINE_READY_TIMEOUT, VLLM_CPU_ENV
-from tests.server import REPO, Server, clean_env, drop_stream_and_wait_until_idle
+from tests.server import REPO, Server, clean_env, drop_stream_and_wait_until_idle, nice_of_threads, processes
 
 pytestmark = pytest.mark.slow
 
@@ -135,9 +133,9 @@ def test_the_engine_runs_below_the_request_path(vllm_server):
     """vLLM's EngineCore and its worker busy-wait between steps: every one of their threads
     runs at nice 10 (container.proc.ENGINE_NICE), the model worker's at 0."""
     (worker,) = vllm_server.worker_pids()
-    engine = descendants([worker])
-    commands = {pid: Path(f"/proc/{pid}/cmdline").read_bytes() for pid in engine}
-    assert any(b"VLLM::EngineCore" in command for command in commands.values()), commands
+    engine = processes(worker)
+    del engine[worker]
+    assert any("VLLM::EngineCore" in command for command in engine.values()), engine
     for pid in engine:
-        assert {os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir(f"/proc/{pid}/task")} == {10}
-    assert {os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir(f"/proc/{worker}/task")} == {0}
+        assert nice_of_threads(pid) == {10}
+    assert nice_of_threads(worker) == {0}

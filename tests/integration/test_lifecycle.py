@@ -13,7 +13,7 @@ import requests
 from container.launch import FrontendLaunch, GroupAddress, encode_launch
 from container.proc import descendants, parents
 from tests.reliability import record
-from tests.server import MODEL_DIRS, Server
+from tests.server import MODEL_DIRS, Server, nice_of_threads
 
 
 def test_ping_is_503_while_loading_then_200(tmp_path):
@@ -190,10 +190,6 @@ def handle(inputs: Input):
 """
 
 
-def _nice_of_threads(pid: int) -> set[int]:
-    return {os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
-
-
 def test_what_the_handler_starts_runs_below_the_request_path(tmp_path):
     """Once the model is loaded, every thread of the processes the handler started (an
     engine's) runs at nice 10; the worker, the frontend and the supervisor stay at 0."""
@@ -204,11 +200,11 @@ def test_what_the_handler_starts_runs_below_the_request_path(tmp_path):
         while len(os.listdir(f"/proc/{engine}/task")) < 2:  # its second thread has started
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        assert _nice_of_threads(engine) == {10}
+        assert nice_of_threads(engine) == {10}
         (worker,) = server.worker_pids()
-        frontend = [pid for pid in parents() if parents().get(pid) == server.process.pid and pid != worker]
+        frontend = [pid for pid, parent in parents().items() if parent == server.process.pid and pid != worker]
         for pid in (worker, server.process.pid, *frontend):
-            assert _nice_of_threads(pid) == {0}, pid
+            assert nice_of_threads(pid) == {0}, pid
 
 
 def test_requirements_txt_is_installed_before_loading():
