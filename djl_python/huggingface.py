@@ -4,7 +4,7 @@ for ``model.py`` files that wrap LMI's default handler.
 Here the service runs the model on sagelmi's built-in vLLM engine (continuous
 batching, LMI and OpenAI schemas), in the worker's own loop. Call it from a
 synchronous ``handle`` (as LMI's examples do). With ``option.rolling_batch=disable``
-it runs sagelmi's Hugging Face Accelerate engine (``handlers.hf_accelerate``)
+it runs sagelmi's Hugging Face Accelerate engine (``handlers.engines.accelerate``)
 instead. The LoRA adapter calls are not available yet: they say so when called. ``get_pipeline`` builds a ``transformers`` pipeline.
 """
 
@@ -14,9 +14,9 @@ import asyncio
 import json
 import logging
 
-from container.worker.context import current
+from handlers.api.context import current
 from handlers.api import Input, Output
-from handlers.hf_accelerate import ARCHITECTURES_2_TASK
+from handlers.engines.accelerate import ARCHITECTURES_2_TASK
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ def enable_flash() -> bool:
 def get_rolling_batch_class_from_str(rolling_batch_type: str):
     """The class that serves ``rolling_batch_type``: vLLM's engine for ``vllm``."""
     if rolling_batch_type in ("vllm", "lmi-dist", "auto"):
-        from handlers.vllm_handler import VllmService
+        from handlers.engines.vllm import VllmService
         return VllmService
     raise ValueError(f"Invalid rolling batch type: {rolling_batch_type}")
 
@@ -100,7 +100,7 @@ class HuggingFaceService:
         self.hf_configs = dict(properties)
         rolling_batch = str(properties.get("rolling_batch", context.settings.rolling_batch))
         if rolling_batch == "disable":
-            from handlers.hf_accelerate import AccelerateService
+            from handlers.engines.accelerate import AccelerateService
             log.warning("ENGINE: HuggingFaceService runs the Hugging Face Accelerate engine "
                         "(option.rolling_batch=disable)")
             self.accelerate = AccelerateService.load(context)

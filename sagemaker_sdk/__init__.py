@@ -7,8 +7,8 @@ machine, in a container or a plain process).
 Runs on the user's machine: imports neither vLLM, torch nor gunicorn.
 """
 
-from container.settings import SettingsError
-from handlers.vllm_args import EngineOptionError
+from container.core.settings import SettingsError
+from container.core.engine_args import EngineOptionError
 from sagemaker_sdk.model import DoesNotFit, SagelmiModel
 from sagemaker_sdk.predictor import SagelmiPredictor
 from sagemaker_sdk.streaming import StreamError, StreamParser, parse_stream

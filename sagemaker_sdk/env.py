@@ -1,6 +1,6 @@
 """The container's environment, built and checked on the user's machine with the
-container's own settings schema (``container.settings``) and engine-option check
-(``handlers.vllm_args.check_engine_option``), so that a setting the container
+container's own settings schema (``container.core.settings``) and engine-option check
+(``container.core.engine_args.check_engine_option``), so that a setting the container
 would refuse is refused here first, with the same message, before anything
 reaches AWS. Nothing here imports vLLM, torch or gunicorn, or calls AWS.
 """
@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from container.settings import KEY_BY_NAME, KEYS, Settings, SettingsError, _option_key, resolve_settings
-from handlers.loader import uses_builtin_engine
-from handlers.vllm_args import check_engine_option
+from container.core.settings import KEY_BY_NAME, KEYS, Settings, SettingsError, _option_key, resolve_settings
+from container.core.handler_choice import uses_builtin_engine
+from container.core.engine_args import check_engine_option
 
 
 @dataclass(frozen=True)

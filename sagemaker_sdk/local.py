@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
-from container.settings import KEYS
+from container.core.settings import KEYS
 from sagemaker_sdk.predictor import SagelmiPredictor
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ from sagemaker import s3
 from sagemaker.model import Model
 
 from sagemaker_sdk import sizing
-from container.settings import SettingsError
+from container.core.settings import SettingsError
 from sagemaker_sdk.env import ContainerEnv, build_container_env, env_name, env_text, option_key
 from sagemaker_sdk.predictor import SagelmiPredictor
 
@@ -142,7 +142,7 @@ class SagelmiModel(Model):
 
     @property
     def settings(self):
-        """The settings the container will resolve (``container.settings.Settings``)."""
+        """The settings the container will resolve (``container.core.settings.Settings``)."""
         return self.container.settings
 
     # -- model data --------------------------------------------------------------------
@@ -237,10 +237,10 @@ class SagelmiModel(Model):
                               **kwargs)
 
     def plan(self, instance_type: str):
-        """``container.plan``'s plan of this model on ``instance_type`` with its settings
+        """``container.core.plan``'s plan of this model on ``instance_type`` with its settings
         (one split: the tensor and pipeline parallel degrees asked for); None when the
         instance is not a known GPU instance or the model's config cannot be read."""
-        from container.plan import INSTANCES, PlanError, hardware_of, plan_from_settings, read_model
+        from container.core.plan import INSTANCES, PlanError, hardware_of, plan_from_settings, read_model
 
         if instance_type not in INSTANCES:
             return None

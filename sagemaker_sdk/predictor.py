@@ -1,7 +1,7 @@
 """A predictor that speaks the container's schemas through ``/invocations``:
 LMI text generation (``{"inputs", "parameters", "stream"}``) and OpenAI chat
 (``{"messages", ...}``), which the built-in handler tells apart by the body
-(``handlers/vllm_handler.py``), with streaming over SageMaker's
+(``handlers/engines/vllm.py``), with streaming over SageMaker's
 ``invoke_endpoint_with_response_stream``."""
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 # The formulas are the container's (``sagelmi plan`` suggests the same timeouts).
-from container.sizing import (DOWNLOAD_BASE, DOWNLOAD_PER_GB, MAX_TIMEOUT, MIN_TIMEOUT,  # noqa: E402,F401
+from container.core.sizing import (DOWNLOAD_BASE, DOWNLOAD_PER_GB, MAX_TIMEOUT, MIN_TIMEOUT,  # noqa: E402,F401
                               STARTUP_BASE, STARTUP_PER_GB, UNKNOWN_SIZE_TIMEOUT, download_timeout, startup_timeout)
 
 
@@ -65,8 +65,8 @@ def s3_gb(s3_client: Any, uri: str) -> float | None:
 
 def hub_gb(repo_id: str, revision: str | None = None, token: str | None = None, timeout: float = 10) -> float | None:
     """The size in GB of what the container downloads for a Hub model (its
-    ``container.artifacts.selected_files``); None when the Hub cannot tell (logged)."""
-    from container.artifacts import selected_files
+    ``container.core.artifacts.selected_files``); None when the Hub cannot tell (logged)."""
+    from container.core.artifacts import selected_files
 
     try:
         from huggingface_hub import HfApi

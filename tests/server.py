@@ -164,7 +164,7 @@ class Server:
 
     def group_pids(self) -> list[int]:
         """The first process of each worker group (a worker, or mpirun in MPI mode):
-        everything the group starts stays below it (container.proc.adopt_orphans)."""
+        everything the group starts stays below it (container.core.proc.adopt_orphans)."""
         out = subprocess.run(["pgrep", "-P", str(self.process.pid)], capture_output=True, text=True).stdout
         frontend = subprocess.run(["pgrep", "-P", str(self.process.pid), "-f", "gunicorn|frontend"],
                                   capture_output=True, text=True).stdout.split()
@@ -174,7 +174,7 @@ class Server:
 def processes(group: int) -> dict[int, str]:
     """The live processes of the group whose first process is ``group``, itself
     included: pid -> command line."""
-    from container.proc import descendants
+    from container.core.proc import descendants
 
     found = {}
     for pid in [group, *descendants([group])]:

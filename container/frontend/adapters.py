@@ -20,10 +20,10 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from container.errors import Conflict, InputError, NotFound, ServingError
-from container.group_client import GroupClient, WorkerFailed
-from container.launch import ModelInfo
-from container.protocol import Message, RegisterAdapter, UnregisterAdapter
+from container.core.errors import Conflict, InputError, NotFound, ServingError
+from container.frontend.group_client import GroupClient, WorkerFailed
+from container.core.launch import ModelInfo
+from container.core.protocol import Message, RegisterAdapter, UnregisterAdapter
 
 log = logging.getLogger("sagelmi.adapters")
 
@@ -180,7 +180,7 @@ class AdapterRegistry:
     def _local(self, src: str) -> Path:
         """The local directory ``src`` names; an ``s3://`` prefix is downloaded first."""
         if src.startswith("s3://"):
-            from container.artifacts import ArtifactError, fetch_s3
+            from container.core.artifacts import ArtifactError, fetch_s3
 
             try:
                 return fetch_s3(src)

@@ -24,19 +24,19 @@ from flask import Flask, Response, g, request
 from prometheus_client import CONTENT_TYPE_LATEST
 from werkzeug.exceptions import HTTPException
 
-from container import openapi
-from container.artifacts import download_root
-from container.errors import (ClientClosedRequest, GatewayTimeout, InputError, MethodNotAllowed, NotFound,
+from container.frontend import openapi
+from container.core.artifacts import download_root
+from container.core.errors import (ClientClosedRequest, GatewayTimeout, InputError, MethodNotAllowed, NotFound,
                               PayloadTooLarge, ServingError, describe, envelope_for, is_openai_path)
 from container.frontend.adapters import AdapterRegistry
 from container.frontend.body import WSGI_RESPONSE, read_body
 from container.frontend.management import add_management_routes
 from container.frontend.metrics import FrontendMetrics
 from container.frontend.router import Router
-from container.group_client import GroupClient, PendingRequest
-from container.launch import FrontendLaunch, ModelInfo
-from container.logs import request_id_var
-from container.protocol import Invoke, WorkerState
+from container.frontend.group_client import GroupClient, PendingRequest
+from container.core.launch import FrontendLaunch, ModelInfo
+from container.core.logs import request_id_var
+from container.core.protocol import Invoke, WorkerState
 
 log = logging.getLogger("sagelmi.frontend")
 

@@ -23,7 +23,7 @@ import time
 
 from gunicorn.http.errors import NoMoreData
 
-from container.errors import InputError, PayloadTooLarge
+from container.core.errors import InputError, PayloadTooLarge
 
 READ_SIZE = 1 << 16
 

@@ -13,10 +13,10 @@ import json
 
 from flask import Flask, Response, request
 
-from container.errors import NotFound
+from container.core.errors import NotFound
 from container.frontend.adapters import Adapter, AdapterRegistry
 from container.frontend.router import Router
-from container.launch import FrontendLaunch
+from container.core.launch import FrontendLaunch
 
 
 def _json(body, status: int = 200) -> Response:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from container.metrics_text import merge
+from container.core.metrics_text import merge
 
 
 class FrontendMetrics:

@@ -12,10 +12,10 @@ from __future__ import annotations
 import itertools
 import threading
 
-from container.errors import ServiceUnavailable
-from container.group_client import GroupClient
-from container.launch import FrontendLaunch
-from container.protocol import WorkerState
+from container.core.errors import ServiceUnavailable
+from container.frontend.group_client import GroupClient
+from container.core.launch import FrontendLaunch
+from container.core.protocol import WorkerState
 
 
 class Router:

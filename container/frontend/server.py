@@ -25,11 +25,11 @@ from gunicorn.app.base import BaseApplication
 from gunicorn.arbiter import Arbiter
 from gunicorn.workers.gthread import ThreadWorker
 
-from container import logs, proc
-from container.errors import InputError, envelope_for, scrub
+from container.core import logs, proc
+from container.core.errors import InputError, envelope_for, scrub
 from container.frontend.app import create_app
 from container.frontend.body import CLOSE_CONNECTION, WSGI_RESPONSE
-from container.launch import FrontendLaunch, decode_frontend_launch
+from container.core.launch import FrontendLaunch, decode_frontend_launch
 
 log = logging.getLogger("sagelmi.frontend")
 

@@ -10,10 +10,10 @@ import os
 import sys
 from pathlib import Path
 
-from container import logs, proc
-from container.launch import decode_worker_launch
-from container.settings import Settings
-from container.worker.context import WorkerContext
+from container.core import logs, proc
+from container.core.launch import decode_worker_launch
+from container.core.settings import Settings
+from handlers.api.context import WorkerContext
 from container.worker.runtime import Worker
 
 

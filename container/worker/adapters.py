@@ -19,8 +19,8 @@ import asyncio
 import logging
 from typing import Any
 
-from container.errors import InputError, describe
-from container.protocol import End, Fail, RegisterAdapter, UnregisterAdapter
+from container.core.errors import InputError, describe
+from container.core.protocol import End, Fail, RegisterAdapter, UnregisterAdapter
 
 log = logging.getLogger("sagelmi.worker.adapters")
 

@@ -16,7 +16,7 @@ import asyncio
 import logging
 from typing import Awaitable, Callable
 
-from container.protocol import Invoke
+from container.core.protocol import Invoke
 
 log = logging.getLogger("sagelmi.worker")
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from container.protocol import (METRICS_PATH, Broadcast, FrameBuffer, Invoke, Message, ProtocolError, RankMetrics,
+from container.core.protocol import (METRICS_PATH, Broadcast, FrameBuffer, Invoke, Message, ProtocolError, RankMetrics,
                                 Status, WorkerState, encode)
 
 log = logging.getLogger("sagelmi.ranks")

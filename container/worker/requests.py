@@ -20,11 +20,10 @@ import re
 import struct
 from email.parser import BytesParser
 from email.policy import HTTP
-from typing import AsyncIterator
 from urllib.parse import parse_qsl
 
-from container.errors import AnswerError, HandlerError, InputError
-from container.protocol import Invoke
+from container.core.errors import AnswerError, HandlerError, InputError
+from container.core.protocol import Invoke
 from handlers.api import Input, Output
 
 _BATCH_KEY = re.compile(r"^batch_(\d+)\.(.*)$", re.S)
@@ -181,13 +180,6 @@ def _raise_if_failed(fields: dict[str, str]) -> None:
     error = fields.get("error")
     if (error and error != "None") or (code is not None and code >= 300):
         raise AnswerError(error if error and error != "None" else "the handler reported an error", code or 424)
-
-
-async def prepend(first: object, rest: AsyncIterator) -> AsyncIterator:
-    """``first``, then the items of ``rest``: a stream whose first item was looked at."""
-    yield first
-    async for item in rest:
-        yield item
 
 
 def chunk_of(item: Output) -> tuple[bytes, bool]:

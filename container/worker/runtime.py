@@ -38,19 +38,20 @@ from typing import Any, AsyncIterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from container import logs, proc
-from container.errors import ServiceUnavailable, describe
-from container.metrics_text import merge
-from container.protocol import (EXIT_ENGINE_DEAD, EXIT_LOAD_FAILED, EXIT_RANK_LOST, FRAME_HEADER, METRICS_PATH,
+from container.core import logs, proc
+from container.core.errors import ServiceUnavailable, describe
+from container.core.metrics_text import merge
+from container.core.protocol import (EXIT_ENGINE_DEAD, EXIT_LOAD_FAILED, EXIT_RANK_LOST, FRAME_HEADER, METRICS_PATH,
                                 Cancel, Chunk, End, Fail, Head, Invoke, InvokeBatch, Message, ProtocolError,
                                 RegisterAdapter, Status, UnregisterAdapter, WorkerState, decode, encode,
                                 frame_length)
 from container.worker.adapters import AdapterTable
 from container.worker.batching import Batcher
-from container.worker.context import WorkerContext, set_current
-from container.worker.requests import batch_input, chunk_of, prepend, request_input, split_batch, to_output
+from handlers.api.context import WorkerContext, set_current
+from container.worker.requests import batch_input, chunk_of, request_input, split_batch, to_output
+from handlers.api import prepend
 from handlers.api import Input, Output, json_line
-from handlers.loader import Handler, HandlerLoadError, load_handler
+from handlers.api.loader import Handler, HandlerLoadError, load_handler
 
 log = logging.getLogger("sagelmi.worker")
 

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.slow
 
 EXAMPLES = int(os.environ.get("SAGELMI_FUZZ_EXAMPLES", "25"))  # generated requests per operation and mode
 REQUEST_TIMEOUT = 120
-# The 503 and 504 a healthy server may give one client (container/openapi.py's table): a full
+# The 503 and 504 a healthy server may give one client (container/frontend/openapi.py's table): a full
 # queue, shutting down, predict_timeout. A worker group that stopped (an engine a request
 # crashed) or that is not ready is a failure here.
 DOCUMENTED_5XX = {503: ("request queue is full", "shutting down"), 504: ("predict_timeout",)}

@@ -7,7 +7,7 @@ import openai
 import pytest
 import requests
 
-from container.proc import parents
+from container.core.proc import parents
 from tests.e2e.conftest import ENGINE_READY_TIMEOUT, EXACT, VLLM_CPU_ENV
 from tests.readme import run_shell, section, serve_settings, shell_commands
 from tests.server import Server, drop_stream_and_wait_until_idle, kill_mid_stream, metric, mpi_rank, processes

@@ -3,7 +3,7 @@
 import pytest
 import requests
 
-from container.proc import parents
+from container.core.proc import parents
 from tests.e2e.conftest import ENGINE_READY_TIMEOUT, EXACT, VLLM_CPU_ENV
 from tests.server import Server, kill_mid_stream, processes
 

@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from container.plan import make_plan, read_model
+from container.core.plan import make_plan, read_model
 from tests.e2e.conftest import ENGINE_READY_TIMEOUT, VLLM_CPU_ENV
 from tests.server import REPO, Server, clean_env
 

@@ -45,7 +45,7 @@ LONG_PROMPT = "red green " * 1500  # about 3000 tokens: more than one engine ste
 
 def test_a_seeded_sample_of_a_prompt_split_across_steps_is_answered_as_if_taken_whole(vllm_server, tiny_model):
     """vLLM 0.32's CPU build died on this ("CPU Generator does not use offset": every request in
-    flight 503, /ping 503 for ~25 s); handlers/vllm_plugin.py rewinds the seeded generator by its
+    flight 503, /ping 503 for ~25 s); handlers/engines/vllm_plugin.py rewinds the seeded generator by its
     state. The answer must be what offline vLLM gives when the whole prompt fits in one step."""
     body = {"inputs": LONG_PROMPT, "parameters": {"max_new_tokens": 16, "do_sample": True, "seed": 7,
                                                   "details": True, "ignore_eos": True}}
@@ -131,7 +131,7 @@ def test_a_killed_engine_worker_leaves_no_engine_processes_behind(tiny_model):
 
 def test_the_engine_runs_below_the_request_path(vllm_server):
     """vLLM's EngineCore and its worker busy-wait between steps: every one of their threads
-    runs at nice 10 (container.proc.ENGINE_NICE), the model worker's at 0."""
+    runs at nice 10 (container.core.proc.ENGINE_NICE), the model worker's at 0."""
     (worker,) = vllm_server.worker_pids()
     engine = processes(worker)
     del engine[worker]

@@ -10,8 +10,8 @@ import time
 
 import requests
 
-from container.launch import FrontendLaunch, GroupAddress, encode_launch
-from container.proc import descendants, parents
+from container.core.launch import FrontendLaunch, GroupAddress, encode_launch
+from container.core.proc import descendants, parents
 from tests.reliability import record
 from tests.server import MODEL_DIRS, Server, nice_of_threads
 

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from container.settings import reference_table
+from container.core.settings import reference_table
 from tests.readme import README, on_port, python_snippets, quick_start_curls, run_shell, shell_commands
 from tests.server import REPO, clean_env, free_port, wait_healthy
 

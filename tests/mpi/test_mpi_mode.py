@@ -9,7 +9,7 @@ import time
 import pytest
 import requests
 
-from container.proc import parents
+from container.core.proc import parents
 from tests.mpi.conftest import alive, rank_log, rank_records
 from tests.readme import run_shell, section, serve_settings, shell_commands
 from tests.server import REPO, MODEL_DIRS, Server, processes

@@ -10,8 +10,8 @@ import tarfile
 import pytest
 import sagemaker
 
-from container.settings import SettingsError, resolve_settings
-from handlers.vllm_args import EngineOptionError
+from container.core.settings import SettingsError, resolve_settings
+from container.core.engine_args import EngineOptionError
 from sagemaker_sdk import SagelmiModel, SagelmiPredictor
 from sagemaker_sdk import sizing
 from tests.sdk.conftest import IMAGE, INSTANCE_TYPE, ROLE, TEXTGEN
@@ -94,7 +94,7 @@ def test_timeouts_follow_the_models_size(session):
 
 
 def test_a_hub_model_is_sized_from_the_files_the_container_downloads(session, monkeypatch):
-    monkeypatch.setattr("container.sizing.STARTUP_PER_GB", 20_000)  # the fake Hub's 2 MB model is then 40 s a MB
+    monkeypatch.setattr("container.core.sizing.STARTUP_PER_GB", 20_000)  # the fake Hub's 2 MB model is then 40 s a MB
     model = SagelmiModel(model_id="org/two-gb", image_uri=IMAGE, role=ROLE, sagemaker_session=session)
     assert model.model_size() == pytest.approx(0.002)  # the safetensors only: the .bin is not downloaded
     model.deploy(instance_type=INSTANCE_TYPE, wait=False)

@@ -10,8 +10,8 @@ import tarfile
 
 import pytest
 
-from container.settings import SettingsError, resolve_settings
-from handlers.vllm_args import EngineOptionError
+from container.core.settings import SettingsError, resolve_settings
+from container.core.engine_args import EngineOptionError
 from sagemaker_sdk import SagelmiModel
 from sagemaker_sdk.env import env_name, env_text
 from sagemaker_sdk.model import pack_directory
@@ -86,7 +86,7 @@ def test_an_unknown_engine_option_is_refused_naming_the_nearest():
 
 
 def test_the_sdk_and_the_container_refuse_an_engine_option_in_the_same_words():
-    from handlers.vllm_args import build_engine_kwargs  # imports vLLM: the container's side
+    from handlers.engines.vllm_args import build_engine_kwargs  # imports vLLM: the container's side
 
     with pytest.raises(EngineOptionError) as sdk:
         model(model_id="org/model", options={"max_num_seq": 8})

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from container.settings import resolve_settings
+from container.core.settings import resolve_settings
 from sagemaker_sdk import EngineOptionError, SagelmiModel, SagelmiPredictor
 from sagemaker_sdk.local import LocalSession
 from tests.readme import README

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from container.errors import InputError, describe
+from container.core.errors import InputError, describe
 from container.frontend.adapters import check_source
 
 

@@ -5,7 +5,7 @@ import pytest
 from djl_python import Input, Output
 from djl_python.inputs import Input as Input2
 from handlers.api import PairList
-from container.errors import InvalidJSON, describe
+from container.core.errors import InvalidJSON, describe
 
 
 def test_djl_python_import_paths_are_the_same_classes():
@@ -137,7 +137,7 @@ def test_binary_encode_and_finalize():
 
 
 def test_json_nested_too_deeply_is_an_input_error_not_a_recursion_error():
-    from container.errors import InputError, describe
+    from container.core.errors import InputError, describe
     from handlers.api import MAX_JSON_DEPTH
 
     for depth in (MAX_JSON_DEPTH + 1, 100_000):

@@ -1,7 +1,7 @@
 import pytest
 
-from container.devices import GroupPlan, cpu_binding, discover_devices, parse_visible_devices, plan_groups
-from container.settings import SettingsError, resolve_settings
+from container.core.devices import GroupPlan, cpu_binding, discover_devices, parse_visible_devices, plan_groups
+from container.core.settings import SettingsError, resolve_settings
 
 
 def settings(tmp_path, **env):

@@ -1,6 +1,6 @@
 import json
 
-from container.errors import (GatewayTimeout, PayloadTooLarge, ServiceUnavailable, describe, envelope, envelope_for,
+from container.core.errors import (GatewayTimeout, PayloadTooLarge, ServiceUnavailable, describe, envelope, envelope_for,
                               scrub)
 
 

@@ -2,8 +2,8 @@ import json
 
 import pytest
 
-from container.errors import InputError
-from handlers.lmi_schema import Formatter, Generation, TokenInfo, finish_reason, parse_request
+from container.core.errors import InputError
+from handlers.engines.lmi_schema import Formatter, Generation, TokenInfo, finish_reason, parse_request
 
 SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "repetition_penalty",
                    "logprobs", "prompt_logprobs", "ignore_eos", "min_p", "presence_penalty", "output_kind", "n"}

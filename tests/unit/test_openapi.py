@@ -2,14 +2,16 @@
 
 import re
 
-from container import errors, openapi
+from container.core import errors
+from container.cli import openapi as openapi_build
+from container.frontend import openapi
 from container.frontend.app import create_app
-from container.launch import FrontendLaunch, ModelInfo
-from handlers.lmi_schema import Formatter, Generation, LmiAnswer, TokenInfo, parse_request
+from container.core.launch import FrontendLaunch, ModelInfo
+from handlers.engines.lmi_schema import Formatter, Generation, LmiAnswer, TokenInfo, parse_request
 
 
 def test_the_packaged_document_is_what_the_types_generate():
-    assert openapi.DOCUMENT_FILE.read_text() == openapi.render(openapi.build()), \
+    assert openapi.DOCUMENT_FILE.read_text() == openapi_build.render(openapi_build.build()), \
         "regenerate it: python -m container openapi --write"
 
 

@@ -6,7 +6,7 @@ import struct
 
 import pytest
 
-from container.plan import (GIB, ModelShape, PlanError, hardware_of, kv_bytes_per_token, make_plan, resolved_dtype,
+from container.core.plan import (GIB, ModelShape, PlanError, hardware_of, kv_bytes_per_token, make_plan, resolved_dtype,
                             safetensors_bytes, weight_bytes)
 
 LLAMA_8B = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096,
@@ -109,7 +109,7 @@ def test_hardware_is_an_instance_or_both_numbers():
 
 
 def test_vllms_kv_tokens_are_read_from_its_cache_config_metric():
-    from container.plan_check import reported_kv_tokens
+    from container.supervisor.plan_check import reported_kv_tokens
 
     metrics = ('# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n'
                'vllm:cache_config_info{block_size="128",cache_dtype="auto",engine="0",num_gpu_blocks="8192"} 1.0\n')

@@ -3,10 +3,10 @@ import threading
 
 import pytest
 
-from container.launch import WorkerLaunch, decode_worker_launch, encode_launch
-from container.protocol import (FRAME_HEADER, Broadcast, Cancel, Chunk, End, Fail, FrameBuffer, Head, Invoke,
+from container.core.launch import WorkerLaunch, decode_worker_launch, encode_launch
+from container.core.protocol import (FRAME_HEADER, Broadcast, Cancel, Chunk, End, Fail, FrameBuffer, Head, Invoke,
                                 ProtocolError, Status, WorkerState, decode, encode)
-from container.settings import Settings
+from container.core.settings import Settings
 
 MESSAGES = [
     Invoke(id="r1", properties={"content-type": "application/json"}, body=b'{"a": 1}'),

@@ -4,8 +4,8 @@ import sys
 
 import pytest
 
-from container.serving_properties import parse_properties
-from container.settings import KEY_BY_FIELD, KEYS, SettingsError, describe_settings, resolve_settings
+from container.core.serving_properties import parse_properties
+from container.core.settings import KEY_BY_FIELD, KEYS, SettingsError, describe_settings, resolve_settings
 from tests.server import REPO, clean_env
 
 

@@ -10,12 +10,12 @@ from gunicorn.config import Config
 from gunicorn.http import wsgi
 from gunicorn.http.parser import RequestParser
 
-from container.errors import ClientClosedRequest
+from container.core.errors import ClientClosedRequest
 from container.frontend.app import ClientSink
 from container.frontend.body import WSGI_RESPONSE
 from container.frontend.server import GunicornBridge
-from container.group_client import PendingRequest
-from container.protocol import Chunk, End, Fail, Head
+from container.frontend.group_client import PendingRequest
+from container.core.protocol import Chunk, End, Fail, Head
 
 
 def read_until(sock: socket.socket, ending: bytes, timeout: float = 5) -> bytes:

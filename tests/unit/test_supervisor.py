@@ -4,8 +4,8 @@ import shutil
 import pytest
 
 from container import supervisor
-from container.devices import GroupPlan
-from container.settings import resolve_settings
+from container.core.devices import GroupPlan
+from container.core.settings import resolve_settings
 
 
 def test_mpirun_command_starts_tp_x_pp_ranks_with_the_users_arguments(tmp_path):

@@ -2,8 +2,9 @@ import json
 
 import pytest
 
-from container.settings import resolve_settings
-from handlers.vllm_args import EngineOptionError, build_engine_kwargs, check_engine_option
+from container.core.settings import resolve_settings
+from container.core.engine_args import EngineOptionError, check_engine_option
+from handlers.engines.vllm_args import build_engine_kwargs
 
 
 def build(cpu=False, tp=1, model="/opt/ml/model", **options):
@@ -78,7 +79,8 @@ def test_bad_values_are_refused():
 
 
 def test_packaged_engine_argument_list_matches_the_installed_vllm():
-    from handlers.vllm_args import ENGINE_ARGS_FILE, engine_arg_list
+    from container.cli.engine_args import engine_arg_list
+    from container.core.engine_args import ENGINE_ARGS_FILE
 
     packaged = json.loads(ENGINE_ARGS_FILE.read_text())
     assert packaged == engine_arg_list(), "regenerate it: python -m container engine-args --write"
@@ -87,7 +89,7 @@ def test_packaged_engine_argument_list_matches_the_installed_vllm():
 
 def test_engine_args_command_prints_the_list(capsys):
     from container.cli import main
-    from handlers.vllm_args import ENGINE_ARGS_FILE
+    from container.core.engine_args import ENGINE_ARGS_FILE
 
     assert main(["engine-args"]) == 0
     assert capsys.readouterr().out == ENGINE_ARGS_FILE.read_text()

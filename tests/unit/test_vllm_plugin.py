@@ -1,4 +1,4 @@
-"""handlers/vllm_plugin.py patches vLLM's model runner when vLLM imports it, not in every
+"""handlers/engines/vllm_plugin.py patches vLLM's model runner when vLLM imports it, not in every
 process it is loaded in (the EngineCore never imports the runner: 0.2-0.6 s of start-up each)."""
 
 import inspect
@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from handlers import vllm_plugin
+from handlers.engines import vllm_plugin
 from tests.server import REPO, clean_env
 
 
@@ -51,7 +51,7 @@ def test_with_real_vllm_register_leaves_the_runner_unimported_and_patches_it_on_
         from vllm.platforms import current_platform
         if not (current_platform.is_cpu() and vllm.__version__.startswith("0.32.")):
             print("not-applicable"); sys.exit(0)
-        from handlers import vllm_plugin
+        from handlers.engines import vllm_plugin
         vllm_plugin.register()
         print("imported-by-register", "vllm.v1.worker.gpu_model_runner" in sys.modules)
         from vllm.v1.worker.cpu_model_runner import CPUModelRunner

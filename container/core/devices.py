@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from container.settings import Settings, SettingsError
+from container.core.settings import Settings, SettingsError
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ as LMI's ``option.rolling_batch=disable`` does (or for a task vLLM cannot serve)
 Tasks (``option.task``, else inferred from the model's architecture):
 
 - ``text-generation``, ``text2text-generation``: LMI's schema
-  (``handlers.lmi_schema``: ``{"inputs", "parameters", "stream"}`` in,
+  (``handlers.engines.lmi_schema``: ``{"inputs", "parameters", "stream"}`` in,
   ``generated_text`` and ``details`` out; streams as JSON lines or SSE);
 - ``text-classification``, ``token-classification``, ``fill-mask``,
   ``feature-extraction``: ``{"inputs", "parameters"}`` in, the ``transformers``
@@ -33,10 +33,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from container.errors import InputError
-from container.worker.context import WorkerContext
+from container.core.errors import InputError
+from handlers.api.context import WorkerContext
 from handlers.api import Input, Output
-from handlers.lmi_schema import Formatter, Generation, LmiRequest, TokenInfo, parse_request
+from handlers.engines.lmi_schema import Formatter, Generation, LmiRequest, TokenInfo, parse_request
 
 log = logging.getLogger("sagelmi.accelerate")
 
@@ -429,7 +429,7 @@ def _plain(value: Any) -> Any:
     return value
 
 
-# -- the built-in handler's entry points (handlers/loader.py)
+# -- the built-in handler's entry points (handlers/api/loader.py)
 async def initialize(context: WorkerContext) -> None:
     import asyncio
     global _service

@@ -41,7 +41,7 @@ def write_tiny_adapter(base: str | Path, directory: str | Path, seed: int = 0, r
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m container.tiny_adapter",
+    parser = argparse.ArgumentParser(prog="python -m container.tools.tiny_adapter",
                                      description="write a random LoRA adapter (peft) for a model directory")
     parser.add_argument("base", help="the base model's directory (e.g. from sagelmi tiny-model)")
     parser.add_argument("directory", help="where to write the adapter")

@@ -15,8 +15,8 @@ import subprocess
 import urllib.request
 from pathlib import Path
 
-from container.plan import Plan, PlanError, plan_from_settings, read_model, render
-from container.settings import Settings
+from container.core.plan import Plan, PlanError, plan_from_settings, read_model, render
+from container.core.settings import Settings
 
 log = logging.getLogger("sagelmi.plan")
 
@@ -36,7 +36,7 @@ def _gpu_memory_gib() -> float | None:
 
 def startup_plan(settings: Settings, model_location: str, devices: list[str], tp: int, pp: int) -> Plan | None:
     """The plan of one worker group (``tp`` x ``pp`` ranks) for the built-in vLLM engine, logged; None if none."""
-    from handlers.loader import accelerate_reason
+    from container.core.handler_choice import accelerate_reason
 
     directory = Path(model_location)
     if settings.builtin_engine not in ("vllm", "lmi-dist") or accelerate_reason(settings) is not None \

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from container.instances import INSTANCES
+from container.core.instances import INSTANCES
 
 GIB = 2 ** 30
 # bytes per element, by the names config.json, option.dtype/kv_cache_dtype and safetensors use
@@ -157,7 +157,7 @@ def make_plan(model: str, config: dict[str, Any], weight: int, download: int, *,
               pp: int | None = None, hardware: str = "") -> Plan:
     """The plan for ``model`` on ``gpus`` x ``gpu_memory_gib`` (None: vLLM's CPU build with
     ``cpu_kv_cache_gib``); every split up to the GPU count, or the ``tp`` x ``pp`` asked for."""
-    from container.sizing import download_timeout, startup_timeout
+    from container.core.sizing import download_timeout, startup_timeout
 
     shape = ModelShape.from_config(config)
     served = resolved_dtype(dtype, shape)

@@ -46,9 +46,9 @@ from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.executor import Executor
 from vllm.v1.executor.uniproc_executor import ExecutorWithExternalLauncher
 
-from container.worker.context import WorkerContext
+from handlers.api.context import WorkerContext
 from handlers.api import Input, Output
-from handlers.vllm_handler import VllmService, engine_kwargs
+from handlers.engines.vllm import VllmService, engine_kwargs
 
 log = logging.getLogger("sagelmi.lmi_dist")
 

@@ -118,5 +118,5 @@ def exec_dying_with_parent(argv: list[str]) -> None:
     os.execvp(argv[0], argv)
 
 
-if __name__ == "__main__":  # python -m container.proc COMMAND ...
+if __name__ == "__main__":  # python -m container.core.proc COMMAND ...
     exec_dying_with_parent(sys.argv[1:])

@@ -29,8 +29,8 @@ import time
 import uuid
 from typing import Callable, Protocol
 
-from container.errors import ClientClosedRequest, GatewayTimeout, ServiceUnavailable, ServingError
-from container.protocol import (METRICS_PATH, Cancel, Chunk, End, Fail, FrameBuffer, Head, Invoke, Message,
+from container.core.errors import ClientClosedRequest, GatewayTimeout, ServiceUnavailable, ServingError
+from container.core.protocol import (METRICS_PATH, Cancel, Chunk, End, Fail, FrameBuffer, Head, Invoke, Message,
                                 ProtocolError, RegisterAdapter, Status, UnregisterAdapter, WorkerState, encode)
 
 log = logging.getLogger("sagelmi.group")

@@ -2,7 +2,7 @@
 
 The typed LMI settings that are engine arguments (``max_rolling_batch_size`` ->
 ``max_num_seqs``, ``tensor_parallel_degree`` -> ``tensor_parallel_size`` ...) come
-from the settings schema (``container.settings.KEYS``, each with its
+from the settings schema (``container.core.settings.KEYS``, each with its
 ``engine_arg``). Of the other ``option.x`` values, LMI's names for engine
 arguments are translated (``dtype`` words, ``cpu_offload_gb_per_gpu``, the
 speculative-decoding trio -> ``speculative_config``), and any name that is a vLLM
@@ -31,8 +31,8 @@ from typing import Any, Literal, Union
 
 from pydantic import TypeAdapter, ValidationError
 
-from container.artifacts import HUB_ID
-from container.settings import KEYS, Settings
+from container.core.artifacts import HUB_ID
+from container.core.settings import KEYS, Settings
 
 log = logging.getLogger(__name__)
 
@@ -54,12 +54,6 @@ IGNORED = {
 
 class EngineOptionError(ValueError):
     """An option cannot become an engine argument; the message says why."""
-
-
-def engine_fields() -> dict[str, dataclasses.Field]:
-    from vllm.engine.arg_utils import AsyncEngineArgs
-
-    return {f.name: f for f in dataclasses.fields(AsyncEngineArgs)}
 
 
 def _convert(name: str, raw: str, target: str, tp: Any) -> Any:
@@ -98,36 +92,6 @@ ENGINE_ARGS_FILE = Path(__file__).with_name("vllm_engine_args.json")
 # The kinds of value the list knows; a list of values instead of a kind means "one of these".
 SIMPLE_KINDS = {bool: "bool", int: "int", float: "float", str: "str"}
 KIND_TYPES = {"bool": bool, "int": int, "float": float}
-
-
-def _value_kind(tp: Any) -> str | list:
-    """A simple kind for an engine argument's annotation: ``bool``, ``int``,
-    ``float``, ``str``, ``json`` (a dict, list or set), the allowed values of a
-    ``Literal``, or ``any`` (unions, classes, unresolved names: not checked)."""
-    origin = typing.get_origin(tp)
-    members = [a for a in typing.get_args(tp) if a is not type(None)] \
-        if origin in (Union, types.UnionType) else [tp]
-    literals = [m for m in members if typing.get_origin(m) is Literal]
-    others = [m for m in members if typing.get_origin(m) is not Literal]
-    if literals and not others:
-        return list(dict.fromkeys(v for m in literals for v in typing.get_args(m)))
-    if literals and others == [str]:
-        return "str"
-    if len(others) != 1:
-        return "any"
-    (member,) = others
-    if member in SIMPLE_KINDS:
-        return SIMPLE_KINDS[member]
-    return "json" if (typing.get_origin(member) or member) in (dict, list, set) else "any"
-
-
-def engine_arg_list() -> dict[str, Any]:
-    """What ``vllm_engine_args.json`` holds, built from the installed vLLM
-    (imports it): its version and each public ``AsyncEngineArgs`` field's kind."""
-    import vllm
-
-    args = {name: _value_kind(f.type) for name, f in sorted(engine_fields().items()) if not name.startswith("_")}
-    return {"vllm_version": vllm.__version__, "engine_args": args}
 
 
 def _packaged_version() -> str:
@@ -176,54 +140,6 @@ def check_engine_option(name: str, raw: str | None = None) -> None:
         kind = engine_args[target]
     if raw is not None:
         _check_value(name, raw, target, kind)
-
-
-# On vLLM's CPU build gpu_memory_utilization is the share of CPU memory vLLM reserves;
-# its 0.92 default refuses to start on a machine doing anything else.
-CPU_DEFAULTS = {"gpu_memory_utilization": 0.5}
-
-
-def build_engine_kwargs(settings: Settings, model: str, tensor_parallel_degree: int,
-                        cpu: bool = False) -> dict[str, Any]:
-    """Keyword arguments for ``AsyncEngineArgs``: ``model`` is where the model is
-    (a local path or Hub id), ``tensor_parallel_degree`` the group's (what ``max``
-    stands for), ``cpu`` whether vLLM runs on its CPU platform.
-
-    Raises ``EngineOptionError`` for an unknown name or a value of the wrong type."""
-    fields = engine_fields()
-    kwargs: dict[str, Any] = {"model": model, **settings.engine_settings(tensor_parallel_degree)}
-    speculative: dict[str, Any] = {}
-    for name, raw in settings.passthrough_options().items():
-        if name in IGNORED:
-            log.warning("option.%s is ignored: %s", name, IGNORED[name])
-            continue
-        if name in SPECULATIVE:
-            key = SPECULATIVE[name]
-            speculative[key] = raw if key == "model" else _convert(name, raw, key, int)
-            continue
-        if name == "dtype":
-            value = DTYPES.get(raw.lower(), raw)
-            kwargs["dtype"] = _convert(name, value, "dtype", fields["dtype"].type)
-            continue
-        check_engine_option(name)
-        target = RENAMED.get(name, name)
-        if target not in fields:  # in the packaged list, but not in the vLLM that runs
-            raise EngineOptionError(
-                f"option.{name}: the installed vLLM has no engine argument {target} (sagelmi's list of "
-                f"engine arguments is for vLLM {_packaged_version()}; regenerate it: sagelmi engine-args --write)")
-        kwargs[target] = _convert(name, raw, target, fields[target].type)
-    if speculative:
-        if "model" not in speculative:
-            raise EngineOptionError("option.speculative_length / draft_model_tp_size need option.speculative_draft_model")
-        speculative.setdefault("num_speculative_tokens", 5)  # LMI's default speculative_length
-        kwargs["speculative_config"] = {**speculative, **(kwargs.get("speculative_config") or {})}
-    if cpu:
-        for name, value in CPU_DEFAULTS.items():
-            if name not in kwargs:
-                log.info("vLLM runs on the CPU: %s=%s (set option.%s to change)", name, value, name)
-                kwargs[name] = value
-    kwargs.setdefault("served_model_name", default_served_name(settings, model))
-    return kwargs
 
 
 def default_served_name(settings: Settings, model: str) -> str:

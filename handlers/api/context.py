@@ -3,11 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+import queue
 from dataclasses import dataclass
+from typing import Protocol
 
-from container.launch import WorkerLaunch
-from container.settings import Settings
-from container.worker.ranks import Follower, Leader
+from container.core.launch import WorkerLaunch
+from container.core.settings import Settings
+
+
+class Leader(Protocol):
+    """Rank 0's side of an MPI group's relay (``container.worker.ranks.Leader``)."""
+
+    def broadcast(self, data: bytes) -> None: ...
+
+
+class Follower(Protocol):
+    """Another rank's side of the relay (``container.worker.ranks.Follower``): what rank 0 broadcast, in order."""
+
+    broadcasts: "queue.SimpleQueue[bytes | None]"
 
 
 @dataclass(frozen=True)

@@ -27,15 +27,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from container import proc
-from container.artifacts import ArtifactError, fetch_model
-from container.plan_check import compare_kv, startup_plan
-from container.devices import GroupPlan, cpu_binding, discover_devices, plan_groups
-from container.group_client import GroupClient
-from container.launch import FrontendLaunch, GroupAddress, ModelInfo, WorkerLaunch, encode_launch
-from container.protocol import EXIT_ENGINE_DEAD, EXIT_LOAD_FAILED, EXIT_RANK_LOST, WorkerState
-from container.settings import Settings, SettingsError
-from handlers.loader import uses_builtin_engine
+from container.core import proc
+from container.core.artifacts import ArtifactError, fetch_model
+from container.supervisor.plan_check import compare_kv, startup_plan
+from container.core.devices import GroupPlan, cpu_binding, discover_devices, plan_groups
+from container.frontend.group_client import GroupClient
+from container.core.launch import FrontendLaunch, GroupAddress, ModelInfo, WorkerLaunch, encode_launch
+from container.core.protocol import EXIT_ENGINE_DEAD, EXIT_LOAD_FAILED, EXIT_RANK_LOST, WorkerState
+from container.core.settings import Settings, SettingsError
+from container.core.handler_choice import uses_builtin_engine
 
 log = logging.getLogger("sagelmi.serve")
 
@@ -222,7 +222,7 @@ class WorkerGroup:
                   "--incarnation", str(self.incarnation)]
         if self.mpirun is None:
             return worker  # the worker ties itself to this process (proc.die_with_parent)
-        return [sys.executable, "-m", "container.proc",  # mpirun, tied to this process
+        return [sys.executable, "-m", "container.core.proc",  # mpirun, tied to this process
                 *mpirun_command(self.mpirun, self.settings, self.plan, worker, env)]
 
     def start(self) -> None:
@@ -313,7 +313,7 @@ class Supervisor:
         self.frontend_started = 0.0
         self.groups: list[WorkerGroup] = []
         self._stop_signal: int | None = None
-        self.plan = None  # container.plan_check's start-up plan, compared with the engine's KV cache once ready
+        self.plan = None  # container.supervisor.plan_check's start-up plan, compared with the engine's KV cache once ready
 
     # -- signals
     def _on_signal(self, signum, _frame) -> None:

@@ -1,4 +1,4 @@
-"""``sagelmi plan``: the command line of ``container.plan``.
+"""``sagelmi plan``: the command line of ``container.core.plan``.
 
     sagelmi plan [--model-dir DIR | --model-id ID] [--instance TYPE | --gpus N --gpu-memory GIB]
                  [--json] [NAME=VALUE ...]
@@ -16,8 +16,8 @@ import os
 import tempfile
 from pathlib import Path
 
-from container.plan import PlanError, hardware_of, plan_from_settings, read_model, render
-from container.settings import resolve_settings
+from container.core.plan import PlanError, hardware_of, plan_from_settings, read_model, render
+from container.core.settings import resolve_settings
 
 
 def add_parser(sub) -> None:

@@ -1,33 +1,17 @@
-"""``GET /openapi.json``: every route, its request schema and its error envelopes.
-
-The schemas are generated from the types the server validates with: LMI's
-``LmiBody``/``LmiParameters`` (``handlers/lmi_schema.py``), vLLM's own
-``ChatCompletionRequest``/``CompletionRequest`` (the built-in handler validates
-``/v1`` bodies with them) and the error envelopes ``LmiError``/``OpenAIError``
-(``container/errors.py``). vLLM takes seconds to import, and the frontend does
-not import it, so the document is generated ahead (``sagelmi openapi --write``)
-into ``container/openapi.json``; a unit test compares the file with what the
-installed types generate, so a vLLM upgrade that changes them fails until the
-file is regenerated.
-
-With a ``model.py`` the handler decides what ``/invocations`` and the ``/v1``
-routes accept and answer: ``for_model`` then leaves their bodies open (any
-content) and keeps the error envelopes, which the server writes whatever the
-handler.
-"""
+"""``sagelmi openapi [--write]``: build the document ``GET /openapi.json`` serves from the
+installed types (LMI's schema, vLLM's OpenAI requests, the error envelopes) into
+``container/frontend/openapi.json``, which the frontend reads (``container.frontend.openapi``)."""
 
 from __future__ import annotations
 
-import copy
 import json
-from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
-DOCUMENT_FILE = Path(__file__).with_name("openapi.json")
+from container.frontend.openapi import DOCUMENT_FILE
+
 SCHEMAS = "#/components/schemas/"
 
-# Which errors each kind of route can answer (the error table, container/errors.py).
+# Which errors each kind of route can answer (the error table, container/core/errors.py).
 _HANDLER_ERRORS = {
     "400": "the body or a parameter is not acceptable (the message names the field)",
     "404": "an adapter named in the request is not registered",
@@ -74,8 +58,8 @@ def build() -> dict[str, Any]:
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest, CompletionResponse
     from vllm.entrypoints.serve.engine.protocol import ModelList
 
-    from container.errors import LmiError, OpenAIError
-    from handlers.lmi_schema import LmiAnswer, LmiBody
+    from container.core.errors import LmiError, OpenAIError
+    from handlers.engines.lmi_schema import LmiAnswer, LmiBody
 
     models = [(LmiBody, "validation"), (LmiAnswer, "serialization"), (ChatCompletionRequest, "validation"),
               (CompletionRequest, "validation"), (ChatCompletionResponse, "serialization"),
@@ -157,25 +141,3 @@ def build() -> dict[str, Any]:
 
 def render(document: dict) -> str:
     return json.dumps(document, indent=1, sort_keys=True) + "\n"
-
-
-@lru_cache(maxsize=1)
-def _packaged() -> dict[str, Any]:
-    return json.loads(DOCUMENT_FILE.read_text())
-
-
-def for_model(builtin_schemas: bool) -> dict[str, Any]:
-    """The document the server gives: the built-in engine's, or with a ``model.py``
-    its handler routes' bodies left open (errors stay documented)."""
-    document = _packaged()
-    if builtin_schemas:
-        return document
-    document = copy.deepcopy(document)
-    for path in document["x-handler-routes"]:
-        for operation in document["paths"][path].values():
-            if "requestBody" in operation:
-                operation["requestBody"] = {"required": False, "content": {"*/*": {"schema": {}}}}
-            operation["responses"]["200"] = {"description": "what the handler answers"}
-            operation["responses"]["default"] = {"description": "a status the handler chose"}
-            operation["summary"] += " (answered by the model's handler: model.py decides the body)"
-    return document

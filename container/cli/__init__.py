@@ -6,7 +6,7 @@
     sagelmi engine-args [--write]                 vLLM's engine arguments, as the packaged list holds them
     sagelmi openapi [--write]                     the OpenAPI document GET /openapi.json serves, built from the installed types
     sagelmi plan [--model-dir DIR | --model-id ID] [--instance TYPE | --gpus N --gpu-memory GIB] [--json] [NAME=VALUE ...]
-                                                  size a deployment before paying for it (container/plan.py)
+                                                  size a deployment before paying for it (container/core/plan.py)
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ import logging
 import os
 import sys
 
-from container import logs, plan_cli
-from container.plan import PlanError
-from container.settings import (DEFAULT_MODEL_DIR, SettingsError, describe_settings, reference_table,
+from container.cli import plan as plan_cli
+from container.core import logs
+from container.core.plan import PlanError
+from container.core.settings import (DEFAULT_MODEL_DIR, SettingsError, describe_settings, reference_table,
                                 resolve_settings)
 
 log = logging.getLogger("sagelmi")
@@ -47,17 +48,18 @@ def _parser() -> argparse.ArgumentParser:
                       help="llama (default: vLLM and text-generation), t5 (text2text-generation) or bert "
                            "(classification, fill-mask, embeddings), the last two for the Accelerate engine")
     engine_args = sub.add_parser("engine-args", help="print the list of vLLM engine arguments built from the "
-                                 "installed vLLM (what handlers/vllm_engine_args.json holds)")
-    engine_args.add_argument("--write", action="store_true", help="write it to handlers/vllm_engine_args.json")
+                                 "installed vLLM (what container/core/vllm_engine_args.json holds)")
+    engine_args.add_argument("--write", action="store_true", help="write it to container/core/vllm_engine_args.json")
     openapi = sub.add_parser("openapi", help="print the OpenAPI document built from the request types "
-                             "(vLLM's included), as container/openapi.json holds it")
-    openapi.add_argument("--write", action="store_true", help="write it to container/openapi.json")
+                             "(vLLM's included), as container/frontend/openapi.json holds it")
+    openapi.add_argument("--write", action="store_true", help="write it to container/frontend/openapi.json")
     plan_cli.add_parser(sub)
     return parser
 
 
 def _engine_args(write: bool) -> int:
-    from handlers.vllm_args import ENGINE_ARGS_FILE, engine_arg_list
+    from container.cli.engine_args import engine_arg_list
+    from container.core.engine_args import ENGINE_ARGS_FILE
 
     listing = engine_arg_list()
     # One argument a line, so that a vLLM upgrade shows as a readable diff.
@@ -72,7 +74,7 @@ def _engine_args(write: bool) -> int:
 
 
 def _openapi(write: bool) -> int:
-    from container import openapi
+    from container.cli import openapi
 
     text = openapi.render(openapi.build())
     if write:
@@ -102,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         print(reference_table())
         return 0
     if args.command == "tiny-model":
-        from container.tiny_model import WRITERS
+        from container.tools.tiny_model import WRITERS
 
         print(WRITERS[args.arch](args.directory, args.max_model_len))
         return 0

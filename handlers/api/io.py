@@ -25,7 +25,7 @@ import logging
 import struct
 from typing import Any, AsyncIterator, Callable, Iterable
 
-from container.errors import InputError, InvalidJSON
+from container.core.errors import InputError, InvalidJSON
 
 log = logging.getLogger(__name__)
 
@@ -274,7 +274,7 @@ class Input:
 
     def get_as_numpy(self, key: str | None = None) -> list:
         """The content (DJL's ``tensor/ndlist``, or npz) as a list of numpy arrays."""
-        from djl_python.np_util import from_nd_list
+        from handlers.api.np_util import from_nd_list
         return from_nd_list(self._required_bytes(key))
 
     def get_as_npz(self, key: str | None = None) -> list:
@@ -413,7 +413,7 @@ class Output:
 
     def add_as_numpy(self, np_list: Any, key: str | None = None, batch_index: int | None = None) -> "Output":
         """Add numpy arrays in DJL's ``tensor/ndlist`` encoding."""
-        from djl_python.np_util import to_nd_list
+        from handlers.api.np_util import to_nd_list
         return self.add(to_nd_list(np_list), key=key, batch_index=batch_index)
 
     def add_as_npz(self, np_list: Any, key: str | None = None, batch_index: int | None = None) -> "Output":
@@ -530,3 +530,10 @@ class Output:
         if isinstance(item, (bytes, bytearray, memoryview)):
             return bytes(item)
         return bytes(self._encode_json(item))
+
+
+async def prepend(first: object, rest: AsyncIterator) -> AsyncIterator:
+    """``first``, then the items of ``rest``: a stream whose first item was looked at."""
+    yield first
+    async for item in rest:
+        yield item

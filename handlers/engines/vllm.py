@@ -5,7 +5,7 @@ Routes, by path and body:
 
 - ``/v1/chat/completions``, or ``/invocations`` with ``messages``: OpenAI chat;
 - ``/v1/completions``, or ``/invocations`` with ``prompt``: OpenAI completion;
-- ``/invocations`` with ``inputs``: LMI's schema (``handlers.lmi_schema``);
+- ``/invocations`` with ``inputs``: LMI's schema (``handlers.engines.lmi_schema``);
 - ``/v1/models``: the served model and its LoRA adapters.
 
 LoRA adapters (``option.enable_lora=true``): ``add_adapter`` / ``remove_adapter``
@@ -52,13 +52,13 @@ from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 
-from container.errors import (AnswerError, HandlerError, InputError, NotFound, OpenAIError, OpenAIErrorInfo,
+from container.core.errors import (AnswerError, HandlerError, InputError, NotFound, OpenAIError, OpenAIErrorInfo,
                               ServiceUnavailable, is_openai_path)
-from container.worker.context import WorkerContext
-from container.worker.requests import prepend
+from handlers.api.context import WorkerContext
+from handlers.api import prepend
 from handlers.api import Input, Output
-from handlers.lmi_schema import Formatter, Generation, LmiRequest, TokenInfo, finish_reason, parse_request
-from handlers.vllm_args import build_engine_kwargs
+from handlers.engines.lmi_schema import Formatter, Generation, LmiRequest, TokenInfo, finish_reason, parse_request
+from handlers.engines.vllm_args import build_engine_kwargs
 
 log = logging.getLogger("sagelmi.vllm")
 

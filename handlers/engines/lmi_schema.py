@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, ValidationError
 
-from container.errors import InputError
+from container.core.errors import InputError
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ importable module. It must define ``handle``, or (as LMI allows) only an
 ``@input_formatter`` and/or ``@output_formatter``: then the built-in handler
 serves the model with those formatters. Without a ``model.py``, the built-in
 handler serves the model: vLLM in Python mode, ``lmi-dist`` in MPI mode, the
-Hugging Face Accelerate engine (``handlers/hf_accelerate.py``) for
+Hugging Face Accelerate engine (``handlers/engines/accelerate.py``) for
 ``option.rolling_batch=disable`` or an ``option.task`` vLLM does not serve
 (logged loudly, with the reason).
 Anything else stops start-up with the reason: there is no silent fallback to
@@ -30,7 +30,6 @@ a ``model.py``).
 
 from __future__ import annotations
 
-import ast
 import importlib
 import importlib.util
 import inspect
@@ -41,7 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
-from container.settings import Settings
+from container.core.handler_choice import LMI_BUILTIN_NAMES, accelerate_reason
+from container.core.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -52,12 +52,7 @@ class HandlerLoadError(Exception):
     """The handler could not be found or imported; the message says why."""
 
 
-BUILTIN = {"vllm": "handlers.vllm_handler", "lmi-dist": "handlers.lmi_dist", "accelerate": "handlers.hf_accelerate"}
-# The tasks vLLM serves; any other option.task goes to the Accelerate engine.
-VLLM_TASKS = {"text-generation"}
-# LMI's names for its built-in handlers, served here by the built-in vLLM handler.
-LMI_BUILTIN_NAMES = {"djl_python.huggingface", "djl_python.lmi_vllm.vllm_async_service",
-                     "djl_python.vllm", "djl_python.rolling_batch.vllm_rolling_batch"}
+BUILTIN = {"vllm": "handlers.engines.vllm", "lmi-dist": "handlers.engines.lmi_dist", "accelerate": "handlers.engines.accelerate"}
 
 
 @dataclass(frozen=True)
@@ -98,48 +93,6 @@ def _import_file(path: Path) -> Any:
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
-
-
-def accelerate_reason(settings: Settings) -> str | None:
-    """Why the built-in handler is the Hugging Face Accelerate engine rather than vLLM
-    (None: vLLM or lmi-dist serves). The SDK asks this too: vLLM's option names are
-    then not checked."""
-    if settings.builtin_engine == "disable":
-        return "option.rolling_batch=disable"
-    if settings.task and settings.task not in VLLM_TASKS and settings.rolling_batch == "auto":
-        return f"option.task={settings.task}, which vLLM does not serve"
-    return None
-
-
-def _defines_handle(model_py: Path) -> bool:
-    """Whether ``model.py`` defines (or imports) ``handle`` at module level. A file
-    with only ``@input_formatter``/``@output_formatter`` runs on the built-in engine."""
-    try:
-        tree = ast.parse(model_py.read_text(), str(model_py))
-    except (SyntaxError, UnicodeDecodeError, OSError):
-        return True  # not ours to judge: the container reports it
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == "handle":
-            return True
-        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "handle" for t in node.targets):
-            return True
-        if isinstance(node, (ast.Import, ast.ImportFrom)) and any(
-                (alias.asname or alias.name) == "handle" for alias in node.names):
-            return True
-    return False
-
-
-def uses_builtin_engine(settings: Settings, handler_dir: Path | None) -> bool:
-    """Whether the container will serve with its built-in vLLM engine (vLLM or
-    lmi-dist), as ``handlers.loader`` decides it: no ``option.entryPoint`` (or one
-    naming LMI's built-in handlers), no ``model.py`` defining ``handle`` in the
-    handler directory, and not the Accelerate engine (``accelerate_reason``)."""
-    if settings.entry_point is not None:
-        return settings.entry_point in LMI_BUILTIN_NAMES and accelerate_reason(settings) is None
-    if accelerate_reason(settings) is not None:
-        return False
-    model_py = handler_dir / "model.py" if handler_dir else None
-    return not (model_py and model_py.is_file() and _defines_handle(model_py))
 
 
 def _builtin(settings: Settings) -> tuple[str, Path | None, str | None]:

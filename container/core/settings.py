@@ -29,7 +29,7 @@ from typing import Annotated, Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from container.serving_properties import read_properties
+from container.core.serving_properties import read_properties
 
 log = logging.getLogger(__name__)
 

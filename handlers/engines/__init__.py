@@ -1,0 +1,1 @@
+"""The built-in engines (vLLM, lmi-dist, Hugging Face Accelerate), over the handler API."""

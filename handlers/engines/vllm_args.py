@@ -1,0 +1,72 @@
+"""Settings -> ``AsyncEngineArgs`` keyword arguments for the installed vLLM.
+
+Option names and the kinds of their values are checked by the core's schema
+(``container.core.engine_args``) when settings are resolved; here each value is
+converted to the real type of the installed vLLM's engine argument.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from container.core.engine_args import (DTYPES, IGNORED, RENAMED, SPECULATIVE, EngineOptionError, _convert,
+                                        _packaged_version, check_engine_option, default_served_name)
+from container.core.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def engine_fields() -> dict[str, dataclasses.Field]:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    return {f.name: f for f in dataclasses.fields(AsyncEngineArgs)}
+
+
+# On vLLM's CPU build gpu_memory_utilization is the share of CPU memory vLLM reserves;
+# its 0.92 default refuses to start on a machine doing anything else.
+CPU_DEFAULTS = {"gpu_memory_utilization": 0.5}
+
+
+def build_engine_kwargs(settings: Settings, model: str, tensor_parallel_degree: int,
+                        cpu: bool = False) -> dict[str, Any]:
+    """Keyword arguments for ``AsyncEngineArgs``: ``model`` is where the model is
+    (a local path or Hub id), ``tensor_parallel_degree`` the group's (what ``max``
+    stands for), ``cpu`` whether vLLM runs on its CPU platform.
+
+    Raises ``EngineOptionError`` for an unknown name or a value of the wrong type."""
+    fields = engine_fields()
+    kwargs: dict[str, Any] = {"model": model, **settings.engine_settings(tensor_parallel_degree)}
+    speculative: dict[str, Any] = {}
+    for name, raw in settings.passthrough_options().items():
+        if name in IGNORED:
+            log.warning("option.%s is ignored: %s", name, IGNORED[name])
+            continue
+        if name in SPECULATIVE:
+            key = SPECULATIVE[name]
+            speculative[key] = raw if key == "model" else _convert(name, raw, key, int)
+            continue
+        if name == "dtype":
+            value = DTYPES.get(raw.lower(), raw)
+            kwargs["dtype"] = _convert(name, value, "dtype", fields["dtype"].type)
+            continue
+        check_engine_option(name)
+        target = RENAMED.get(name, name)
+        if target not in fields:  # in the packaged list, but not in the vLLM that runs
+            raise EngineOptionError(
+                f"option.{name}: the installed vLLM has no engine argument {target} (sagelmi's list of "
+                f"engine arguments is for vLLM {_packaged_version()}; regenerate it: sagelmi engine-args --write)")
+        kwargs[target] = _convert(name, raw, target, fields[target].type)
+    if speculative:
+        if "model" not in speculative:
+            raise EngineOptionError("option.speculative_length / draft_model_tp_size need option.speculative_draft_model")
+        speculative.setdefault("num_speculative_tokens", 5)  # LMI's default speculative_length
+        kwargs["speculative_config"] = {**speculative, **(kwargs.get("speculative_config") or {})}
+    if cpu:
+        for name, value in CPU_DEFAULTS.items():
+            if name not in kwargs:
+                log.info("vLLM runs on the CPU: %s=%s (set option.%s to change)", name, value, name)
+                kwargs[name] = value
+    kwargs.setdefault("served_model_name", default_served_name(settings, model))
+    return kwargs
