@@ -5,15 +5,22 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable
+from typing import Any
 
 from handlers.api import Output
 
 log = logging.getLogger(__name__)
 
 
-def _create_output(data: str | dict, last_chunk: bool, content_type: str, properties: dict | None = None,
-                   error: str | None = None, code: int | None = None) -> Output:
+def _create_output(
+    data: str | dict,
+    last_chunk: bool,
+    content_type: str,
+    properties: dict | None = None,
+    error: str | None = None,
+    code: int | None = None,
+) -> Output:
     text = json.dumps(data, ensure_ascii=False) if isinstance(data, dict) else data
     fields: dict[str, Any] = {"data": f"{text}\n", "last": last_chunk}
     if error:
@@ -26,20 +33,23 @@ def _create_output(data: str | dict, last_chunk: bool, content_type: str, proper
     return output.add(Output.binary_encode(fields))
 
 
-def create_non_stream_output(data: str | dict, properties: dict | None = None, error: str | None = None,
-                             code: int | None = None) -> Output:
+def create_non_stream_output(
+    data: str | dict, properties: dict | None = None, error: str | None = None, code: int | None = None
+) -> Output:
     """A whole answer (JSON)."""
     return _create_output(data, True, "application/json", properties, error, code)
 
 
-def create_stream_chunk_output(data: str | dict, last_chunk: bool, error: str | None = None,
-                               code: int | None = None) -> Output:
+def create_stream_chunk_output(
+    data: str | dict, last_chunk: bool, error: str | None = None, code: int | None = None
+) -> Output:
     """One chunk of a streamed answer (JSON lines)."""
     return _create_output(data, last_chunk, "application/jsonlines", None, error, code)
 
 
-async def handle_streaming_response(response: AsyncGenerator, stream_output_formatter: Callable,
-                                    accumulate_chunks: bool = False, **kwargs) -> AsyncGenerator[Output, None]:
+async def handle_streaming_response(
+    response: AsyncGenerator, stream_output_formatter: Callable, accumulate_chunks: bool = False, **kwargs
+) -> AsyncGenerator[Output, None]:
     """Turn an engine's stream into ``Output`` chunks with ``stream_output_formatter``,
     which returns ``(data, last)`` (and the history when ``accumulate_chunks``)."""
     history: list = []

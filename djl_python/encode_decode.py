@@ -20,8 +20,10 @@ def decode_csv(inputs: Input, require_headers: bool = True):
     if require_headers:
         first_line = text.splitlines()[0].lower() if text else ""
         if not any(name in first_line for name in _CSV_HEADERS):
-            raise ValueError("You need to provide the correct CSV with Header columns to use it with the "
-                             "inference toolkit default handler.")
+            raise ValueError(
+                "You need to provide the correct CSV with Header columns to use it with the "
+                "inference toolkit default handler."
+            )
         rows = list(csv.DictReader(io.StringIO(text)))
         if not rows:
             raise ValueError("the CSV has a header row but no data rows")

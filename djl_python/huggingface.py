@@ -5,7 +5,8 @@ Here the service runs the model on sagelmi's built-in vLLM engine (continuous
 batching, LMI and OpenAI schemas), in the worker's own loop. Call it from a
 synchronous ``handle`` (as LMI's examples do). With ``option.rolling_batch=disable``
 it runs sagelmi's Hugging Face Accelerate engine (``handlers.engines.accelerate``)
-instead. The LoRA adapter calls are not available yet: they say so when called. ``get_pipeline`` builds a ``transformers`` pipeline.
+instead. The LoRA adapter calls are not available yet: they say so when called.
+``get_pipeline`` builds a ``transformers`` pipeline.
 """
 
 from __future__ import annotations
@@ -14,15 +15,23 @@ import asyncio
 import json
 import logging
 
-from handlers.api.context import current
 from handlers.api import Input, Output
+from handlers.api.context import current
 from handlers.engines.accelerate import ARCHITECTURES_2_TASK
 
 log = logging.getLogger(__name__)
 
 # Model types whose transformers implementation can use flash attention 2.
-FLASH_2_SUPPORTED_MODELS = {"LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
-                            "GPTNeoXForCausalLM", "GPTBigCodeForCausalLM", "FalconForCausalLM", "PhiForCausalLM"}
+FLASH_2_SUPPORTED_MODELS = {
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2ForCausalLM",
+    "GPTNeoXForCausalLM",
+    "GPTBigCodeForCausalLM",
+    "FalconForCausalLM",
+    "PhiForCausalLM",
+}
 
 # The peft auto class for each task.
 PEFT_MODEL_TASK_TO_CLS = {
@@ -40,8 +49,8 @@ _NOT_YET = "is not available in this version of sagelmi"
 def enable_flash() -> bool:
     """Whether flash attention 2 can be used here (a CUDA device and the package)."""
     try:
-        import torch
         import flash_attn  # noqa: F401
+        import torch
     except ImportError:
         return False
     return torch.cuda.is_available()
@@ -51,6 +60,7 @@ def get_rolling_batch_class_from_str(rolling_batch_type: str):
     """The class that serves ``rolling_batch_type``: vLLM's engine for ``vllm``."""
     if rolling_batch_type in ("vllm", "lmi-dist", "auto"):
         from handlers.engines.vllm import VllmService
+
         return VllmService
     raise ValueError(f"Invalid rolling batch type: {rolling_batch_type}")
 
@@ -90,8 +100,9 @@ class HuggingFaceService:
             running = None
         if running is self._loop:
             coroutine.close()
-            raise RuntimeError("HuggingFaceService is synchronous: call it from a plain `def handle`, "
-                               "not from `async def handle`")
+            raise RuntimeError(
+                "HuggingFaceService is synchronous: call it from a plain `def handle`, not from `async def handle`"
+            )
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
     def initialize(self, properties: dict) -> None:
@@ -101,8 +112,10 @@ class HuggingFaceService:
         rolling_batch = str(properties.get("rolling_batch", context.settings.rolling_batch))
         if rolling_batch == "disable":
             from handlers.engines.accelerate import AccelerateService
-            log.warning("ENGINE: HuggingFaceService runs the Hugging Face Accelerate engine "
-                        "(option.rolling_batch=disable)")
+
+            log.warning(
+                "ENGINE: HuggingFaceService runs the Hugging Face Accelerate engine (option.rolling_batch=disable)"
+            )
             self.accelerate = AccelerateService.load(context)
             self.model, self.tokenizer = self.accelerate.model, self.accelerate.tokenizer
             self.model_config = self.model.config
@@ -118,10 +131,16 @@ class HuggingFaceService:
         self.initialized = True
 
     def get_input_format_args(self) -> dict:
-        return {"configs": self.hf_configs, "tokenizer": self.tokenizer, "adapter_registry": self.adapter_registry,
-                "model_config": self.model_config, "peft_config": self.peft_config,
-                "rolling_batch": self.rolling_batch, "image_placeholder_token": self.get_image_token(),
-                "is_mistral_tokenizer": False}
+        return {
+            "configs": self.hf_configs,
+            "tokenizer": self.tokenizer,
+            "adapter_registry": self.adapter_registry,
+            "model_config": self.model_config,
+            "peft_config": self.peft_config,
+            "rolling_batch": self.rolling_batch,
+            "image_placeholder_token": self.get_image_token(),
+            "is_mistral_tokenizer": False,
+        }
 
     @staticmethod
     def parse_stop_sequence_input(stop_sequence: str) -> list[str]:
@@ -164,6 +183,7 @@ class HuggingFaceService:
     def get_pipeline(self, task: str, model_id_or_path: str, kwargs: dict):
         """A ``transformers`` pipeline for ``task`` (text generation wrapped to LMI's answer)."""
         from transformers import pipeline
+
         self.hf_pipeline_unwrapped = pipeline(task=task, model=model_id_or_path, **kwargs)
         self.model = self.hf_pipeline_unwrapped.model
         self.tokenizer = self.hf_pipeline_unwrapped.tokenizer
@@ -174,15 +194,18 @@ class HuggingFaceService:
     @staticmethod
     def wrap_text_generation_pipeline(hf_pipeline):
         """A text-generation pipeline that answers ``[{"generated_text": ...}]`` per input."""
+
         def wrapped(text_inputs, **kwargs):
             results = hf_pipeline(text_inputs, **kwargs)
             if isinstance(text_inputs, str):
                 results = [results]
             return [r[0] if isinstance(r, list) else r for r in results]
+
         return wrapped
 
     def infer_task_from_model_architecture(self, model_config_path: str | None = None) -> str:
         from transformers import AutoConfig
+
         path = model_config_path or self.hf_configs.get("model_id") or self.hf_configs.get("model_dir")
         config = AutoConfig.from_pretrained(path, trust_remote_code=False)
         architecture = (getattr(config, "architectures", None) or [""])[0]
@@ -204,8 +227,9 @@ _service = HuggingFaceService()
 
 def _adapter_answer(inputs: Input, verb: str) -> Output:
     name = inputs.get_property("name") or "?"
-    return Output().error(f"cannot {verb} adapter {name}: LoRA adapters {_NOT_YET}", code=501,
-                          message="not implemented")
+    return Output().error(
+        f"cannot {verb} adapter {name}: LoRA adapters {_NOT_YET}", code=501, message="not implemented"
+    )
 
 
 def register_adapter(inputs: Input) -> Output:

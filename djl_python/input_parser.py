@@ -8,8 +8,9 @@ uses it)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from djl_python.encode_decode import decode
 from djl_python.request_io import RequestInput, TextInput
@@ -38,9 +39,9 @@ def init_handler(function: Callable) -> Callable:
 
 @dataclass
 class ParsedInput:
-    errors: dict = field(default_factory=dict)   # batch index -> message
+    errors: dict = field(default_factory=dict)  # batch index -> message
     requests: list = field(default_factory=list)  # the parsed RequestInputs
-    batch: list = field(default_factory=list)     # the batch's Inputs
+    batch: list = field(default_factory=list)  # the batch's Inputs
 
 
 def get_batch_start_id(batch: list, **kwargs) -> int:
@@ -148,8 +149,9 @@ def parse_adapters(request_input: TextInput, input_item: Input, input_map: Any, 
 def parse_lmi_default_request_rolling_batch(payload: Any) -> tuple[str, dict]:
     """``inputs`` (a non-empty string) and ``parameters`` (an object) of an LMI request."""
     if not isinstance(payload, dict):
-        raise ValueError("Invalid request payload. Request payload should be a json object specifying the "
-                         "'inputs' field")
+        raise ValueError(
+            "Invalid request payload. Request payload should be a json object specifying the 'inputs' field"
+        )
     inputs = payload.get("inputs")
     if not isinstance(inputs, str) or not inputs:
         raise ValueError("Invalid request payload. Request payload should have a non-empty string 'inputs'")

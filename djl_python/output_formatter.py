@@ -9,14 +9,23 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from djl_python.request_io import RequestOutput, Sequence, TextGenerationOutput
 
 log = logging.getLogger(__name__)
 
-__all__ = ["output_formatter", "get_generated_text", "get_sequence_details", "get_details_dict",
-           "sse_response_formatter", "adapt_legacy_output_formatter", "get_output_formatter", "RequestOutput"]
+__all__ = [
+    "output_formatter",
+    "get_generated_text",
+    "get_sequence_details",
+    "get_details_dict",
+    "sse_response_formatter",
+    "adapt_legacy_output_formatter",
+    "get_output_formatter",
+    "RequestOutput",
+]
 
 
 def output_formatter(function: Callable) -> Callable:
@@ -40,8 +49,11 @@ def get_generated_text(sequence: Sequence, request_output: TextGenerationOutput)
 def get_sequence_details(request_output: TextGenerationOutput, sequence_index: int = 0) -> dict:
     sequence = request_output.sequences[sequence_index]
     parameters = _parameters(request_output)
-    details = {"finish_reason": sequence.finish_reason, "generated_tokens": len(sequence.tokens),
-               "tokens": request_output.get_tokens_as_dict(sequence_index)}
+    details = {
+        "finish_reason": sequence.finish_reason,
+        "generated_tokens": len(sequence.tokens),
+        "tokens": request_output.get_tokens_as_dict(sequence_index),
+    }
     if parameters.get("decoder_input_details"):
         details["prefill"] = request_output.get_prompt_tokens_as_dict()
     if parameters.get("top_n_tokens", 0) > 0:
@@ -120,8 +132,9 @@ _FORMATS: dict[str, tuple[Callable | None, str]] = {
 }
 
 
-def get_output_formatter(output_formatter: str | Callable | None, stream: bool,
-                         tgi_compat: bool) -> tuple[Callable | None, str | None]:
+def get_output_formatter(
+    output_formatter: str | Callable | None, stream: bool, tgi_compat: bool
+) -> tuple[Callable | None, str | None]:
     """``(formatter, content type)`` for a name (json, jsonlines, sse, none) or a function."""
     if callable(output_formatter):
         return output_formatter, None

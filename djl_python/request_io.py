@@ -3,15 +3,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 
 class Token:
     """One generated token."""
 
-    def __init__(self, id: int, text: str, log_prob: float | None = None, special_token: bool | None = None,
-                 error_msg: str | None = None) -> None:
+    def __init__(
+        self,
+        id: int,
+        text: str,
+        log_prob: float | None = None,
+        special_token: bool | None = None,
+        error_msg: str | None = None,
+    ) -> None:
         self.id = id
         self.text = text
         self.log_prob = log_prob
@@ -135,8 +142,9 @@ class TextGenerationOutput(RequestOutput):
     def _sequence(self, index: int) -> Sequence:
         return self.sequences.setdefault(index, Sequence())
 
-    def set_next_token(self, token: Token, sequence_index: int = 0, is_last_token: bool = False,
-                       finish_reason: str | None = None) -> None:
+    def set_next_token(
+        self, token: Token, sequence_index: int = 0, is_last_token: bool = False, finish_reason: str | None = None
+    ) -> None:
         sequence = self._sequence(sequence_index)
         sequence.set_next_token(token, is_last_token)
         if finish_reason is not None:

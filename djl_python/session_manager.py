@@ -59,8 +59,11 @@ class SessionManager:
 
     def __init__(self, properties: dict) -> None:
         self.expiration = int(properties.get("sessions_expiration", "1200"))
-        default = "/dev/shm/djl_sessions" if os.path.isdir("/dev/shm") else os.path.join(tempfile.gettempdir(),
-                                                                                         "djl_sessions")
+        default = (
+            "/dev/shm/djl_sessions"
+            if os.path.isdir("/dev/shm")
+            else os.path.join(tempfile.gettempdir(), "djl_sessions")
+        )
         self.sessions_path = properties.get("sessions_path", default)
         self.sessions_s3url = properties.get("sessions_s3url")
         if self.sessions_s3url:

@@ -7,7 +7,8 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ class HFStreamer(BaseStreamer):
     def end(self) -> None:
         self.queue.put(self._STOP)
 
-    def __iter__(self) -> "HFStreamer":
+    def __iter__(self) -> HFStreamer:
         return self
 
     def __next__(self):

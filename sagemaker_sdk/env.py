@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import json
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
-from container.core.settings import KEY_BY_NAME, KEYS, Settings, SettingsError, _option_key, resolve_settings
+from container.core.engine_args import check_engine_options
 from container.core.handler_choice import uses_builtin_engine
-from container.core.engine_args import check_engine_option
+from container.core.settings import KEY_BY_NAME, KEYS, Settings, SettingsError, resolve_settings
 
 
 @dataclass(frozen=True)
@@ -35,15 +36,9 @@ def env_name(key: str) -> str:
     if key in KEY_BY_NAME:
         return KEY_BY_NAME[key].env[0]
     if key.lower().startswith("option.") and len(key) > len("option."):
-        return "OPTION_" + key[len("option."):].upper()
+        return "OPTION_" + key[len("option.") :].upper()
     known = [k.key for k in KEYS if not k.key.startswith("option.")]
     raise SettingsError(f"{key} is not a sagelmi setting (settings: option.<name>, {', '.join(known)})")
-
-
-def option_key(name: str) -> str:
-    """``max_model_len`` or ``option.max_model_len`` -> ``option.max_model_len``, spelled
-    as the container spells an ``OPTION_*`` variable's key (lower case; ``entryPoint``)."""
-    return _option_key(name[len("option."):] if name.lower().startswith("option.") else name)
 
 
 def env_text(value: Any) -> str:
@@ -62,8 +57,9 @@ def _spellings(key: str) -> tuple[str, ...]:
     return spec.env + spec.sagemaker if spec else (env_name(key),)
 
 
-def build_container_env(settings: Mapping[str, Any], env: Mapping[str, Any] | None = None,
-                        handler_dir: str | Path | None = None) -> ContainerEnv:
+def build_container_env(
+    settings: Mapping[str, Any], env: Mapping[str, Any] | None = None, handler_dir: str | Path | None = None
+) -> ContainerEnv:
     """The container environment for ``settings`` (``serving.properties`` key ->
     value; ``None`` values are left out) on top of the user's ``env``, checked as
     the container will check it, with ``handler_dir`` as its model directory
@@ -81,8 +77,9 @@ def build_container_env(settings: Mapping[str, Any], env: Mapping[str, Any] | No
         name = env_name(key)
         given = [n for n in _spellings(key) if n in out and n not in ours.values()]
         if given:
-            raise SettingsError(f"{key} is given twice: {env_text(value)!r} here and {out[given[0]]!r} as env "
-                                f"{given[0]}; give it once")
+            raise SettingsError(
+                f"{key} is given twice: {env_text(value)!r} here and {out[given[0]]!r} as env {given[0]}; give it once"
+            )
         out[name] = env_text(value)
         ours[key] = name
     handler_dir = Path(handler_dir).absolute() if handler_dir is not None else None
@@ -93,15 +90,15 @@ def build_container_env(settings: Mapping[str, Any], env: Mapping[str, Any] | No
     for key, name in ours.items():
         source = resolved.sources.get(key, "")
         if source != f"env {name}":
-            raise SettingsError(f"{key}={out[name]} is overridden by {source} (value "
-                                f"{_resolved_text(resolved, key)!r}); set it in one place")
+            raise SettingsError(
+                f"{key}={out[name]} is overridden by {source} (value "
+                f"{_resolved_text(resolved, key)!r}); set it in one place"
+            )
+    check_engine_options(resolved, handler_dir)
     builtin = uses_builtin_engine(resolved, handler_dir)
-    if builtin:
-        for name, raw in resolved.passthrough_options().items():
-            check_engine_option(name, raw)
     return ContainerEnv(out, resolved, builtin)
 
 
 def _resolved_text(settings: Settings, key: str) -> str:
     spec = KEY_BY_NAME.get(key)
-    return str(getattr(settings, spec.field)) if spec else settings.options.get(key[len("option."):], "")
+    return str(getattr(settings, spec.field)) if spec else settings.options.get(key[len("option.") :], "")

@@ -22,8 +22,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any
 
 from container.core.settings import KEYS
 from sagemaker_sdk.predictor import SagelmiPredictor
@@ -49,8 +50,15 @@ class InvocationError(RuntimeError):
         self.body = body
 
 
-def container_command(runtime: str, image: str, port: int, env_names: Sequence[str], model_dir: Path | None = None,
-                      name: str | None = None, run_args: Sequence[str] = ()) -> list[str]:
+def container_command(
+    runtime: str,
+    image: str,
+    port: int,
+    env_names: Sequence[str],
+    model_dir: Path | None = None,
+    name: str | None = None,
+    run_args: Sequence[str] = (),
+) -> list[str]:
     """``<runtime> run`` for the image as SageMaker runs it (``IMAGE serve``), on
     ``127.0.0.1:<port>``, ``model_dir`` mounted read-only at /opt/ml/model. The
     variables are passed by name (``-e NAME``): their values come from the
@@ -75,8 +83,7 @@ def endpoint_env(model_env: Mapping[str, str], base: Mapping[str, str] | None = 
     """This machine's environment without its own sagelmi settings (the endpoint
     sees only the model's), plus the model's environment."""
     base = os.environ if base is None else base
-    kept = {k: v for k, v in base.items()
-            if not k.startswith(("OPTION_", "SERVING_")) and k not in _SETTING_NAMES}
+    kept = {k: v for k, v in base.items() if not k.startswith(("OPTION_", "SERVING_")) and k not in _SETTING_NAMES}
     return {**kept, **model_env}
 
 
@@ -95,8 +102,10 @@ class LocalRuntimeClient:
         self.host, self.port, self.timeout = host, port, timeout
 
     def _post(self, args: Mapping[str, Any]) -> http.client.HTTPResponse:
-        headers = {"Content-Type": args.get("ContentType", "application/json"),
-                   "Accept": args.get("Accept", "application/json")}
+        headers = {
+            "Content-Type": args.get("ContentType", "application/json"),
+            "Accept": args.get("Accept", "application/json"),
+        }
         if args.get("CustomAttributes"):
             headers["X-Amzn-SageMaker-Custom-Attributes"] = args["CustomAttributes"]
         body = args["Body"]
@@ -146,16 +155,27 @@ class LocalEndpoint:
     (``ready_timeout`` seconds), gives a ``SagelmiPredictor`` on it, and stops it
     with SIGTERM on exit. ``log_path`` is the server's output."""
 
-    def __init__(self, model, mode: str = "process", *, model_dir: str | Path | None = None, image: str | None = None,
-                 port: int | None = None, ready_timeout: float = 1800, run_args: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        model,
+        mode: str = "process",
+        *,
+        model_dir: str | Path | None = None,
+        image: str | None = None,
+        port: int | None = None,
+        ready_timeout: float = 1800,
+        run_args: Sequence[str] = (),
+    ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
         self.mode = mode
         self.model = model
         self.model_dir = Path(model_dir).absolute() if model_dir is not None else model.handler_dir
         if self.model_dir is None and model.model_data is not None:
-            raise ValueError("LocalEndpoint does not fetch model_data: download it and pass model_dir=, "
-                             "or give the model as model_id='s3://...'")
+            raise ValueError(
+                "LocalEndpoint does not fetch model_data: download it and pass model_dir=, "
+                "or give the model as model_id='s3://...'"
+            )
         self.image = image or model.image_uri
         if mode != "process" and not self.image:
             raise ValueError(f"mode={mode!r} needs an image: image= or the model's image_uri")
@@ -175,8 +195,15 @@ class LocalEndpoint:
                 self._empty_dir = tempfile.TemporaryDirectory(prefix="sagelmi-model-")
                 return serve_command(Path(self._empty_dir.name), self.port)
             return serve_command(self.model_dir, self.port)
-        return container_command(self.mode, self.image, self.port, sorted(self.model.env), self.model_dir,
-                                 name=self.container_name, run_args=self.run_args)
+        return container_command(
+            self.mode,
+            self.image,
+            self.port,
+            sorted(self.model.env),
+            self.model_dir,
+            name=self.container_name,
+            run_args=self.run_args,
+        )
 
     @property
     def container_name(self) -> str:
@@ -187,8 +214,9 @@ class LocalEndpoint:
         command = self.command()
         log.info("starting %s (log: %s)", " ".join(command), self.log_path)
         with self.log_path.open("ab") as log_file:
-            self.process = subprocess.Popen(command, env=self.env, stdout=log_file, stderr=subprocess.STDOUT,
-                                            start_new_session=True)
+            self.process = subprocess.Popen(
+                command, env=self.env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+            )
         atexit.register(self.stop)
         try:
             self._wait_ready()
@@ -204,13 +232,16 @@ class LocalEndpoint:
         deadline = time.monotonic() + self.ready_timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.process.returncode} before it was ready; "
-                                   f"its log ({self.log_path}) ends:\n{self.log_tail()}")
+                raise RuntimeError(
+                    f"the server exited with {self.process.returncode} before it was ready; "
+                    f"its log ({self.log_path}) ends:\n{self.log_tail()}"
+                )
             if self.ping() == 200:
                 return
             time.sleep(0.25)
-        raise TimeoutError(f"/ping did not answer 200 within {self.ready_timeout}s; the log ({self.log_path}) "
-                           f"ends:\n{self.log_tail()}")
+        raise TimeoutError(
+            f"/ping did not answer 200 within {self.ready_timeout}s; the log ({self.log_path}) ends:\n{self.log_tail()}"
+        )
 
     def ping(self) -> int | None:
         """``/ping``'s status, or None when nothing answers."""
@@ -249,4 +280,3 @@ class LocalEndpoint:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-

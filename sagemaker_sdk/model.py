@@ -15,9 +15,9 @@ from typing import Any
 from sagemaker import s3
 from sagemaker.model import Model
 
+from container.core.settings import SettingsError, option_key
 from sagemaker_sdk import sizing
-from container.core.settings import SettingsError
-from sagemaker_sdk.env import ContainerEnv, build_container_env, env_name, env_text, option_key
+from sagemaker_sdk.env import ContainerEnv, build_container_env, env_name, env_text
 from sagemaker_sdk.predictor import SagelmiPredictor
 
 log = logging.getLogger(__name__)
@@ -100,34 +100,68 @@ class SagelmiModel(Model):
     other keyword arguments are ``sagemaker.model.Model``'s (``image_uri``,
     ``role``, ``name``, ``sagemaker_session``, ``vpc_config`` ...)."""
 
-    def __init__(self, *, model_id: str | None = None, model_data: Any = None, handler_dir: str | Path | None = None,
-                 tensor_parallel_degree: int | str | None = None, pipeline_parallel_degree: int | None = None,
-                 max_rolling_batch_size: int | None = None, dtype: str | None = None, mpi_mode: bool | None = None,
-                 rolling_batch: str | None = None, options: dict[str, Any] | None = None,
-                 env: dict[str, Any] | None = None, model_size_gb: float | None = None,
-                 image_uri: str | None = None, role: str | None = None, predictor_cls=SagelmiPredictor,
-                 **kwargs) -> None:
+    def __init__(
+        self,
+        *,
+        model_id: str | None = None,
+        model_data: Any = None,
+        handler_dir: str | Path | None = None,
+        tensor_parallel_degree: int | str | None = None,
+        pipeline_parallel_degree: int | None = None,
+        max_rolling_batch_size: int | None = None,
+        dtype: str | None = None,
+        mpi_mode: bool | None = None,
+        rolling_batch: str | None = None,
+        options: dict[str, Any] | None = None,
+        env: dict[str, Any] | None = None,
+        model_size_gb: float | None = None,
+        image_uri: str | None = None,
+        role: str | None = None,
+        predictor_cls=SagelmiPredictor,
+        **kwargs,
+    ) -> None:
         for name in _SCRIPT_MODE:
             if kwargs.get(name) is not None:
-                raise TypeError(f"SagelmiModel takes no {name}=: the container reads its handler from the model "
-                                f"directory; pass handler_dir= (a directory with model.py)")
+                raise TypeError(
+                    f"SagelmiModel takes no {name}=: the container reads its handler from the model "
+                    f"directory; pass handler_dir= (a directory with model.py)"
+                )
         if handler_dir is not None and model_data is not None:
-            raise ValueError("give handler_dir or model_data, not both: both become /opt/ml/model. Put the handler "
-                             "files into the model data, or give the weights as model_id='s3://...'")
+            raise ValueError(
+                "give handler_dir or model_data, not both: both become /opt/ml/model. Put the handler "
+                "files into the model data, or give the weights as model_id='s3://...'"
+            )
         if model_id is not None and model_data is not None:
-            raise ValueError("give model_id or model_data, not both: model_id names where the weights are, "
-                             "model_data what SageMaker puts in /opt/ml/model (use handler_dir for handler files)")
+            raise ValueError(
+                "give model_id or model_data, not both: model_id names where the weights are, "
+                "model_data what SageMaker puts in /opt/ml/model (use handler_dir for handler files)"
+            )
         self.handler_dir = Path(handler_dir).absolute() if handler_dir is not None else None
         self.model_size_gb = model_size_gb
         self.container = self._container_env(
-            dict(model_id=model_id, tensor_parallel_degree=tensor_parallel_degree,
-                 pipeline_parallel_degree=pipeline_parallel_degree, max_rolling_batch_size=max_rolling_batch_size,
-                 dtype=dtype, mpi_mode=mpi_mode, rolling_batch=rolling_batch), options or {}, env or {})
+            dict(
+                model_id=model_id,
+                tensor_parallel_degree=tensor_parallel_degree,
+                pipeline_parallel_degree=pipeline_parallel_degree,
+                max_rolling_batch_size=max_rolling_batch_size,
+                dtype=dtype,
+                mpi_mode=mpi_mode,
+                rolling_batch=rolling_batch,
+            ),
+            options or {},
+            env or {},
+        )
         if not self.container.settings.model_id and model_data is None and self.handler_dir is None:
             raise ValueError("nothing to serve: give model_id (a Hub id or s3:// prefix), model_data or handler_dir")
         # Checked before this: the sagemaker Model may read config files and sessions.
-        super().__init__(image_uri=image_uri, model_data=_model_data_source(model_data), role=role,
-                         predictor_cls=predictor_cls, env=dict(self.container.env), **kwargs)
+        super().__init__(
+            image_uri=image_uri,
+            model_data=_model_data_source(model_data),
+            role=role,
+            predictor_cls=predictor_cls,
+            env=dict(self.container.env),
+            **kwargs,
+        )
 
     def _container_env(self, typed: dict[str, Any], options: dict[str, Any], env: dict[str, Any]) -> ContainerEnv:
         settings = {TYPED_SETTINGS[name]: value for name, value in typed.items() if value is not None}
@@ -161,8 +195,8 @@ class SagelmiModel(Model):
         packed = pack_directory(self.handler_dir)
         digest = hashlib.sha256(packed).hexdigest()[:12]
         bucket, key_prefix = s3.determine_bucket_and_prefix(
-            bucket=self.bucket, key_prefix=f"{self.key_prefix or 'sagelmi'}/handler-{digest}",
-            sagemaker_session=session)
+            bucket=self.bucket, key_prefix=f"{self.key_prefix or 'sagelmi'}/handler-{digest}", sagemaker_session=session
+        )
         with tempfile.TemporaryDirectory(prefix="sagelmi-sdk-") as tmp:
             archive = Path(tmp) / "model.tar.gz"
             archive.write_bytes(packed)
@@ -200,9 +234,16 @@ class SagelmiModel(Model):
             return self.model_data_size()
         return sizing.hub_gb(model_id, self.settings.revision, self.env.get("HF_TOKEN"))
 
-    def deploy(self, initial_instance_count: int | None = 1, instance_type: str | None = None, *args,
-               model_data_download_timeout: int | None = None,
-               container_startup_health_check_timeout: int | None = None, check_fit: bool = True, **kwargs):
+    def deploy(
+        self,
+        initial_instance_count: int | None = 1,
+        instance_type: str | None = None,
+        *args,
+        model_data_download_timeout: int | None = None,
+        container_startup_health_check_timeout: int | None = None,
+        check_fit: bool = True,
+        **kwargs,
+    ):
         """``sagemaker.model.Model.deploy`` (returns a ``SagelmiPredictor``), with
         ``container_startup_health_check_timeout`` and ``model_data_download_timeout``
         set from the model's size unless given (see ``sagemaker_sdk.sizing``); the
@@ -214,8 +255,10 @@ class SagelmiModel(Model):
         ``sagelmi plan`` does, and a configuration that cannot fit raises
         ``DoesNotFit`` before anything is created in AWS; ``check_fit=False`` goes ahead."""
         if not self.image_uri:
-            raise ValueError("image_uri is required: the sagelmi image in your ECR registry "
-                             "(<account>.dkr.ecr.<region>.amazonaws.com/<repository>:<tag>)")
+            raise ValueError(
+                "image_uri is required: the sagelmi image in your ECR registry "
+                "(<account>.dkr.ecr.<region>.amazonaws.com/<repository>:<tag>)"
+            )
         if check_fit:
             self.check_fit(instance_type)
         self._init_sagemaker_session_if_does_not_exist(instance_type)
@@ -227,14 +270,23 @@ class SagelmiModel(Model):
             if model_data_download_timeout is None and (self.model_data is not None or self.handler_dir is not None):
                 data_gb = self.model_data_size()
                 model_data_download_timeout = sizing.download_timeout(data_gb)
-            log.info("container_startup_health_check_timeout=%s (model: %s GB), model_data_download_timeout=%s "
-                     "(model data: %s GB)", container_startup_health_check_timeout, _gb(model_gb),
-                     model_data_download_timeout, _gb(data_gb))
+            log.info(
+                "container_startup_health_check_timeout=%s (model: %s GB), model_data_download_timeout=%s "
+                "(model data: %s GB)",
+                container_startup_health_check_timeout,
+                _gb(model_gb),
+                model_data_download_timeout,
+                _gb(data_gb),
+            )
             self._follow_startup_timeout(container_startup_health_check_timeout)
-        return super().deploy(initial_instance_count, instance_type, *args,
-                              model_data_download_timeout=model_data_download_timeout,
-                              container_startup_health_check_timeout=container_startup_health_check_timeout,
-                              **kwargs)
+        return super().deploy(
+            initial_instance_count,
+            instance_type,
+            *args,
+            model_data_download_timeout=model_data_download_timeout,
+            container_startup_health_check_timeout=container_startup_health_check_timeout,
+            **kwargs,
+        )
 
     def plan(self, instance_type: str):
         """``container.core.plan``'s plan of this model on ``instance_type`` with its settings
@@ -248,14 +300,25 @@ class SagelmiModel(Model):
         try:
             model = read_model(self.handler_dir, settings.model_id, settings.revision)
         except Exception as exc:  # S3 model data, an unreachable Hub, a custom model: nothing to check with
-            log.info("no plan for %s on %s (%s); deploying unchecked", settings.model_id or self.handler_dir,
-                     instance_type, exc)
+            log.info(
+                "no plan for %s on %s (%s); deploying unchecked",
+                settings.model_id or self.handler_dir,
+                instance_type,
+                exc,
+            )
             return None
         gpus, memory, hardware = hardware_of(instance_type, None, None)
         tp = gpus if settings.tensor_parallel_degree == "max" else settings.tensor_parallel_degree
         try:
-            return plan_from_settings(model, settings.options, gpus=gpus, gpu_memory_gib=memory, tp=tp,
-                                      pp=settings.pipeline_parallel_degree, hardware=hardware)
+            return plan_from_settings(
+                model,
+                settings.options,
+                gpus=gpus,
+                gpu_memory_gib=memory,
+                tp=tp,
+                pp=settings.pipeline_parallel_degree,
+                hardware=hardware,
+            )
         except PlanError as exc:
             log.info("no plan for %s on %s (%s); deploying unchecked", model[0], instance_type, exc)
             return None
@@ -267,13 +330,18 @@ class SagelmiModel(Model):
             return
         (split,) = plan.splits
         if split.tp * split.pp > plan.gpus:
-            raise DoesNotFit(f"tensor x pipeline parallel degree {split.tp} x {split.pp} needs {split.tp * split.pp} "
-                             f"GPUs; {plan.hardware} has {plan.gpus}")
+            raise DoesNotFit(
+                f"tensor x pipeline parallel degree {split.tp} x {split.pp} needs {split.tp * split.pp} "
+                f"GPUs; {plan.hardware} has {plan.gpus}"
+            )
         if not split.fits:
-            raise DoesNotFit(f"{plan.model} does not fit on {plan.hardware}: {split.why_not} (sagelmi plan shows "
-                             f"every split; deploy(check_fit=False) goes ahead anyway)")
-        log.info("%s fits on %s at tp=%d pp=%d: %d KV tokens", plan.model, plan.hardware, split.tp, split.pp,
-                 split.kv_tokens)
+            raise DoesNotFit(
+                f"{plan.model} does not fit on {plan.hardware}: {split.why_not} (sagelmi plan shows "
+                f"every split; deploy(check_fit=False) goes ahead anyway)"
+            )
+        log.info(
+            "%s fits on %s at tp=%d pp=%d: %d KV tokens", plan.model, plan.hardware, split.tp, split.pp, split.kv_tokens
+        )
 
     def _follow_startup_timeout(self, startup: int) -> None:
         key = "option.model_loading_timeout"

@@ -6,7 +6,8 @@ LMI text generation (``{"inputs", "parameters", "stream"}``) and OpenAI chat
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from sagemaker.deserializers import JSONDeserializer
 from sagemaker.iterators import ByteIterator
@@ -49,31 +50,69 @@ class SagelmiPredictor(Predictor):
     other keywords are the ``sagemaker`` ``Predictor``'s (``initial_args``,
     ``target_variant``, ``inference_id``, ``custom_attributes``, ``component_name``)."""
 
-    def __init__(self, endpoint_name: str, sagemaker_session=None, serializer=None, deserializer=None,
-                 **kwargs) -> None:
-        super().__init__(endpoint_name, sagemaker_session, serializer=serializer or JSONSerializer(),
-                         deserializer=deserializer or JSONDeserializer(), **kwargs)
+    def __init__(
+        self, endpoint_name: str, sagemaker_session=None, serializer=None, deserializer=None, **kwargs
+    ) -> None:
+        super().__init__(
+            endpoint_name,
+            sagemaker_session,
+            serializer=serializer or JSONSerializer(),
+            deserializer=deserializer or JSONDeserializer(),
+            **kwargs,
+        )
 
-    def predict(self, data, parameters: dict | None = None, *, initial_args=None, target_model=None,
-                target_variant=None, inference_id=None, custom_attributes=None, component_name=None,
-                **generation) -> Any:
+    def predict(
+        self,
+        data,
+        parameters: dict | None = None,
+        *,
+        initial_args=None,
+        target_model=None,
+        target_variant=None,
+        inference_id=None,
+        custom_attributes=None,
+        component_name=None,
+        **generation,
+    ) -> Any:
         """The answer to ``data`` (see ``request_body``), as JSON."""
         body = request_body(data, {**(parameters or {}), **generation})
-        return super().predict(body, initial_args=initial_args, target_model=target_model,
-                               target_variant=target_variant, inference_id=inference_id,
-                               custom_attributes=custom_attributes, component_name=component_name)
+        return super().predict(
+            body,
+            initial_args=initial_args,
+            target_model=target_model,
+            target_variant=target_variant,
+            inference_id=inference_id,
+            custom_attributes=custom_attributes,
+            component_name=component_name,
+        )
 
-    def predict_stream(self, data, parameters: dict | None = None, *, raw: bool = False, initial_args=None,
-                       target_variant=None, inference_id=None, custom_attributes=None, component_name=None,
-                       **generation) -> Iterator:
+    def predict_stream(
+        self,
+        data,
+        parameters: dict | None = None,
+        *,
+        raw: bool = False,
+        initial_args=None,
+        target_variant=None,
+        inference_id=None,
+        custom_attributes=None,
+        component_name=None,
+        **generation,
+    ) -> Iterator:
         """Stream the answer to ``data``: an iterator over the text pieces as they
         are generated, or with ``raw=True`` over the JSON items themselves (LMI's
         ``{"token": ...}`` lines, OpenAI chunks). An error the server sends after
         the stream began raises ``StreamError``."""
         body = request_body(data, {**(parameters or {}), **generation}, stream=True)
-        pieces = super().predict_stream(body, initial_args=initial_args, target_variant=target_variant,
-                                        inference_id=inference_id, custom_attributes=custom_attributes,
-                                        component_name=component_name, iterator=ByteIterator)
+        pieces = super().predict_stream(
+            body,
+            initial_args=initial_args,
+            target_variant=target_variant,
+            inference_id=inference_id,
+            custom_attributes=custom_attributes,
+            component_name=component_name,
+            iterator=ByteIterator,
+        )
         items = parse_stream(pieces)
         return items if raw else stream_texts(items)
 

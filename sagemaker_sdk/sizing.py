@@ -29,8 +29,17 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 # The formulas are the container's (``sagelmi plan`` suggests the same timeouts).
-from container.core.sizing import (DOWNLOAD_BASE, DOWNLOAD_PER_GB, MAX_TIMEOUT, MIN_TIMEOUT,  # noqa: E402,F401
-                              STARTUP_BASE, STARTUP_PER_GB, UNKNOWN_SIZE_TIMEOUT, download_timeout, startup_timeout)
+from container.core.sizing import (  # noqa: E402,F401
+    DOWNLOAD_BASE,
+    DOWNLOAD_PER_GB,
+    MAX_TIMEOUT,
+    MIN_TIMEOUT,
+    STARTUP_BASE,
+    STARTUP_PER_GB,
+    UNKNOWN_SIZE_TIMEOUT,
+    download_timeout,
+    startup_timeout,
+)
 
 
 def directory_gb(directory: Path) -> float:
@@ -38,7 +47,7 @@ def directory_gb(directory: Path) -> float:
 
 
 def _split_s3(uri: str) -> tuple[str, str]:
-    bucket, _, key = uri[len("s3://"):].partition("/")
+    bucket, _, key = uri[len("s3://") :].partition("/")
     return bucket, key
 
 
@@ -78,6 +87,9 @@ def hub_gb(repo_id: str, revision: str | None = None, token: str | None = None, 
             raise ValueError("the Hub gave no file sizes")
         return sum(sizes[name] for name in wanted) / 1e9
     except Exception as exc:  # unreachable, private, gated, not installed: the size stays unknown, said once
-        log.warning("cannot size Hub model %s (%s); using the timeouts for an unknown size (or pass model_size_gb)",
-                    repo_id, exc)
+        log.warning(
+            "cannot size Hub model %s (%s); using the timeouts for an unknown size (or pass model_size_gb)",
+            repo_id,
+            exc,
+        )
         return None

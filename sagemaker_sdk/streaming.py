@@ -12,7 +12,8 @@ the time its line is decoded. Pure code: no AWS, no HTTP.
 from __future__ import annotations
 
 import json
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 _SSE_FIELDS = ("data", "event", "id", "retry")
 
@@ -40,7 +41,7 @@ class StreamParser:
         items: list[Any] = []
         while (end := self._buffer.find(b"\n")) >= 0:
             line = bytes(self._buffer[:end])
-            del self._buffer[:end + 1]
+            del self._buffer[: end + 1]
             items.extend(self._line(line))
         return items
 

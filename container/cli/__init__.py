@@ -1,12 +1,12 @@
 """The ``sagelmi`` command.
 
-    sagelmi serve  [--model-dir DIR] [--port N]   run the server (what the image runs)
-    sagelmi config [--model-dir DIR] [--json]     print the resolved settings and their sources
-    sagelmi tiny-model DIR [--arch t5|bert]       write a tiny random Llama (or T5, BERT) to try the engine offline
-    sagelmi engine-args [--write]                 vLLM's engine arguments, as the packaged list holds them
-    sagelmi openapi [--write]                     the OpenAPI document GET /openapi.json serves, built from the installed types
-    sagelmi plan [--model-dir DIR | --model-id ID] [--instance TYPE | --gpus N --gpu-memory GIB] [--json] [NAME=VALUE ...]
-                                                  size a deployment before paying for it (container/core/plan.py)
+sagelmi serve  [--model-dir DIR] [--port N]   run the server (what the image runs)
+sagelmi config [--model-dir DIR] [--json]     print the resolved settings and their sources
+sagelmi tiny-model DIR [--arch t5|bert]       write a tiny random Llama (or T5, BERT) to try the engine offline
+sagelmi engine-args [--write]                 vLLM's engine arguments, as the packaged list holds them
+sagelmi openapi [--write]                     the OpenAPI document GET /openapi.json serves (from the installed types)
+sagelmi plan [--model-dir DIR | --model-id ID] [--instance TYPE | --gpus N --gpu-memory GIB] [--json] [NAME=VALUE ...]
+                                              size a deployment before paying for it (container/core/plan.py)
 """
 
 from __future__ import annotations
@@ -16,12 +16,19 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 
 from container.cli import plan as plan_cli
 from container.core import logs
+from container.core.engine_args import EngineOptionError, check_engine_options
 from container.core.plan import PlanError
-from container.core.settings import (DEFAULT_MODEL_DIR, SettingsError, describe_settings, reference_table,
-                                resolve_settings)
+from container.core.settings import (
+    DEFAULT_MODEL_DIR,
+    SettingsError,
+    describe_settings,
+    reference_table,
+    resolve_settings,
+)
 
 log = logging.getLogger("sagelmi")
 
@@ -31,27 +38,40 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = sub.add_parser("serve", help="run the model server (the container's command)")
-    serve.add_argument("--model-dir", default=DEFAULT_MODEL_DIR,
-                       help=f"model directory with serving.properties / model.py (default {DEFAULT_MODEL_DIR})")
-    serve.add_argument("--port", type=int, default=None,
-                       help="HTTP port (default: SAGEMAKER_BIND_TO_PORT, else 8080)")
+    serve.add_argument(
+        "--model-dir",
+        default=DEFAULT_MODEL_DIR,
+        help=f"model directory with serving.properties / model.py (default {DEFAULT_MODEL_DIR})",
+    )
+    serve.add_argument("--port", type=int, default=None, help="HTTP port (default: SAGEMAKER_BIND_TO_PORT, else 8080)")
 
     config = sub.add_parser("config", help="print the resolved settings and where each value came from")
     config.add_argument("--model-dir", default=DEFAULT_MODEL_DIR, help="model directory to read")
     config.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    config.add_argument("--reference", action="store_true",
-                        help="print the reference of every setting (Markdown) instead")
+    config.add_argument(
+        "--reference", action="store_true", help="print the reference of every setting (Markdown) instead"
+    )
     tiny = sub.add_parser("tiny-model", help="write a tiny random-weight Llama (no download) to try the engine")
     tiny.add_argument("directory", help="where to write it")
     tiny.add_argument("--max-model-len", type=int, default=1024, help="context length (default 1024)")
-    tiny.add_argument("--arch", choices=("llama", "t5", "bert"), default="llama",
-                      help="llama (default: vLLM and text-generation), t5 (text2text-generation) or bert "
-                           "(classification, fill-mask, embeddings), the last two for the Accelerate engine")
-    engine_args = sub.add_parser("engine-args", help="print the list of vLLM engine arguments built from the "
-                                 "installed vLLM (what container/core/vllm_engine_args.json holds)")
+    tiny.add_argument(
+        "--arch",
+        choices=("llama", "t5", "bert"),
+        default="llama",
+        help="llama (default: vLLM and text-generation), t5 (text2text-generation) or bert "
+        "(classification, fill-mask, embeddings), the last two for the Accelerate engine",
+    )
+    engine_args = sub.add_parser(
+        "engine-args",
+        help="print the list of vLLM engine arguments built from the "
+        "installed vLLM (what container/core/vllm_engine_args.json holds)",
+    )
     engine_args.add_argument("--write", action="store_true", help="write it to container/core/vllm_engine_args.json")
-    openapi = sub.add_parser("openapi", help="print the OpenAPI document built from the request types "
-                             "(vLLM's included), as container/frontend/openapi.json holds it")
+    openapi = sub.add_parser(
+        "openapi",
+        help="print the OpenAPI document built from the request types "
+        "(vLLM's included), as container/frontend/openapi.json holds it",
+    )
     openapi.add_argument("--write", action="store_true", help="write it to container/frontend/openapi.json")
     plan_cli.add_parser(sub)
     return parser
@@ -75,11 +95,12 @@ def _engine_args(write: bool) -> int:
 
 def _openapi(write: bool) -> int:
     from container.cli import openapi
+    from container.frontend.openapi import DOCUMENT_FILE
 
     text = openapi.render(openapi.build())
     if write:
-        openapi.DOCUMENT_FILE.write_text(text)
-        print(openapi.DOCUMENT_FILE)
+        DOCUMENT_FILE.write_text(text)
+        print(DOCUMENT_FILE)
     else:
         print(text, end="")
     return 0
@@ -120,7 +141,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     try:
         settings = resolve_settings(os.environ, args.model_dir, port=getattr(args, "port", None))
-    except SettingsError as exc:
+        # before the supervisor starts, installs requirements.txt or downloads anything
+        check_engine_options(settings, Path(settings.model_dir))
+    except (SettingsError, EngineOptionError) as exc:
         log.error("%s", exc)
         return 2
     if args.command == "config":

@@ -16,8 +16,7 @@ def _value_kind(tp: Any) -> str | list:
     ``float``, ``str``, ``json`` (a dict, list or set), the allowed values of a
     ``Literal``, or ``any`` (unions, classes, unresolved names: not checked)."""
     origin = typing.get_origin(tp)
-    members = [a for a in typing.get_args(tp) if a is not type(None)] \
-        if origin in (Union, types.UnionType) else [tp]
+    members = [a for a in typing.get_args(tp) if a is not type(None)] if origin in (Union, types.UnionType) else [tp]
     literals = [m for m in members if typing.get_origin(m) is Literal]
     others = [m for m in members if typing.get_origin(m) is not Literal]
     if literals and not others:

@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from container.frontend.openapi import DOCUMENT_FILE
-
 SCHEMAS = "#/components/schemas/"
 
 # Which errors each kind of route can answer (the error table, container/core/errors.py).
@@ -44,7 +42,7 @@ def _answers(schema: dict) -> dict:
     """A 200 that is JSON (``schema``) or, when the request asked to stream, a stream."""
     content = {"application/json": {"schema": schema}}
     content.update({kind: {"schema": {"type": "string"}} for kind in _STREAM_TYPES})
-    return {"description": "the answer, or a stream of it (\"stream\": true)", "content": content}
+    return {"description": 'the answer, or a stream of it ("stream": true)', "content": content}
 
 
 def _ref(name: str) -> dict:
@@ -61,10 +59,17 @@ def build() -> dict[str, Any]:
     from container.core.errors import LmiError, OpenAIError
     from handlers.engines.lmi_schema import LmiAnswer, LmiBody
 
-    models = [(LmiBody, "validation"), (LmiAnswer, "serialization"), (ChatCompletionRequest, "validation"),
-              (CompletionRequest, "validation"), (ChatCompletionResponse, "serialization"),
-              (CompletionResponse, "serialization"), (ModelList, "serialization"),
-              (LmiError, "serialization"), (OpenAIError, "serialization")]
+    models = [
+        (LmiBody, "validation"),
+        (LmiAnswer, "serialization"),
+        (ChatCompletionRequest, "validation"),
+        (CompletionRequest, "validation"),
+        (ChatCompletionResponse, "serialization"),
+        (CompletionResponse, "serialization"),
+        (ModelList, "serialization"),
+        (LmiError, "serialization"),
+        (OpenAIError, "serialization"),
+    ]
     keys, schemas = models_json_schema(models, ref_template=SCHEMAS + "{model}")
     names = {model: keys[(model, mode)]["$ref"].removeprefix(SCHEMAS) for model, mode in models}
     lmi, answer, chat, completion = (names[m] for m in (LmiBody, LmiAnswer, ChatCompletionRequest, CompletionRequest))
@@ -75,68 +80,146 @@ def build() -> dict[str, Any]:
 
     def body(*names: str) -> dict:
         refs = [_ref(n) for n in names]
-        return {"required": True, "content": {"application/json": {"schema": refs[0] if len(refs) == 1
-                                                                   else {"anyOf": refs}}}}
+        return {
+            "required": True,
+            "content": {"application/json": {"schema": refs[0] if len(refs) == 1 else {"anyOf": refs}}},
+        }
 
-    health = {"type": "object", "required": ["status", "workers"], "properties": {
-        "status": {"type": "string", "enum": ["Healthy", "Loading", "Unhealthy", "Draining"]},
-        "workers": {"type": "array", "items": {"type": "object"}}}}
+    health = {
+        "type": "object",
+        "required": ["status", "workers"],
+        "properties": {
+            "status": {"type": "string", "enum": ["Healthy", "Loading", "Unhealthy", "Draining"]},
+            "workers": {"type": "array", "items": {"type": "object"}},
+        },
+    }
     model_name = {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}
     adapter_name = {"name": "adapter", "in": "path", "required": True, "schema": {"type": "string"}}
     status = {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}}
-    lmi_answer = {"anyOf": [_ref(answer), {"type": "array", "items": _ref(answer)}, _ref(chat_answer),
-                            _ref(completion_answer)]}
+    lmi_answer = {
+        "anyOf": [_ref(answer), {"type": "array", "items": _ref(answer)}, _ref(chat_answer), _ref(completion_answer)]
+    }
     paths = {
-        "/ping": {"get": {"summary": "SageMaker's health check: 200 once every worker group is ready",
-                          "responses": {"200": _json(health), "503": _json(health, "loading, unhealthy or draining")}}},
-        "/invocations": {"post": {
-            "summary": "SageMaker's inference route: LMI's schema (inputs), or an OpenAI chat (messages) or "
-                       "completion (prompt) body",
-            "requestBody": body(lmi, chat, completion),
-            "responses": {"200": _answers(lmi_answer), **lmi_errors}}},
-        "/v1/chat/completions": {"post": {
-            "summary": "OpenAI chat completions (vLLM's semantics)", "requestBody": body(chat),
-            "responses": {"200": _answers(_ref(chat_answer)), **openai_errors}}},
-        "/v1/completions": {"post": {
-            "summary": "OpenAI completions (vLLM's semantics)", "requestBody": body(completion),
-            "responses": {"200": _answers(_ref(completion_answer)), **openai_errors}}},
-        "/v1/models": {"get": {"summary": "the served model and its LoRA adapters",
-                               "responses": {"200": _json(_ref(names[ModelList])),
-                                             **{k: v for k, v in openai_errors.items() if k in ("503", "504")}}}},
-        "/metrics": {"get": {"summary": "Prometheus metrics: the frontend's and every worker group's",
-                             "responses": {"200": {"description": "Prometheus text format",
-                                                   "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
-        "/execution-parameters": {"get": {"summary": "SageMaker batch transform's parameters", "responses": {
-            "200": _json({"type": "object", "required": ["MaxConcurrentTransforms", "BatchStrategy",
-                                                         "MaxPayloadInMB"]})}}},
-        "/models": {"get": {"summary": "the served model, its worker groups and adapters (LMI management)",
-                            "responses": {"200": _json({"type": "object", "required": ["models"]})}}},
+        "/ping": {
+            "get": {
+                "summary": "SageMaker's health check: 200 once every worker group is ready",
+                "responses": {"200": _json(health), "503": _json(health, "loading, unhealthy or draining")},
+            }
+        },
+        "/invocations": {
+            "post": {
+                "summary": "SageMaker's inference route: LMI's schema (inputs), or an OpenAI chat (messages) or "
+                "completion (prompt) body",
+                "requestBody": body(lmi, chat, completion),
+                "responses": {"200": _answers(lmi_answer), **lmi_errors},
+            }
+        },
+        "/v1/chat/completions": {
+            "post": {
+                "summary": "OpenAI chat completions (vLLM's semantics)",
+                "requestBody": body(chat),
+                "responses": {"200": _answers(_ref(chat_answer)), **openai_errors},
+            }
+        },
+        "/v1/completions": {
+            "post": {
+                "summary": "OpenAI completions (vLLM's semantics)",
+                "requestBody": body(completion),
+                "responses": {"200": _answers(_ref(completion_answer)), **openai_errors},
+            }
+        },
+        "/v1/models": {
+            "get": {
+                "summary": "the served model and its LoRA adapters",
+                "responses": {
+                    "200": _json(_ref(names[ModelList])),
+                    **{k: v for k, v in openai_errors.items() if k in ("503", "504")},
+                },
+            }
+        },
+        "/metrics": {
+            "get": {
+                "summary": "Prometheus metrics: the frontend's and every worker group's",
+                "responses": {
+                    "200": {
+                        "description": "Prometheus text format",
+                        "content": {"text/plain": {"schema": {"type": "string"}}},
+                    }
+                },
+            }
+        },
+        "/execution-parameters": {
+            "get": {
+                "summary": "SageMaker batch transform's parameters",
+                "responses": {
+                    "200": _json(
+                        {"type": "object", "required": ["MaxConcurrentTransforms", "BatchStrategy", "MaxPayloadInMB"]}
+                    )
+                },
+            }
+        },
+        "/models": {
+            "get": {
+                "summary": "the served model, its worker groups and adapters (LMI management)",
+                "responses": {"200": _json({"type": "object", "required": ["models"]})},
+            }
+        },
         "/models/{model}/adapters": {
-            "get": {"summary": "the registered LoRA adapters", "parameters": [model_name],
-                    "responses": {"200": _json({"type": "object", "required": ["adapters"]}),
-                                  "404": management_errors["404"]}},
-            "post": {"summary": "register a LoRA adapter (option.enable_lora)", "parameters": [
-                model_name, {"name": "name", "in": "query", "required": True, "schema": {"type": "string"}},
-                {"name": "src", "in": "query", "required": True, "schema": {"type": "string"},
-                 "description": "a directory inside option.adapter_roots, or an s3:// prefix"}],
-                "responses": {"200": _json(status), **management_errors}}},
+            "get": {
+                "summary": "the registered LoRA adapters",
+                "parameters": [model_name],
+                "responses": {
+                    "200": _json({"type": "object", "required": ["adapters"]}),
+                    "404": management_errors["404"],
+                },
+            },
+            "post": {
+                "summary": "register a LoRA adapter (option.enable_lora)",
+                "parameters": [
+                    model_name,
+                    {"name": "name", "in": "query", "required": True, "schema": {"type": "string"}},
+                    {
+                        "name": "src",
+                        "in": "query",
+                        "required": True,
+                        "schema": {"type": "string"},
+                        "description": "a directory inside option.adapter_roots, or an s3:// prefix",
+                    },
+                ],
+                "responses": {"200": _json(status), **management_errors},
+            },
+        },
         "/models/{model}/adapters/{adapter}": {
-            "get": {"summary": "one adapter", "parameters": [model_name, adapter_name],
-                    "responses": {"200": _json({"type": "array"}), "404": management_errors["404"]}},
-            "delete": {"summary": "unregister an adapter", "parameters": [model_name, adapter_name],
-                       "responses": {"200": _json(status), **{k: v for k, v in management_errors.items()
-                                                              if k in ("404", "503", "504")}}}},
-        "/openapi.json": {"get": {"summary": "this document",
-                                  "responses": {"200": _json({"type": "object"})}}},
+            "get": {
+                "summary": "one adapter",
+                "parameters": [model_name, adapter_name],
+                "responses": {"200": _json({"type": "array"}), "404": management_errors["404"]},
+            },
+            "delete": {
+                "summary": "unregister an adapter",
+                "parameters": [model_name, adapter_name],
+                "responses": {
+                    "200": _json(status),
+                    **{k: v for k, v in management_errors.items() if k in ("404", "503", "504")},
+                },
+            },
+        },
+        "/openapi.json": {"get": {"summary": "this document", "responses": {"200": _json({"type": "object"})}}},
     }
     from importlib.metadata import version
 
-    return {"openapi": "3.1.0",
-            "info": {"title": "sagelmi", "version": version("sagelmi"),
-                     "description": "SageMaker-compatible LLM serving: LMI's and OpenAI's schemas. Errors are "
-                                    f"{lmi_error} on LMI's routes and {openai_error} on /v1 routes."},
-            "paths": paths, "components": {"schemas": schemas["$defs"]},
-            "x-handler-routes": ["/invocations", "/v1/chat/completions", "/v1/completions", "/v1/models"]}
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "sagelmi",
+            "version": version("sagelmi"),
+            "description": "SageMaker-compatible LLM serving: LMI's and OpenAI's schemas. Errors are "
+            f"{lmi_error} on LMI's routes and {openai_error} on /v1 routes.",
+        },
+        "paths": paths,
+        "components": {"schemas": schemas["$defs"]},
+        "x-handler-routes": ["/invocations", "/v1/chat/completions", "/v1/completions", "/v1/models"],
+    }
 
 
 def render(document: dict) -> str:

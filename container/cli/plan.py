@@ -21,8 +21,11 @@ from container.core.settings import resolve_settings
 
 
 def add_parser(sub) -> None:
-    plan = sub.add_parser("plan", help="size a deployment: weights and KV cache per GPU for each tensor/pipeline "
-                                       "split, what fits, suggested SageMaker timeouts")
+    plan = sub.add_parser(
+        "plan",
+        help="size a deployment: weights and KV cache per GPU for each tensor/pipeline "
+        "split, what fits, suggested SageMaker timeouts",
+    )
     plan.add_argument("--model-dir", type=Path, help="a local model (config.json, *.safetensors)")
     plan.add_argument("--model-id", help="a Hub id (only config.json and the safetensors headers are read)")
     plan.add_argument("--instance", help="a SageMaker instance type, e.g. ml.g5.12xlarge")
@@ -49,8 +52,14 @@ def run(args: argparse.Namespace) -> int:
     tp = settings.tensor_parallel_degree if "option.tensor_parallel_degree" in given else None
     pp = settings.pipeline_parallel_degree if "option.pipeline_parallel_degree" in given else None
     plan = plan_from_settings(
-        model, settings.options, gpus=gpus, gpu_memory_gib=memory, tp=None if tp in (None, "max") else int(tp), pp=pp,
+        model,
+        settings.options,
+        gpus=gpus,
+        gpu_memory_gib=memory,
+        tp=None if tp in (None, "max") else int(tp),
+        pp=pp,
         hardware=hardware,
-        cpu_kv_cache_gib=float(env["VLLM_CPU_KVCACHE_SPACE"]) if env.get("VLLM_CPU_KVCACHE_SPACE") else None)
+        cpu_kv_cache_gib=float(env["VLLM_CPU_KVCACHE_SPACE"]) if env.get("VLLM_CPU_KVCACHE_SPACE") else None,
+    )
     print(json.dumps(plan.as_dict(), indent=2) if args.json else render(plan))
     return 0 if plan.smallest else 1

@@ -27,8 +27,8 @@ import re
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 log = logging.getLogger("sagelmi.artifacts")
 
@@ -45,6 +45,7 @@ class ArtifactError(Exception):
 
 
 # -- progress
+
 
 def _size(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
@@ -65,8 +66,14 @@ class Progress:
     """Bytes of one download: ``add``/``set`` from any thread; a log line at most
     every ``interval`` seconds, and ``finish`` for the summary."""
 
-    def __init__(self, what: str, total: int, files: int, interval: float = PROGRESS_INTERVAL,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        what: str,
+        total: int,
+        files: int,
+        interval: float = PROGRESS_INTERVAL,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.what, self.total, self.interval, self.clock = what, total, interval, clock
         self.done = 0
         self._lock = threading.Lock()
@@ -101,14 +108,20 @@ class Progress:
 
     def finish(self) -> None:
         elapsed = self.clock() - self.started
-        log.info("downloaded %s: %s in %.1fs (%s/s)", self.what, _size(self.done), elapsed,
-                 _size(self.done / max(elapsed, 1e-9)))
+        log.info(
+            "downloaded %s: %s in %.1fs (%s/s)",
+            self.what,
+            _size(self.done),
+            elapsed,
+            _size(self.done / max(elapsed, 1e-9)),
+        )
 
 
 # -- S3
 
+
 def parse_s3_uri(uri: str) -> tuple[str, str]:
-    rest = uri[len("s3://"):]
+    rest = uri[len("s3://") :]
     bucket, _, prefix = rest.partition("/")
     if not bucket:
         raise ArtifactError(f"option.model_id={uri!r} names no bucket")
@@ -128,8 +141,10 @@ def _s3_error(uri: str, bucket: str, exc: Exception) -> ArtifactError:
     from botocore.exceptions import ClientError, EndpointConnectionError, NoCredentialsError
 
     if isinstance(exc, NoCredentialsError):
-        return ArtifactError(f"cannot download {uri}: no AWS credentials found (on SageMaker: the execution role; "
-                             f"elsewhere: AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE)")
+        return ArtifactError(
+            f"cannot download {uri}: no AWS credentials found (on SageMaker: the execution role; "
+            f"elsewhere: AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE)"
+        )
     if isinstance(exc, EndpointConnectionError):
         return ArtifactError(f"cannot download {uri}: S3 is not reachable ({exc})")
     if isinstance(exc, ClientError):
@@ -137,8 +152,10 @@ def _s3_error(uri: str, bucket: str, exc: Exception) -> ArtifactError:
         if code == "NoSuchBucket":
             return ArtifactError(f"cannot download {uri}: bucket {bucket!r} does not exist")
         if code in ("AccessDenied", "403", "AllAccessDisabled"):
-            return ArtifactError(f"cannot download {uri}: access denied (the credentials need s3:ListBucket on "
-                                 f"{bucket!r} and s3:GetObject under the prefix)")
+            return ArtifactError(
+                f"cannot download {uri}: access denied (the credentials need s3:ListBucket on "
+                f"{bucket!r} and s3:GetObject under the prefix)"
+            )
         if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken"):
             return ArtifactError(f"cannot download {uri}: the AWS credentials were refused ({code})")
     return ArtifactError(f"cannot download {uri}: {exc}")
@@ -160,16 +177,19 @@ def fetch_s3(uri: str, interval: float = PROGRESS_INTERVAL) -> Path:
         prefix += "/"
     try:
         s3 = boto3.session.Session().client("s3")  # credentials looked up now, not cached from an earlier call
-        objects = [(item["Key"], item["Size"])
-                   for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
-                   for item in page.get("Contents", [])
-                   if item["Key"][len(prefix):] and not item["Key"].endswith("/")]
+        objects = [
+            (item["Key"], item["Size"])
+            for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+            for item in page.get("Contents", [])
+            if item["Key"][len(prefix) :] and not item["Key"].endswith("/")
+        ]
         if not objects:
-            raise ArtifactError(f"cannot download {uri}: no objects under the prefix {prefix or '/'!r} "
-                                f"in bucket {bucket!r}")
+            raise ArtifactError(
+                f"cannot download {uri}: no objects under the prefix {prefix or '/'!r} in bucket {bucket!r}"
+            )
         progress = Progress(uri, sum(size for _, size in objects), len(objects), interval)
         for key, _ in objects:
-            destination = target / key[len(prefix):]
+            destination = target / key[len(prefix) :]
             destination.parent.mkdir(parents=True, exist_ok=True)
             s3.download_file(bucket, key, str(destination), Callback=progress.add)
     except (ClientError, BotoCoreError) as exc:
@@ -181,6 +201,7 @@ def fetch_s3(uri: str, interval: float = PROGRESS_INTERVAL) -> Path:
 
 # -- Hugging Face Hub
 
+
 def selected_files(files: list[str]) -> list[str]:
     """The repository's files worth downloading (see the module docstring)."""
     from fnmatch import fnmatch
@@ -190,20 +211,28 @@ def selected_files(files: list[str]) -> list[str]:
 
 
 def _hub_error(repo_id: str, revision: str | None, exc: Exception) -> ArtifactError:
-    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
-                                        RepositoryNotFoundError, RevisionNotFoundError)
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
     where = f"Hub model {repo_id!r}"
     if isinstance(exc, GatedRepoError):
         return ArtifactError(f"{where} is gated: set HF_TOKEN to a token of an account that was granted access")
     if isinstance(exc, RepositoryNotFoundError):
-        return ArtifactError(f"{where} not found (a private model needs HF_TOKEN; check the spelling of "
-                             f"option.model_id / HF_MODEL_ID)")
+        return ArtifactError(
+            f"{where} not found (a private model needs HF_TOKEN; check the spelling of option.model_id / HF_MODEL_ID)"
+        )
     if isinstance(exc, RevisionNotFoundError):
         return ArtifactError(f"{where} has no revision {revision!r} (option.revision / HF_REVISION)")
     if isinstance(exc, LocalEntryNotFoundError):
-        return ArtifactError(f"{where} is not in the cache and the Hub could not be reached "
-                             f"(HF_ENDPOINT, proxy settings, HF_HUB_OFFLINE)")
+        return ArtifactError(
+            f"{where} is not in the cache and the Hub could not be reached "
+            f"(HF_ENDPOINT, proxy settings, HF_HUB_OFFLINE)"
+        )
     if isinstance(exc, HfHubHTTPError) and exc.response is not None and exc.response.status_code == 401:
         return ArtifactError(f"{where}: the Hub refused HF_TOKEN (401)")
     return ArtifactError(f"cannot download {where}: {exc}")
@@ -230,7 +259,7 @@ class _CacheWatcher:
             except OSError:  # a file renamed between listing and stat
                 pass
 
-    def __enter__(self) -> "_CacheWatcher":
+    def __enter__(self) -> _CacheWatcher:
         self._thread.start()
         return self
 
@@ -250,8 +279,10 @@ def fetch_hub(repo_id: str, revision: str | None = None, interval: float = PROGR
         from huggingface_hub.errors import DryRunError, HfHubHTTPError, LocalEntryNotFoundError
         from huggingface_hub.file_download import repo_folder_name
     except ImportError:
-        raise ArtifactError(f"option.model_id={repo_id!r} is a Hub model id, and downloading it needs the "
-                            f"huggingface_hub package (installed with the cpu and gpu extras)") from None
+        raise ArtifactError(
+            f"option.model_id={repo_id!r} is a Hub model id, and downloading it needs the "
+            f"huggingface_hub package (installed with the cpu and gpu extras)"
+        ) from None
 
     try:
         listing = None if constants.HF_HUB_OFFLINE else snapshot_download(repo_id, revision=revision, dry_run=True)
@@ -267,8 +298,7 @@ def fetch_hub(repo_id: str, revision: str | None = None, interval: float = PROGR
         if not pending:
             log.info("Hub model %s is in the cache", repo_id)
             return snapshot_download(repo_id, revision=revision, allow_patterns=wanted)
-        progress = Progress(f"{repo_id} from the Hub", sum(f.file_size or 0 for f in pending), len(pending),
-                            interval)
+        progress = Progress(f"{repo_id} from the Hub", sum(f.file_size or 0 for f in pending), len(pending), interval)
         folder = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="model")
         with _CacheWatcher(folder, progress):
             path = snapshot_download(repo_id, revision=revision, allow_patterns=wanted)
@@ -287,7 +317,8 @@ def fetch_model(model_id: str, revision: str | None = None) -> str:
     if Path(model_id).exists():
         return model_id
     if model_id.startswith(("/", ".", "~")) or not HUB_ID.match(model_id):
-        raise ArtifactError(f"option.model_id={model_id!r} is neither a directory here, an s3:// URI nor a "
-                            f"Hub model id (org/name)")
+        raise ArtifactError(
+            f"option.model_id={model_id!r} is neither a directory here, an s3:// URI nor a Hub model id (org/name)"
+        )
     fetch_hub(model_id, revision)
     return model_id

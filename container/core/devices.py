@@ -67,8 +67,12 @@ def plan_groups(settings: Settings, devices: list[str]) -> list[GroupPlan]:
     if not devices:
         tp = 1 if tp == "max" else tp
         if tp * pp > 1:
-            log.info("no accelerators are visible: each worker group runs %d (tp %d x pp %d) processes on the CPU",
-                     tp * pp, tp, pp)
+            log.info(
+                "no accelerators are visible: each worker group runs %d (tp %d x pp %d) processes on the CPU",
+                tp * pp,
+                tp,
+                pp,
+            )
         count = settings.min_workers or settings.max_workers or 1
         return [GroupPlan(i, (), tp, pp) for i in range(count)]
     if tp == "max":
@@ -76,18 +80,20 @@ def plan_groups(settings: Settings, devices: list[str]) -> list[GroupPlan]:
             raise SettingsError(
                 f"option.tensor_parallel_degree=max with option.pipeline_parallel_degree={pp} "
                 f"({_source(settings, 'option.pipeline_parallel_degree')}) needs a device count divisible by {pp}, "
-                f"but {len(devices)} are visible ({','.join(devices)})")
+                f"but {len(devices)} are visible ({','.join(devices)})"
+            )
         tp = len(devices) // pp
     per_group = tp * pp
     if per_group > len(devices):
         raise SettingsError(
             f"option.tensor_parallel_degree={tp} ({_source(settings, 'option.tensor_parallel_degree')}) x "
             f"option.pipeline_parallel_degree={pp} ({_source(settings, 'option.pipeline_parallel_degree')}) "
-            f"needs {per_group} accelerators, but only {len(devices)} are visible ({','.join(devices)})")
+            f"needs {per_group} accelerators, but only {len(devices)} are visible ({','.join(devices)})"
+        )
     count = len(devices) // per_group
     if settings.max_workers:
         count = min(count, settings.max_workers)
-    return [GroupPlan(i, tuple(devices[i * per_group:(i + 1) * per_group]), tp, pp) for i in range(count)]
+    return [GroupPlan(i, tuple(devices[i * per_group : (i + 1) * per_group]), tp, pp) for i in range(count)]
 
 
 def cpu_binding(plans: list[GroupPlan], cores: list[int] | None = None) -> dict[int, str]:

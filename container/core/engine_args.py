@@ -19,19 +19,18 @@ before anything reaches AWS, with the same message.
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import functools
 import json
 import logging
-import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from pydantic import TypeAdapter, ValidationError
 
 from container.core.artifacts import HUB_ID
+from container.core.handler_choice import uses_builtin_engine
 from container.core.settings import KEYS, Settings
 
 log = logging.getLogger(__name__)
@@ -39,15 +38,18 @@ log = logging.getLogger(__name__)
 # LMI name -> vLLM engine argument, for LMI options that are not sagelmi settings
 RENAMED = {"cpu_offload_gb_per_gpu": "cpu_offload_gb"}
 # LMI's speculative-decoding options, folded into speculative_config
-SPECULATIVE = {"speculative_draft_model": "model", "speculative_length": "num_speculative_tokens",
-               "draft_model_tp_size": "draft_tensor_parallel_size"}
+SPECULATIVE = {
+    "speculative_draft_model": "model",
+    "speculative_length": "num_speculative_tokens",
+    "draft_model_tp_size": "draft_tensor_parallel_size",
+}
 # LMI's dtype words
 DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32", "auto": "auto"}
 # LMI options with no meaning for vLLM: accepted, with a warning saying why.
 IGNORED = {
     "lora_extra_vocab_size": "vLLM 0.32 has no lora_extra_vocab_size; adapters use the base vocabulary",
     "record_acceptance_rate": "speculative decoding acceptance is reported in /metrics (vllm:spec_decode_*)",
-    "enable_streaming": "streaming is chosen per request (\"stream\": true)",
+    "enable_streaming": 'streaming is chosen per request ("stream": true)',
     "parallel_loading": "each worker group loads its model on its own",
 }
 
@@ -77,13 +79,19 @@ def _convert(name: str, raw: str, target: str, tp: Any) -> Any:
 
 
 def _unknown(name: str, engine_args: typing.Iterable[str]) -> EngineOptionError:
-    valid = set(engine_args) | set(RENAMED) | set(SPECULATIVE) | {"dtype"} | {
-        k.key[len("option."):] for k in KEYS if k.key.startswith("option.")}
+    valid = (
+        set(engine_args)
+        | set(RENAMED)
+        | set(SPECULATIVE)
+        | {"dtype"}
+        | {k.key[len("option.") :] for k in KEYS if k.key.startswith("option.")}
+    )
     close = difflib.get_close_matches(name, sorted(valid), n=3, cutoff=0.6)
     hint = f"; did you mean {', '.join('option.' + c for c in close)}?" if close else ""
     return EngineOptionError(
         f"option.{name} is neither an LMI option nor a vLLM engine argument{hint} "
-        f"(vLLM's engine arguments are listed at https://docs.vllm.ai/en/latest/configuration/engine_args.html)")
+        f"(vLLM's engine arguments are listed at https://docs.vllm.ai/en/latest/configuration/engine_args.html)"
+    )
 
 
 # -- the packaged list of vLLM's engine arguments ---------------------------------------
@@ -113,8 +121,9 @@ def _check_value(name: str, raw: str, target: str, kind: str | list) -> None:
         try:
             json.loads(raw)
         except ValueError:
-            raise EngineOptionError(f"option.{name}={raw!r} is not a valid value for vLLM's {target}: "
-                                    f"expected JSON (an object or a list)") from None
+            raise EngineOptionError(
+                f"option.{name}={raw!r} is not a valid value for vLLM's {target}: expected JSON (an object or a list)"
+            ) from None
 
 
 def check_engine_option(name: str, raw: str | None = None) -> None:
@@ -150,3 +159,14 @@ def default_served_name(settings: Settings, model: str) -> str:
     if not source.startswith(("/", ".", "~", "s3://")) and HUB_ID.match(source) and not Path(source).exists():
         return source
     return Path(source.rstrip("/")).name or "model"
+
+
+def check_engine_options(settings: Settings, handler_dir: Path | None) -> None:
+    """Refuse, before anything starts or downloads, an ``option.*`` the built-in engine would
+    refuse: the one check ``sagelmi config``, ``sagelmi serve`` and the SDK run on resolved
+    settings. Nothing is checked when a ``model.py`` or the Accelerate engine serves (their
+    options are theirs). Raises ``EngineOptionError`` naming the option and the nearest names."""
+    if not uses_builtin_engine(settings, handler_dir):
+        return
+    for name, raw in settings.passthrough_options().items():
+        check_engine_option(name, raw)

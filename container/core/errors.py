@@ -183,8 +183,14 @@ def envelope(status: int, message: str, error: str) -> dict:
 
 # OpenAI's error type names (the ``openai`` client's exception names); other statuses
 # get BadRequestError (4xx) or InternalServerError (5xx).
-_OPENAI_TYPES = {401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError",
-                 409: "ConflictError", 422: "UnprocessableEntityError", 429: "RateLimitError"}
+_OPENAI_TYPES = {
+    401: "AuthenticationError",
+    403: "PermissionDeniedError",
+    404: "NotFoundError",
+    409: "ConflictError",
+    422: "UnprocessableEntityError",
+    429: "RateLimitError",
+}
 
 
 def openai_envelope(status: int, message: str, error: str) -> dict:

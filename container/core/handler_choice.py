@@ -16,8 +16,12 @@ from container.core.settings import Settings
 # The tasks vLLM serves; any other option.task goes to the Accelerate engine.
 VLLM_TASKS = {"text-generation"}
 # LMI's names for its built-in handlers, served here by the built-in vLLM handler.
-LMI_BUILTIN_NAMES = {"djl_python.huggingface", "djl_python.lmi_vllm.vllm_async_service",
-                     "djl_python.vllm", "djl_python.rolling_batch.vllm_rolling_batch"}
+LMI_BUILTIN_NAMES = {
+    "djl_python.huggingface",
+    "djl_python.lmi_vllm.vllm_async_service",
+    "djl_python.vllm",
+    "djl_python.rolling_batch.vllm_rolling_batch",
+}
 
 
 def accelerate_reason(settings: Settings) -> str | None:
@@ -44,7 +48,8 @@ def _defines_handle(model_py: Path) -> bool:
         if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "handle" for t in node.targets):
             return True
         if isinstance(node, (ast.Import, ast.ImportFrom)) and any(
-                (alias.asname or alias.name) == "handle" for alias in node.names):
+            (alias.asname or alias.name) == "handle" for alias in node.names
+        ):
             return True
     return False
 

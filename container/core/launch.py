@@ -24,7 +24,7 @@ class FrontendLaunch(msgspec.Struct, frozen=True):
     grace_period: float
     body_read_timeout: float = 60.0
     log_level: str = "INFO"
-    model: "ModelInfo | None" = None  # what GET /models and the adapter routes describe
+    model: ModelInfo | None = None  # what GET /models and the adapter routes describe
 
 
 class ModelInfo(msgspec.Struct, frozen=True):

@@ -24,12 +24,38 @@ from typing import Any
 
 from container.core.instances import INSTANCES
 
-GIB = 2 ** 30
+GIB = 2**30
 # bytes per element, by the names config.json, option.dtype/kv_cache_dtype and safetensors use
-DTYPE_BYTES = {"float32": 4, "fp32": 4, "float": 4, "float16": 2, "fp16": 2, "half": 2, "bfloat16": 2, "bf16": 2,
-               "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "fp8_inc": 1, "int8": 1}
-SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
-                     "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+DTYPE_BYTES = {
+    "float32": 4,
+    "fp32": 4,
+    "float": 4,
+    "float16": 2,
+    "fp16": 2,
+    "half": 2,
+    "bfloat16": 2,
+    "bf16": 2,
+    "fp8": 1,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
+    "fp8_inc": 1,
+    "int8": 1,
+}
+SAFETENSORS_BYTES = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "F8_E8M0": 1,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+}
 BLOCK_SIZE = {"gpu": 16, "cpu": 128}  # vLLM's default KV block sizes
 ACTIVATION_RESERVE_GIB = 2.0  # activations, CUDA graphs, NCCL buffers: an estimate, vLLM measures it
 
@@ -49,7 +75,7 @@ class ModelShape:
     config_dtype: str
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> "ModelShape":
+    def from_config(cls, config: dict[str, Any]) -> ModelShape:
         text = {**config, **config.get("text_config", {})}  # multimodal models nest the language model's
         try:
             heads = int(text["num_attention_heads"])
@@ -60,9 +86,15 @@ class ModelShape:
         window = text.get("sliding_window") if text.get("use_sliding_window", True) else None
         if window and "layer_types" in text and any(t != "sliding_attention" for t in text["layer_types"]):
             window = None  # some layers attend to everything: they need every token
-        return cls(layers, heads, int(text.get("num_key_value_heads") or heads), head_dim,
-                   text.get("max_position_embeddings"), int(window) if window else None,
-                   str(text.get("torch_dtype") or text.get("dtype") or "float32"))
+        return cls(
+            layers,
+            heads,
+            int(text.get("num_key_value_heads") or heads),
+            head_dim,
+            text.get("max_position_embeddings"),
+            int(window) if window else None,
+            str(text.get("torch_dtype") or text.get("dtype") or "float32"),
+        )
 
 
 def resolved_dtype(option: str | None, shape: ModelShape) -> str:
@@ -103,8 +135,11 @@ def hub_weight_bytes(repo_id: str, revision: str | None = None) -> int:
     from huggingface_hub import HfApi
 
     metadata = HfApi().get_safetensors_metadata(repo_id, revision=revision)
-    return sum(t.parameter_count[dtype] * SAFETENSORS_BYTES.get(dtype, 2)
-               for t in metadata.files_metadata.values() for dtype in t.parameter_count)
+    return sum(
+        t.parameter_count[dtype] * SAFETENSORS_BYTES.get(dtype, 2)
+        for t in metadata.files_metadata.values()
+        for dtype in t.parameter_count
+    )
 
 
 @dataclass
@@ -116,7 +151,7 @@ class Split:
     kv_budget_gib: float
     kv_tokens: int
     max_model_len: int
-    max_sequences: int       # sequences of max_model_len tokens the cache holds at once
+    max_sequences: int  # sequences of max_model_len tokens the cache holds at once
     fits: bool
     why_not: str = ""
 
@@ -151,10 +186,23 @@ def _splits(gpus: int) -> list[tuple[int, int]]:
     return [(tp, pp) for tp in sizes for pp in sizes if tp * pp <= gpus]
 
 
-def make_plan(model: str, config: dict[str, Any], weight: int, download: int, *, dtype: str | None,
-              kv_cache_dtype: str | None, max_model_len: int | None, gpus: int | None, gpu_memory_gib: float | None,
-              gpu_memory_utilization: float = 0.9, cpu_kv_cache_gib: float | None = None, tp: int | None = None,
-              pp: int | None = None, hardware: str = "") -> Plan:
+def make_plan(
+    model: str,
+    config: dict[str, Any],
+    weight: int,
+    download: int,
+    *,
+    dtype: str | None,
+    kv_cache_dtype: str | None,
+    max_model_len: int | None,
+    gpus: int | None,
+    gpu_memory_gib: float | None,
+    gpu_memory_utilization: float = 0.9,
+    cpu_kv_cache_gib: float | None = None,
+    tp: int | None = None,
+    pp: int | None = None,
+    hardware: str = "",
+) -> Plan:
     """The plan for ``model`` on ``gpus`` x ``gpu_memory_gib`` (None: vLLM's CPU build with
     ``cpu_kv_cache_gib``); every split up to the GPU count, or the ``tp`` x ``pp`` asked for."""
     from container.core.sizing import download_timeout, startup_timeout
@@ -163,8 +211,18 @@ def make_plan(model: str, config: dict[str, Any], weight: int, download: int, *,
     served = resolved_dtype(dtype, shape)
     kv_dtype = served if (kv_cache_dtype or "auto") == "auto" else kv_cache_dtype.lower()
     wanted = max_model_len or shape.max_position or 4096
-    plan = Plan(model, shape, served, kv_dtype, weight, download, hardware, gpus,
-                startup_timeout_s=startup_timeout(download / 1e9), download_timeout_s=download_timeout(download / 1e9))
+    plan = Plan(
+        model,
+        shape,
+        served,
+        kv_dtype,
+        weight,
+        download,
+        hardware,
+        gpus,
+        startup_timeout_s=startup_timeout(download / 1e9),
+        download_timeout_s=download_timeout(download / 1e9),
+    )
     choices = [(tp or 1, pp or 1)] if gpus is None or tp or pp else _splits(gpus)
     # weights as served: a float32 checkpoint served in bfloat16 takes half its file size
     served_weights = weight * DTYPE_BYTES.get(served, 2) / DTYPE_BYTES.get(shape.config_dtype, 2)
@@ -173,8 +231,10 @@ def make_plan(model: str, config: dict[str, Any], weight: int, download: int, *,
         per_token = kv_bytes_per_token(shape, kv_dtype, t, p)
         if gpus is None:
             if cpu_kv_cache_gib is None:
-                raise PlanError("on the CPU build the KV cache is VLLM_CPU_KVCACHE_SPACE GiB: set it, or give "
-                                "--instance / --gpus and --gpu-memory")
+                raise PlanError(
+                    "on the CPU build the KV cache is VLLM_CPU_KVCACHE_SPACE GiB: set it, or give "
+                    "--instance / --gpus and --gpu-memory"
+                )
             budget, block = cpu_kv_cache_gib * GIB, BLOCK_SIZE["cpu"]
         else:
             budget = gpu_memory_gib * GIB * gpu_memory_utilization - per_rank - ACTIVATION_RESERVE_GIB * GIB
@@ -184,34 +244,70 @@ def make_plan(model: str, config: dict[str, Any], weight: int, download: int, *,
         need = min(wanted, shape.sliding_window + block) if shape.sliding_window else wanted
         why = ""
         if budget <= 0:
-            why = (f"needs {per_rank / GIB:.1f} GiB per GPU for weights at tp={t}, pp={p}, plus "
-                   f"{ACTIVATION_RESERVE_GIB:.0f} GiB for activations; {gpu_memory_utilization:g} x "
-                   f"{gpu_memory_gib:g} GiB is {gpu_memory_utilization * gpu_memory_gib:.1f} GiB")
+            why = (
+                f"needs {per_rank / GIB:.1f} GiB per GPU for weights at tp={t}, pp={p}, plus "
+                f"{ACTIVATION_RESERVE_GIB:.0f} GiB for activations; {gpu_memory_utilization:g} x "
+                f"{gpu_memory_gib:g} GiB is {gpu_memory_utilization * gpu_memory_gib:.1f} GiB"
+            )
         elif tokens < wanted:
-            why = (f"max_model_len={wanted} needs {wanted} KV tokens; the cache holds {tokens} "
-                   f"({budget / GIB:.2f} GiB / {per_token} bytes a token)")
-        plan.splits.append(Split(t, p, round(per_rank / GIB, 3), per_token, round(budget / GIB, 3), tokens, longest,
-                                 tokens // need if need else 0, not why, why))
+            why = (
+                f"max_model_len={wanted} needs {wanted} KV tokens; the cache holds {tokens} "
+                f"({budget / GIB:.2f} GiB / {per_token} bytes a token)"
+            )
+        plan.splits.append(
+            Split(
+                t,
+                p,
+                round(per_rank / GIB, 3),
+                per_token,
+                round(budget / GIB, 3),
+                tokens,
+                longest,
+                tokens // need if need else 0,
+                not why,
+                why,
+            )
+        )
     return plan
 
 
-def plan_from_settings(model: tuple[str, dict[str, Any], int, int], options: dict[str, str], *, gpus: int | None,
-                       gpu_memory_gib: float | None, tp: int | None, pp: int | None, hardware: str,
-                       cpu_kv_cache_gib: float | None = None, default_utilization: float = 0.9) -> Plan:
+def plan_from_settings(
+    model: tuple[str, dict[str, Any], int, int],
+    options: dict[str, str],
+    *,
+    gpus: int | None,
+    gpu_memory_gib: float | None,
+    tp: int | None,
+    pp: int | None,
+    hardware: str,
+    cpu_kv_cache_gib: float | None = None,
+    default_utilization: float = 0.9,
+) -> Plan:
     """``make_plan`` for ``read_model``'s answer with the engine options as the
     settings hold them (``option.dtype``, ``kv_cache_dtype``, ``max_model_len``,
     ``gpu_memory_utilization``): what ``sagelmi plan``, ``serve`` and the SDK ask."""
     name, config, weight, download = model
-    return make_plan(name, config, weight, download, dtype=options.get("dtype"),
-                     kv_cache_dtype=options.get("kv_cache_dtype"),
-                     max_model_len=int(options["max_model_len"]) if "max_model_len" in options else None,
-                     gpus=gpus, gpu_memory_gib=gpu_memory_gib, tp=tp, pp=pp,
-                     gpu_memory_utilization=float(options.get("gpu_memory_utilization", default_utilization)),
-                     cpu_kv_cache_gib=cpu_kv_cache_gib, hardware=hardware)
+    return make_plan(
+        name,
+        config,
+        weight,
+        download,
+        dtype=options.get("dtype"),
+        kv_cache_dtype=options.get("kv_cache_dtype"),
+        max_model_len=int(options["max_model_len"]) if "max_model_len" in options else None,
+        gpus=gpus,
+        gpu_memory_gib=gpu_memory_gib,
+        tp=tp,
+        pp=pp,
+        gpu_memory_utilization=float(options.get("gpu_memory_utilization", default_utilization)),
+        cpu_kv_cache_gib=cpu_kv_cache_gib,
+        hardware=hardware,
+    )
 
 
-def read_model(model_dir: Path | None, model_id: str | None, revision: str | None = None
-               ) -> tuple[str, dict[str, Any], int, int]:
+def read_model(
+    model_dir: Path | None, model_id: str | None, revision: str | None = None
+) -> tuple[str, dict[str, Any], int, int]:
     """(name, config, tensor bytes, download bytes) of a local directory or a Hub id
     (only ``config.json`` and the safetensors headers are fetched)."""
     if model_dir is not None and (model_dir / "config.json").is_file():
@@ -226,7 +322,9 @@ def read_model(model_dir: Path | None, model_id: str | None, revision: str | Non
     raise PlanError(f"no config.json in {model_dir or model_id}: give --model-dir with the model or --model-id")
 
 
-def hardware_of(instance: str | None, gpus: int | None, gpu_memory: float | None) -> tuple[int | None, float | None, str]:
+def hardware_of(
+    instance: str | None, gpus: int | None, gpu_memory: float | None
+) -> tuple[int | None, float | None, str]:
     if instance:
         if instance not in INSTANCES:
             raise PlanError(f"unknown instance type {instance!r}; known GPU instances: {', '.join(sorted(INSTANCES))}")
@@ -252,11 +350,16 @@ def render(plan: Plan) -> str:
         f"{'max_model_len':>14} {'sequences':>10}  fits",
     ]
     for sp in plan.splits:
-        lines.append(f"{sp.tp:>3} {sp.pp:>3} {sp.weights_gib_per_rank:>10.3f} GiB {sp.kv_bytes_per_token:>15} "
-                     f"{sp.kv_budget_gib:>8.2f} {sp.kv_tokens:>11} {sp.max_model_len:>14} {sp.max_sequences:>10}  "
-                     + ("yes" if sp.fits else f"no: {sp.why_not}"))
+        lines.append(
+            f"{sp.tp:>3} {sp.pp:>3} {sp.weights_gib_per_rank:>10.3f} GiB {sp.kv_bytes_per_token:>15} "
+            f"{sp.kv_budget_gib:>8.2f} {sp.kv_tokens:>11} {sp.max_model_len:>14} {sp.max_sequences:>10}  "
+            + ("yes" if sp.fits else f"no: {sp.why_not}")
+        )
     best = plan.smallest
-    lines += ["", f"smallest split that fits: tp={best.tp} pp={best.pp}" if best else "no split fits",
-              f"suggested SageMaker timeouts: container_startup_health_check_timeout={plan.startup_timeout_s}, "
-              f"model_data_download_timeout={plan.download_timeout_s}"]
+    lines += [
+        "",
+        f"smallest split that fits: tp={best.tp} pp={best.pp}" if best else "no split fits",
+        f"suggested SageMaker timeouts: container_startup_health_check_timeout={plan.startup_timeout_s}, "
+        f"model_data_download_timeout={plan.download_timeout_s}",
+    ]
     return "\n".join(lines)

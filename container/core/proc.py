@@ -57,7 +57,7 @@ def process_table() -> dict[int, tuple[int, bool]]:
         except OSError:  # gone
             continue
         # Fields after the command (which may hold spaces) start at the last ')'.
-        fields = stat[stat.rindex(b")") + 2:].split()
+        fields = stat[stat.rindex(b")") + 2 :].split()
         found[int(entry)] = (int(fields[1]), fields[0] == b"Z")
     return found
 

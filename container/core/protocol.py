@@ -107,10 +107,10 @@ class WorkerState(str, enum.Enum):
     """The health of a worker group (or of one rank), as ``/ping`` reports it."""
 
     STARTING = "starting"  # the process is starting: not connected yet
-    LOADING = "loading"    # connected; the model is loading
-    READY = "ready"        # serving requests
-    FAILED = "failed"      # the model could not be loaded (``detail`` says why)
-    DOWN = "down"          # the process went away; the supervisor restarts it
+    LOADING = "loading"  # connected; the model is loading
+    READY = "ready"  # serving requests
+    FAILED = "failed"  # the model could not be loaded (``detail`` says why)
+    DOWN = "down"  # the process went away; the supervisor restarts it
 
 
 class Status(msgspec.Struct, tag="status", frozen=True):
@@ -150,8 +150,20 @@ class UnregisterAdapter(msgspec.Struct, tag="unregister_adapter", frozen=True):
     name: str
 
 
-Message = Union[Invoke, InvokeBatch, Cancel, Head, Chunk, End, Fail, Status, Broadcast, RankMetrics,
-                RegisterAdapter, UnregisterAdapter]
+Message = Union[  # noqa: UP007 (a runtime alias msgspec decodes with; kept in one form)
+    Invoke,
+    InvokeBatch,
+    Cancel,
+    Head,
+    Chunk,
+    End,
+    Fail,
+    Status,
+    Broadcast,
+    RankMetrics,
+    RegisterAdapter,
+    UnregisterAdapter,
+]
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -198,11 +210,11 @@ class FrameBuffer:
         view = memoryview(self._data)
         try:
             while size - offset >= FRAME_HEADER.size:
-                length = frame_length(view[offset:offset + FRAME_HEADER.size])
+                length = frame_length(view[offset : offset + FRAME_HEADER.size])
                 end = offset + FRAME_HEADER.size + length
                 if end > size:
                     break
-                messages.append(decode(view[offset + FRAME_HEADER.size:end]))
+                messages.append(decode(view[offset + FRAME_HEADER.size : end]))
                 offset = end
         finally:
             view.release()

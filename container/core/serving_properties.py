@@ -31,8 +31,8 @@ def parse_properties(text: str) -> dict[str, tuple[str, int]]:
         if match is None:
             key, value = line, ""
         else:
-            key = line[:match.start()]
-            value = line[match.end():].strip()
+            key = line[: match.start()]
+            value = line[match.end() :].strip()
             if match.group().isspace() and value[:1] in ("=", ":"):
                 value = value[1:].strip()
         result[key.strip().replace("\\", "")] = (value, start)

@@ -23,9 +23,10 @@ from __future__ import annotations
 import difflib
 import logging
 import shlex
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal, Mapping
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -44,98 +45,239 @@ class SettingsError(Exception):
 class Key:
     """One setting: its ``serving.properties`` key and every other spelling."""
 
-    field: str                      # attribute of Settings
-    key: str                        # serving.properties key
-    env: tuple[str, ...]            # environment names, strongest first
-    allowed: str                    # what values are accepted, for error messages
+    field: str  # attribute of Settings
+    key: str  # serving.properties key
+    env: tuple[str, ...]  # environment names, strongest first
+    allowed: str  # what values are accepted, for error messages
     doc: str
     sagemaker: tuple[str, ...] = ()  # SageMaker platform overrides, strongest first
-    engine_arg: str | None = None   # the vLLM engine argument it becomes (built-in engine only)
-    aliases: tuple[str, ...] = ()   # other serving.properties spellings LMI accepts
+    engine_arg: str | None = None  # the vLLM engine argument it becomes (built-in engine only)
+    aliases: tuple[str, ...] = ()  # other serving.properties spellings LMI accepts
 
 
 KEYS: tuple[Key, ...] = (
     # -- model
-    Key("model_id", "option.model_id", ("OPTION_MODEL_ID", "HF_MODEL_ID"), "a Hub model id, a local path or s3:// URI",
+    Key(
+        "model_id",
+        "option.model_id",
+        ("OPTION_MODEL_ID", "HF_MODEL_ID"),
+        "a Hub model id, a local path or s3:// URI",
         "The model: a Hugging Face Hub id, a local directory or an s3:// prefix. Unset: the model directory.",
-        engine_arg="model"),
-    Key("revision", "option.revision", ("OPTION_REVISION", "HF_REVISION"), "a Hub revision (branch, tag, commit)",
-        "Revision of a Hub model.", engine_arg="revision"),
-    Key("task", "option.task", ("OPTION_TASK", "HF_TASK"), "a task name such as text-generation",
-        "The model's task."),
-    Key("entry_point", "option.entryPoint", ("OPTION_ENTRYPOINT",), "a .py file in the model directory or a module name",
-        "The handler. Unset: model.py in the model directory."),
-    Key("trust_remote_code", "option.trust_remote_code",
-        ("OPTION_TRUST_REMOTE_CODE", "HF_TRUST_REMOTE_CODE", "HF_MODEL_TRUST_REMOTE_CODE"), "true or false",
-        "Allow model code from the Hub.", engine_arg="trust_remote_code"),
-    Key("quantize", "option.quantize", ("OPTION_QUANTIZE", "HF_MODEL_QUANTIZE"), "a quantization method name",
-        "Quantization method (awq, gptq, fp8, ...).", engine_arg="quantization"),
+        engine_arg="model",
+    ),
+    Key(
+        "revision",
+        "option.revision",
+        ("OPTION_REVISION", "HF_REVISION"),
+        "a Hub revision (branch, tag, commit)",
+        "Revision of a Hub model.",
+        engine_arg="revision",
+    ),
+    Key("task", "option.task", ("OPTION_TASK", "HF_TASK"), "a task name such as text-generation", "The model's task."),
+    Key(
+        "entry_point",
+        "option.entryPoint",
+        ("OPTION_ENTRYPOINT",),
+        "a .py file in the model directory or a module name",
+        "The handler. Unset: model.py in the model directory.",
+    ),
+    Key(
+        "trust_remote_code",
+        "option.trust_remote_code",
+        ("OPTION_TRUST_REMOTE_CODE", "HF_TRUST_REMOTE_CODE", "HF_MODEL_TRUST_REMOTE_CODE"),
+        "true or false",
+        "Allow model code from the Hub.",
+        engine_arg="trust_remote_code",
+    ),
+    Key(
+        "quantize",
+        "option.quantize",
+        ("OPTION_QUANTIZE", "HF_MODEL_QUANTIZE"),
+        "a quantization method name",
+        "Quantization method (awq, gptq, fp8, ...).",
+        engine_arg="quantization",
+    ),
     # -- parallelism and workers
-    Key("engine", "engine", ("OPTION_ENGINE",), "Python or MPI",
-        "How worker groups start: Python (one process each) or MPI (one mpirun job of tp x pp ranks each)."),
-    Key("mpi_mode", "option.mpi_mode", ("OPTION_MPI_MODE",), "true or false",
-        "Run each worker group as MPI ranks (same as engine=MPI; implied by option.rolling_batch=lmi-dist)."),
-    Key("tensor_parallel_degree", "option.tensor_parallel_degree",
-        ("OPTION_TENSOR_PARALLEL_DEGREE", "TENSOR_PARALLEL_DEGREE", "SM_NUM_GPUS"), "a whole number >= 1, or max",
+    Key(
+        "engine",
+        "engine",
+        ("OPTION_ENGINE",),
+        "Python or MPI",
+        "How worker groups start: Python (one process each) or MPI (one mpirun job of tp x pp ranks each).",
+    ),
+    Key(
+        "mpi_mode",
+        "option.mpi_mode",
+        ("OPTION_MPI_MODE",),
+        "true or false",
+        "Run each worker group as MPI ranks (same as engine=MPI; implied by option.rolling_batch=lmi-dist).",
+    ),
+    Key(
+        "tensor_parallel_degree",
+        "option.tensor_parallel_degree",
+        ("OPTION_TENSOR_PARALLEL_DEGREE", "TENSOR_PARALLEL_DEGREE", "SM_NUM_GPUS"),
+        "a whole number >= 1, or max",
         "Tensor parallel degree: accelerators per pipeline stage; max uses all devices a group sees.",
-        engine_arg="tensor_parallel_size"),
-    Key("pipeline_parallel_degree", "option.pipeline_parallel_degree",
-        ("OPTION_PIPELINE_PARALLEL_DEGREE", "PIPELINE_PARALLEL_DEGREE"), "a whole number >= 1",
-        "Pipeline stages per model copy; a worker group has tensor x pipeline parallel degree devices.",
-        engine_arg="pipeline_parallel_size"),
-    Key("mpi_hostfile", "option.mpi_hostfile", ("OPTION_MPI_HOSTFILE",), "a path to an Open MPI hostfile",
-        "MPI mode: spread each group's ranks over these machines (this machine first: rank 0 answers)."),
-    Key("mpi_extra_args", "option.mpi_extra_args", ("OPTION_MPI_EXTRA_ARGS",), "mpirun arguments, shell-quoted",
-        "MPI mode: more mpirun arguments, e.g. --oversubscribe or --mca btl_tcp_if_include eth0."),
-    Key("min_workers", "min_workers", ("SERVING_MIN_WORKERS",), "a whole number >= 1",
-        "Worker groups to start when there are no accelerators.",
-        ("SAGEMAKER_MODEL_SERVER_WORKERS", "SAGEMAKER_NUM_MODEL_WORKERS")),
-    Key("max_workers", "max_workers", ("SERVING_MAX_WORKERS",), "a whole number >= 1",
-        "Upper bound on worker groups (with accelerators: devices / tensor_parallel_degree).",
-        ("SAGEMAKER_MODEL_SERVER_WORKERS", "SAGEMAKER_NUM_MODEL_WORKERS")),
-    Key("sync_handler_threads", "option.sync_handler_threads", ("OPTION_SYNC_HANDLER_THREADS",),
+        engine_arg="tensor_parallel_size",
+    ),
+    Key(
+        "pipeline_parallel_degree",
+        "option.pipeline_parallel_degree",
+        ("OPTION_PIPELINE_PARALLEL_DEGREE", "PIPELINE_PARALLEL_DEGREE"),
         "a whole number >= 1",
-        "How many calls of a synchronous handle() one worker runs at once (1: one at a time, as LMI)."),
+        "Pipeline stages per model copy; a worker group has tensor x pipeline parallel degree devices.",
+        engine_arg="pipeline_parallel_size",
+    ),
+    Key(
+        "mpi_hostfile",
+        "option.mpi_hostfile",
+        ("OPTION_MPI_HOSTFILE",),
+        "a path to an Open MPI hostfile",
+        "MPI mode: spread each group's ranks over these machines (this machine first: rank 0 answers).",
+    ),
+    Key(
+        "mpi_extra_args",
+        "option.mpi_extra_args",
+        ("OPTION_MPI_EXTRA_ARGS",),
+        "mpirun arguments, shell-quoted",
+        "MPI mode: more mpirun arguments, e.g. --oversubscribe or --mca btl_tcp_if_include eth0.",
+    ),
+    Key(
+        "min_workers",
+        "min_workers",
+        ("SERVING_MIN_WORKERS",),
+        "a whole number >= 1",
+        "Worker groups to start when there are no accelerators.",
+        ("SAGEMAKER_MODEL_SERVER_WORKERS", "SAGEMAKER_NUM_MODEL_WORKERS"),
+    ),
+    Key(
+        "max_workers",
+        "max_workers",
+        ("SERVING_MAX_WORKERS",),
+        "a whole number >= 1",
+        "Upper bound on worker groups (with accelerators: devices / tensor_parallel_degree).",
+        ("SAGEMAKER_MODEL_SERVER_WORKERS", "SAGEMAKER_NUM_MODEL_WORKERS"),
+    ),
+    Key(
+        "sync_handler_threads",
+        "option.sync_handler_threads",
+        ("OPTION_SYNC_HANDLER_THREADS",),
+        "a whole number >= 1",
+        "How many calls of a synchronous handle() one worker runs at once (1: one at a time, as LMI).",
+    ),
     # -- engine
-    Key("rolling_batch", "option.rolling_batch", ("OPTION_ROLLING_BATCH",), "auto, vllm, lmi-dist or disable",
+    Key(
+        "rolling_batch",
+        "option.rolling_batch",
+        ("OPTION_ROLLING_BATCH",),
+        "auto, vllm, lmi-dist or disable",
         "Continuous batching backend of the built-in handler: vllm in Python mode, lmi-dist (vLLM split "
-        "across MPI ranks) in MPI mode; auto picks by mode."),
-    Key("max_rolling_batch_size", "option.max_rolling_batch_size", ("OPTION_MAX_ROLLING_BATCH_SIZE", "MAX_BATCH_SIZE"),
-        "a whole number >= 1", "Most sequences the engine runs at once.", engine_arg="max_num_seqs"),
-    Key("max_rolling_batch_prefill_tokens", "option.max_rolling_batch_prefill_tokens",
-        ("OPTION_MAX_ROLLING_BATCH_PREFILL_TOKENS", "MAX_BATCH_PREFILL_TOKENS"), "a whole number >= 1",
-        "Most prompt tokens prefilled in one engine step.", engine_arg="max_num_batched_tokens"),
-    Key("output_formatter", "option.output_formatter", ("OPTION_OUTPUT_FORMATTER",), "json, jsonlines or sse",
-        "Built-in handler: how LMI-schema streams are framed (json means jsonlines for streams)."),
-    Key("tgi_compat", "option.tgi_compat", ("OPTION_TGI_COMPAT",), "true or false",
-        "Built-in handler: answer in TGI's forms (lists, details on, server-sent events)."),
-    Key("adapter_roots", "option.adapter_roots", ("OPTION_ADAPTER_ROOTS",), "directories, comma-separated",
+        "across MPI ranks) in MPI mode; auto picks by mode.",
+    ),
+    Key(
+        "max_rolling_batch_size",
+        "option.max_rolling_batch_size",
+        ("OPTION_MAX_ROLLING_BATCH_SIZE", "MAX_BATCH_SIZE"),
+        "a whole number >= 1",
+        "Most sequences the engine runs at once.",
+        engine_arg="max_num_seqs",
+    ),
+    Key(
+        "max_rolling_batch_prefill_tokens",
+        "option.max_rolling_batch_prefill_tokens",
+        ("OPTION_MAX_ROLLING_BATCH_PREFILL_TOKENS", "MAX_BATCH_PREFILL_TOKENS"),
+        "a whole number >= 1",
+        "Most prompt tokens prefilled in one engine step.",
+        engine_arg="max_num_batched_tokens",
+    ),
+    Key(
+        "output_formatter",
+        "option.output_formatter",
+        ("OPTION_OUTPUT_FORMATTER",),
+        "json, jsonlines or sse",
+        "Built-in handler: how LMI-schema streams are framed (json means jsonlines for streams).",
+    ),
+    Key(
+        "tgi_compat",
+        "option.tgi_compat",
+        ("OPTION_TGI_COMPAT",),
+        "true or false",
+        "Built-in handler: answer in TGI's forms (lists, details on, server-sent events).",
+    ),
+    Key(
+        "adapter_roots",
+        "option.adapter_roots",
+        ("OPTION_ADAPTER_ROOTS",),
+        "directories, comma-separated",
         "LoRA adapters: more directories an adapter's source may be in (always allowed: the model directory "
-        "and the download cache); anything outside them, through .. or a symbolic link too, is refused."),
+        "and the download cache); anything outside them, through .. or a symbolic link too, is refused.",
+    ),
     # -- dynamic batching (handlers that batch: model.py)
-    Key("batch_size", "batch_size", ("SERVING_BATCH_SIZE", "OPTION_BATCH_SIZE"), "a whole number >= 1",
+    Key(
+        "batch_size",
+        "batch_size",
+        ("SERVING_BATCH_SIZE", "OPTION_BATCH_SIZE"),
+        "a whole number >= 1",
         "Dynamic batching for a model.py handler: up to this many requests in one Input "
         "(get_batches()); 1: one request per call. The built-in engines batch continuously instead.",
-        aliases=("max_dynamic_batch_size", "option.batch_size")),
-    Key("max_batch_delay", "max_batch_delay", ("SERVING_MAX_BATCH_DELAY", "OPTION_MAX_BATCH_DELAY"),
-        "milliseconds >= 0", "Dynamic batching: how long a batch waits for more requests after its first.",
-        aliases=("option.max_batch_delay",)),
+        aliases=("max_dynamic_batch_size", "option.batch_size"),
+    ),
+    Key(
+        "max_batch_delay",
+        "max_batch_delay",
+        ("SERVING_MAX_BATCH_DELAY", "OPTION_MAX_BATCH_DELAY"),
+        "milliseconds >= 0",
+        "Dynamic batching: how long a batch waits for more requests after its first.",
+        aliases=("option.max_batch_delay",),
+    ),
     # -- server
     Key("port", "port", ("SERVING_PORT",), "a port number 1-65535", "HTTP port.", ("SAGEMAKER_BIND_TO_PORT",)),
-    Key("job_queue_size", "job_queue_size", ("SERVING_JOB_QUEUE_SIZE", "MAX_CONCURRENT_REQUESTS"),
-        "a whole number >= 1", "Requests accepted at once (running or waiting); beyond it: 503."),
-    Key("max_payload_in_mb", "max_payload_in_mb", ("SERVING_MAX_PAYLOAD_IN_MB",), "a number of MiB > 0",
-        "Largest request body; larger bodies get 413.", ("SAGEMAKER_MAX_PAYLOAD_IN_MB",)),
-    Key("body_read_timeout", "body_read_timeout", ("SERVING_BODY_READ_TIMEOUT",), "seconds > 0",
+    Key(
+        "job_queue_size",
+        "job_queue_size",
+        ("SERVING_JOB_QUEUE_SIZE", "MAX_CONCURRENT_REQUESTS"),
+        "a whole number >= 1",
+        "Requests accepted at once (running or waiting); beyond it: 503.",
+    ),
+    Key(
+        "max_payload_in_mb",
+        "max_payload_in_mb",
+        ("SERVING_MAX_PAYLOAD_IN_MB",),
+        "a number of MiB > 0",
+        "Largest request body; larger bodies get 413.",
+        ("SAGEMAKER_MAX_PAYLOAD_IN_MB",),
+    ),
+    Key(
+        "body_read_timeout",
+        "body_read_timeout",
+        ("SERVING_BODY_READ_TIMEOUT",),
+        "seconds > 0",
         "Longest time a client may take to send a request body; a body still incomplete then, or cut "
-        "short by the client, gets 400 and is not run."),
-    Key("predict_timeout", "option.predict_timeout", ("OPTION_PREDICT_TIMEOUT",), "seconds > 0",
+        "short by the client, gets 400 and is not run.",
+    ),
+    Key(
+        "predict_timeout",
+        "option.predict_timeout",
+        ("OPTION_PREDICT_TIMEOUT",),
+        "seconds > 0",
         "Longest wait for an answer (for a stream: for its start and between chunks); then 504.",
-        ("SAGEMAKER_MODEL_SERVER_TIMEOUT_SECONDS", "SAGEMAKER_MODEL_SERVER_TIMEOUT")),
-    Key("model_loading_timeout", "option.model_loading_timeout", ("OPTION_MODEL_LOADING_TIMEOUT",), "seconds > 0",
-        "Longest model load before start-up fails.", ("SAGEMAKER_STARTUP_TIMEOUT",)),
-    Key("shutdown_grace_period", "shutdown_grace_period", ("SERVING_SHUTDOWN_GRACE_PERIOD",), "seconds >= 0",
-        "On SIGTERM, how long in-flight requests may take to finish."),
+        ("SAGEMAKER_MODEL_SERVER_TIMEOUT_SECONDS", "SAGEMAKER_MODEL_SERVER_TIMEOUT"),
+    ),
+    Key(
+        "model_loading_timeout",
+        "option.model_loading_timeout",
+        ("OPTION_MODEL_LOADING_TIMEOUT",),
+        "seconds > 0",
+        "Longest model load before start-up fails.",
+        ("SAGEMAKER_STARTUP_TIMEOUT",),
+    ),
+    Key(
+        "shutdown_grace_period",
+        "shutdown_grace_period",
+        ("SERVING_SHUTDOWN_GRACE_PERIOD",),
+        "seconds >= 0",
+        "On SIGTERM, how long in-flight requests may take to finish.",
+    ),
     Key("log_level", "log_level", ("SERVING_LOG_LEVEL",), "DEBUG, INFO, WARNING or ERROR", "Log level."),
 )
 
@@ -223,17 +365,20 @@ class Settings(BaseModel):
         if self.min_workers and self.max_workers and self.min_workers > self.max_workers:
             raise ValueError(
                 f"min_workers={self.min_workers} ({self.sources.get('min_workers')}) is larger than "
-                f"max_workers={self.max_workers} ({self.sources.get('max_workers')})")
+                f"max_workers={self.max_workers} ({self.sources.get('max_workers')})"
+            )
         mpi_source = self.sources.get("option.mpi_mode", "default")
         if self.rolling_batch == "lmi-dist" and mpi_source != "default" and not self.mpi_mode:
             raise ValueError(
                 f"option.rolling_batch=lmi-dist ({self.sources.get('option.rolling_batch')}) runs under MPI mode, "
-                f"but option.mpi_mode=false ({mpi_source}); use option.rolling_batch=vllm for Python mode")
+                f"but option.mpi_mode=false ({mpi_source}); use option.rolling_batch=vllm for Python mode"
+            )
         if self.rolling_batch == "vllm" and self.use_mpi:
             raise ValueError(
                 f"option.rolling_batch=vllm ({self.sources.get('option.rolling_batch')}) runs in Python mode, "
                 f"but MPI mode is on (engine={self.engine}, option.mpi_mode={str(self.mpi_mode).lower()}); "
-                f"under MPI mode the built-in engine is option.rolling_batch=lmi-dist")
+                f"under MPI mode the built-in engine is option.rolling_batch=lmi-dist"
+            )
         return self
 
     @property
@@ -271,18 +416,22 @@ class Settings(BaseModel):
     def passthrough_options(self) -> dict[str, str]:
         """``option.*`` values that are not sagelmi settings (name without the prefix):
         handler properties, and for the built-in engine, vLLM engine arguments."""
-        typed = {k.key[len("option."):] for k in KEYS if k.key.startswith("option.")}
+        typed = {k.key[len("option.") :] for k in KEYS if k.key.startswith("option.")}
         return {name: value for name, value in self.options.items() if name not in typed}
 
-    def model_properties(self, model_id: str | None = None, tensor_parallel_degree: int | None = None
-                         ) -> dict[str, str]:
+    def model_properties(
+        self, model_id: str | None = None, tensor_parallel_degree: int | None = None
+    ) -> dict[str, str]:
         """What a handler's initialisation call receives, as LMI gives it: every
         ``option.*`` as text (name without the prefix), the other keys given in
         ``serving.properties`` (``batch_size`` ...) and ``model_dir``.
         ``model_id``: where the model really is (a downloaded ``s3://`` prefix);
         ``tensor_parallel_degree``: the number ``max`` stands for in this group."""
-        properties = {k.key: _text(getattr(self, k.field)) for k in KEYS if not k.key.startswith("option.")
-                      and self.sources.get(k.key, "").startswith("serving.properties")}
+        properties = {
+            k.key: _text(getattr(self, k.field))
+            for k in KEYS
+            if not k.key.startswith("option.") and self.sources.get(k.key, "").startswith("serving.properties")
+        }
         properties.update(self.options)
         properties["model_dir"] = self.model_dir
         if model_id is not None:
@@ -297,14 +446,15 @@ def _text(value) -> str:
     return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
 
 
-def _option_key(name: str) -> str:
-    """``model_id`` -> ``option.model_id``; LMI spells one option in camel case."""
-    name = name.lower()
+def option_key(name: str) -> str:
+    """``model_id`` or ``option.model_id`` -> ``option.model_id``, as the container spells an
+    ``OPTION_*`` variable's key (lower case; LMI spells one option in camel case: ``entryPoint``)."""
+    name = name.lower().removeprefix("option.")
     return "option.entryPoint" if name == "entrypoint" else f"option.{name}"
 
 
 def _canonical(key: str) -> str:
-    return _option_key(key[len("option."):]) if key.lower().startswith("option.") else key
+    return option_key(key[len("option.") :]) if key.lower().startswith("option.") else key
 
 
 def _nearest(name: str, candidates) -> str:
@@ -338,11 +488,12 @@ def _read_env(env: Mapping[str, str], layers: _Layers) -> None:
         if name in spelled or value == "":
             continue
         if name.startswith("OPTION_") and len(name) > len("OPTION_"):
-            layers.set(_option_key(name[len("OPTION_"):]), value, f"env {name}")
+            layers.set(option_key(name[len("OPTION_") :]), value, f"env {name}")
         elif name.startswith("SERVING_") and len(name) > len("SERVING_"):
             known = [n for k in KEYS for n in k.env if n.startswith("SERVING_")]
-            log.warning("environment variable %s is not a sagelmi setting and is ignored%s",
-                        name, _nearest(name, known))
+            log.warning(
+                "environment variable %s is not a sagelmi setting and is ignored%s", name, _nearest(name, known)
+            )
 
 
 def _read_file(model_dir: Path, layers: _Layers) -> None:
@@ -353,8 +504,13 @@ def _read_file(model_dir: Path, layers: _Layers) -> None:
         if key.startswith("option.") or key in KEY_BY_NAME:
             layers.set(key, value, source)
         else:
-            log.warning("%s=%s (%s) is not a sagelmi setting and is ignored%s", raw_key, value, source,
-                        _nearest(raw_key, [k.key for k in KEYS if not k.key.startswith("option.")]))
+            log.warning(
+                "%s=%s (%s) is not a sagelmi setting and is ignored%s",
+                raw_key,
+                value,
+                source,
+                _nearest(raw_key, [k.key for k in KEYS if not k.key.startswith("option.")]),
+            )
 
 
 def _read_sagemaker(env: Mapping[str, str], layers: _Layers) -> None:
@@ -373,12 +529,14 @@ def _explain(exc: ValidationError, layers: _Layers) -> SettingsError:
     if spec is None:  # a cross-field check: its message names the values
         return SettingsError(f"invalid settings: {err['msg'].removeprefix('Value error, ')}")
     value, source = layers.values.get(spec.key, (None, "default"))
-    return SettingsError(f"invalid setting {spec.key}={value!r} (from {source}): {err['msg']}. "
-                         f"Allowed: {spec.allowed}.")
+    return SettingsError(
+        f"invalid setting {spec.key}={value!r} (from {source}): {err['msg']}. Allowed: {spec.allowed}."
+    )
 
 
-def resolve_settings(env: Mapping[str, str], model_dir: str | Path = DEFAULT_MODEL_DIR,
-                     port: int | None = None) -> Settings:
+def resolve_settings(
+    env: Mapping[str, str], model_dir: str | Path = DEFAULT_MODEL_DIR, port: int | None = None
+) -> Settings:
     """Build the settings from ``env``, ``<model_dir>/serving.properties``,
     SageMaker's variables and an optional command-line ``port``.
 
@@ -392,13 +550,17 @@ def resolve_settings(env: Mapping[str, str], model_dir: str | Path = DEFAULT_MOD
         layers.set("port", str(port), "command line --port")
 
     typed = {KEY_BY_NAME[key].field: value for key, (value, _) in layers.values.items() if key in KEY_BY_NAME}
-    options = {key[len("option."):]: value for key, (value, _) in layers.values.items()
-               if key.startswith("option.")}
+    options = {key[len("option.") :]: value for key, (value, _) in layers.values.items() if key.startswith("option.")}
     sources = {k.key: layers.values.get(k.key, (None, "default"))[1] for k in KEYS}
     sources.update({key: source for key, (_, source) in layers.values.items()})
     try:
-        return Settings(model_dir=str(model_dir), cuda_visible_devices=env.get("CUDA_VISIBLE_DEVICES"),
-                        options=options, sources=sources, **typed)
+        return Settings(
+            model_dir=str(model_dir),
+            cuda_visible_devices=env.get("CUDA_VISIBLE_DEVICES"),
+            options=options,
+            sources=sources,
+            **typed,
+        )
     except ValidationError as exc:
         raise _explain(exc, layers) from None
 
@@ -419,13 +581,17 @@ def describe_settings(settings: Settings) -> list[tuple[str, str, str]]:
 
 def reference_table() -> str:
     """The configuration reference as a Markdown table (the README embeds it)."""
-    lines = ["| setting | environment | SageMaker override | default | allowed | meaning |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| setting | environment | SageMaker override | default | allowed | meaning |",
+        "|---|---|---|---|---|---|",
+    ]
     defaults = Settings()
     for k in KEYS:
         default = getattr(defaults, k.field)
         env = ", ".join(f"`{n}`" for n in k.env)
         sagemaker = ", ".join(f"`{n}`" for n in k.sagemaker)
-        lines.append(f"| `{k.key}` | {env} | {sagemaker} | {'' if default in (None, '') else f'`{default}`'} | "
-                     f"{k.allowed} | {k.doc} |")
+        lines.append(
+            f"| `{k.key}` | {env} | {sagemaker} | {'' if default in (None, '') else f'`{default}`'} | "
+            f"{k.allowed} | {k.doc} |"
+        )
     return "\n".join(lines)

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from container.core.errors import Conflict, InputError, NotFound, ServingError
-from container.frontend.group_client import GroupClient, WorkerFailed
 from container.core.launch import ModelInfo
 from container.core.protocol import Message, RegisterAdapter, UnregisterAdapter
+from container.frontend.group_client import GroupClient, WorkerFailed
 
 log = logging.getLogger("sagelmi.adapters")
 
@@ -34,7 +34,7 @@ WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 @dataclass(frozen=True)
 class Adapter:
     name: str
-    src: str   # as the client gave it (a directory or an s3:// prefix)
+    src: str  # as the client gave it (a directory or an s3:// prefix)
     path: str  # the local directory the engine loads
 
 
@@ -49,8 +49,10 @@ def check_source(directory: Path, roots: list[str], max_rank: int) -> Path:
     has a rank over ``max_rank``. Messages do not repeat server paths."""
     real_roots = [os.path.realpath(r) for r in roots]
     real = os.path.realpath(directory)
-    outside = ("the adapter source is outside the directories adapters may come from (the model directory, "
-               "the download cache and option.adapter_roots)")
+    outside = (
+        "the adapter source is outside the directories adapters may come from (the model directory, "
+        "the download cache and option.adapter_roots)"
+    )
     if not _inside(real, real_roots):
         raise InputError(outside)
     if not os.path.isdir(real):
@@ -60,29 +62,36 @@ def check_source(directory: Path, roots: list[str], max_rank: int) -> Path:
             raise InputError(f"{outside}: {entry.name} links out of them")
     config_file = Path(real) / "adapter_config.json"
     if not config_file.is_file():
-        raise InputError("the adapter source is not a LoRA adapter: it has no adapter_config.json "
-                         "(peft's save_pretrained writes one)")
+        raise InputError(
+            "the adapter source is not a LoRA adapter: it has no adapter_config.json "
+            "(peft's save_pretrained writes one)"
+        )
     try:
         config = json.loads(config_file.read_text())
     except (ValueError, OSError) as exc:
         raise InputError(f"the adapter's adapter_config.json is not valid JSON: {exc}") from None
     if not isinstance(config, dict) or str(config.get("peft_type", "LORA")).upper() != "LORA":
-        raise InputError("the adapter source is not a LoRA adapter (adapter_config.json: peft_type is "
-                         f"{config.get('peft_type') if isinstance(config, dict) else config!r})")
+        raise InputError(
+            "the adapter source is not a LoRA adapter (adapter_config.json: peft_type is "
+            f"{config.get('peft_type') if isinstance(config, dict) else config!r})"
+        )
     rank = config.get("r")
     if not isinstance(rank, int) or rank < 1:
         raise InputError(f"the adapter's adapter_config.json has no valid rank 'r' (found {rank!r})")
     if rank > max_rank:
-        raise InputError(f"the adapter's rank r={rank} is over option.max_lora_rank={max_rank}; "
-                         f"raise option.max_lora_rank to at least {rank}")
+        raise InputError(
+            f"the adapter's rank r={rank} is over option.max_lora_rank={max_rank}; "
+            f"raise option.max_lora_rank to at least {rank}"
+        )
     if not any((Path(real) / w).is_file() for w in WEIGHTS):
         raise InputError(f"the adapter source has no weights ({' or '.join(WEIGHTS)})")
     return Path(real)
 
 
 class AdapterRegistry:
-    def __init__(self, model: ModelInfo, groups: list[GroupClient], timeout: float,
-                 download_root: str | None = None) -> None:
+    def __init__(
+        self, model: ModelInfo, groups: list[GroupClient], timeout: float, download_root: str | None = None
+    ) -> None:
         self.model = model
         self.groups = groups
         self.timeout = timeout
@@ -95,11 +104,15 @@ class AdapterRegistry:
 
     # -- start-up
     def _scan(self) -> None:
-        found = sorted(p for d in dict.fromkeys(self.model.adapter_dirs)
-                       for p in (Path(d) / "adapters").glob("*/") if p.is_dir())
+        found = sorted(
+            p for d in dict.fromkeys(self.model.adapter_dirs) for p in (Path(d) / "adapters").glob("*/") if p.is_dir()
+        )
         if found and not self.model.lora:
-            log.warning("found %d adapter(s) under adapters/ but option.enable_lora is not true: not serving %s",
-                        len(found), ", ".join(p.name for p in found))
+            log.warning(
+                "found %d adapter(s) under adapters/ but option.enable_lora is not true: not serving %s",
+                len(found),
+                ", ".join(p.name for p in found),
+            )
             return
         for path in found:
             try:
@@ -113,8 +126,10 @@ class AdapterRegistry:
 
     def replay(self) -> list[Message]:
         """What a new connection to a group starts with: every registration."""
-        return [RegisterAdapter(id=f"adapter-{uuid.uuid4().hex}", name=a.name, path=a.path)
-                for a in list(self._adapters.values())]
+        return [
+            RegisterAdapter(id=f"adapter-{uuid.uuid4().hex}", name=a.name, path=a.path)
+            for a in list(self._adapters.values())
+        ]
 
     # -- reading
     def list(self) -> list[Adapter]:
@@ -123,37 +138,46 @@ class AdapterRegistry:
     def get(self, name: str) -> Adapter:
         adapter = self._adapters.get(name)
         if adapter is None:
-            raise NotFound(f"adapter {name!r} is not registered (registered adapters: "
-                           f"{', '.join(sorted(self._adapters)) or 'none'})")
+            raise NotFound(
+                f"adapter {name!r} is not registered (registered adapters: "
+                f"{', '.join(sorted(self._adapters)) or 'none'})"
+            )
         return adapter
 
     # -- changes
     def _check_name(self, name: str) -> None:
         if not NAME.match(name or ""):
-            raise InputError(f"adapter name {name!r} is not valid: use letters, digits, '.', '_' or '-' "
-                             f"(up to 64, starting with a letter or digit)")
+            raise InputError(
+                f"adapter name {name!r} is not valid: use letters, digits, '.', '_' or '-' "
+                f"(up to 64, starting with a letter or digit)"
+            )
         if name == self.model.name:
             raise InputError(f"adapter name {name!r} is the base model's name")
 
     def register(self, name: str, src: str) -> Adapter:
         """Check, load on every group, remember. Raises a 4xx ``ServingError`` saying why not."""
         if not self.model.lora:
-            raise InputError("this server does not serve LoRA adapters: start it with option.enable_lora=true "
-                             "(and option.max_lora_rank at least the adapters' rank)")
+            raise InputError(
+                "this server does not serve LoRA adapters: start it with option.enable_lora=true "
+                "(and option.max_lora_rank at least the adapters' rank)"
+            )
         self._check_name(name)
         if not src:
             raise InputError("give the adapter's source: src=<directory> or src=s3://bucket/prefix")
         with self._lock:
             if name in self._adapters:
-                raise Conflict(f"adapter {name!r} is already registered; unregister it first "
-                               f"(DELETE /models/{self.model.name}/adapters/{name})")
+                raise Conflict(
+                    f"adapter {name!r} is already registered; unregister it first "
+                    f"(DELETE /models/{self.model.name}/adapters/{name})"
+                )
             path = check_source(self._local(src), self.roots, self.model.max_lora_rank)
             adapter = Adapter(name, src, str(path))
             self._adapters[name] = adapter  # first: a group that connects meanwhile gets it in its replay
             try:
                 for group in self.groups:
-                    group.send_adapter(RegisterAdapter(id=f"adapter-{uuid.uuid4().hex}", name=name,
-                                                       path=adapter.path), self.timeout)
+                    group.send_adapter(
+                        RegisterAdapter(id=f"adapter-{uuid.uuid4().hex}", name=name, path=adapter.path), self.timeout
+                    )
             except ServingError as exc:
                 del self._adapters[name]
                 self._send_all(UnregisterAdapter, name)
@@ -189,5 +213,6 @@ class AdapterRegistry:
         if "://" in src:
             raise InputError("an adapter's src is a local directory or an s3:// prefix")
         path = Path(src)
-        return path if path.is_absolute() else Path(self.model.adapter_dirs[0] if self.model.adapter_dirs
-                                                    else ".") / path
+        return (
+            path if path.is_absolute() else Path(self.model.adapter_dirs[0] if self.model.adapter_dirs else ".") / path
+        )

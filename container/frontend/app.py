@@ -17,26 +17,36 @@ import select
 import socket
 import time
 import uuid
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import msgspec
 from flask import Flask, Response, g, request
 from prometheus_client import CONTENT_TYPE_LATEST
 from werkzeug.exceptions import HTTPException
 
-from container.frontend import openapi
 from container.core.artifacts import download_root
-from container.core.errors import (ClientClosedRequest, GatewayTimeout, InputError, MethodNotAllowed, NotFound,
-                              PayloadTooLarge, ServingError, describe, envelope_for, is_openai_path)
-from container.frontend.adapters import AdapterRegistry
-from container.frontend.body import WSGI_RESPONSE, read_body
-from container.frontend.management import add_management_routes
-from container.frontend.metrics import FrontendMetrics
-from container.frontend.router import Router
-from container.frontend.group_client import GroupClient, PendingRequest
+from container.core.errors import (
+    ClientClosedRequest,
+    GatewayTimeout,
+    InputError,
+    MethodNotAllowed,
+    NotFound,
+    PayloadTooLarge,
+    ServingError,
+    describe,
+    envelope_for,
+    is_openai_path,
+)
 from container.core.launch import FrontendLaunch, ModelInfo
 from container.core.logs import request_id_var
 from container.core.protocol import Invoke, WorkerState
+from container.frontend import openapi
+from container.frontend.adapters import AdapterRegistry
+from container.frontend.body import WSGI_RESPONSE, read_body
+from container.frontend.group_client import GroupClient, PendingRequest
+from container.frontend.management import add_management_routes
+from container.frontend.metrics import FrontendMetrics
+from container.frontend.router import Router
 
 log = logging.getLogger("sagelmi.frontend")
 
@@ -48,8 +58,9 @@ CUSTOM_ATTRIBUTES = "X-Amzn-SageMaker-Custom-Attributes"
 def _error_response(exc: BaseException) -> Response:
     """The error in the envelope of the route the client called."""
     status, message, error = describe(exc)
-    return Response(json.dumps(envelope_for(request.path, status, message, error)), status=status,
-                    mimetype="application/json")
+    return Response(
+        json.dumps(envelope_for(request.path, status, message, error)), status=status, mimetype="application/json"
+    )
 
 
 def request_properties(request_id: str) -> dict[str, str]:
@@ -109,7 +120,7 @@ class ClientSink:
         self.chunked = chunked
 
     @classmethod
-    def of(cls, environ: dict) -> "ClientSink | None":
+    def of(cls, environ: dict) -> ClientSink | None:
         """The sink of this request, if it is served by gunicorn over a plain
         blocking socket and its headers are sent; otherwise ``None`` (the request
         thread writes everything)."""
@@ -139,8 +150,9 @@ class Invocation:
     not only when the next piece of a stream fails to reach it (an engine may
     deliver nothing for seconds)."""
 
-    def __init__(self, router: Router, launch: FrontendLaunch, request_id: str,
-                 client: socket.socket | None = None) -> None:
+    def __init__(
+        self, router: Router, launch: FrontendLaunch, request_id: str, client: socket.socket | None = None
+    ) -> None:
         self.router = router
         self.launch = launch
         self.request_id = request_id
@@ -166,16 +178,23 @@ class Invocation:
         streaming = False
         try:
             self.group = self.router.pick()
-            self.pending = self.group.submit(Invoke(id=self.wire_id, properties=request_properties(self.request_id),
-                                                   body=body, path=request.path,
-                                                   query=request.query_string.decode("latin-1")))
+            self.pending = self.group.submit(
+                Invoke(
+                    id=self.wire_id,
+                    properties=request_properties(self.request_id),
+                    body=body,
+                    path=request.path,
+                    query=request.query_string.decode("latin-1"),
+                )
+            )
             try:
                 self._await(self.pending.wait_head_for, "no answer from the model")
                 head = self.pending.wait_head(0)
                 if head.stream:
                     streaming = True
-                    return Response(self._relay(head.headers.get("content-type", "")), status=head.code,
-                                    headers=head.headers)
+                    return Response(
+                        self._relay(head.headers.get("content-type", "")), status=head.code, headers=head.headers
+                    )
                 return Response(self._body(), status=head.code, headers=head.headers)
             except ServingError:
                 self.abandon()
@@ -266,8 +285,13 @@ def create_app(launch: FrontendLaunch) -> Flask:
             elapsed = time.monotonic() - g.started
             resp.headers[INFERENCE_ID] = g.request_id
             metrics.observe(request.url_rule.rule if request.url_rule else "unmatched", resp.status_code, elapsed)
-            log.info("%s %s -> %s (%.1f ms to the first byte)", request.method, request.path, resp.status_code,
-                     elapsed * 1000)
+            log.info(
+                "%s %s -> %s (%.1f ms to the first byte)",
+                request.method,
+                request.path,
+                resp.status_code,
+                elapsed * 1000,
+            )
         return resp
 
     @app.teardown_request
@@ -281,13 +305,16 @@ def create_app(launch: FrontendLaunch) -> Flask:
     @app.errorhandler(HTTPException)
     def _http_error(exc: HTTPException) -> Response:
         mapped = {
-            404: NotFound(f"no route {request.method} {request.path}; the server answers GET /ping, "
-                          f"POST /invocations, POST /v1/chat/completions, POST /v1/completions, GET /v1/models, "
-                          f"GET /models, /models/{{model}}/adapters, GET /openapi.json"),
+            404: NotFound(
+                f"no route {request.method} {request.path}; the server answers GET /ping, "
+                f"POST /invocations, POST /v1/chat/completions, POST /v1/completions, GET /v1/models, "
+                f"GET /models, /models/{{model}}/adapters, GET /openapi.json"
+            ),
             405: MethodNotAllowed(f"{request.method} is not allowed on {request.path}"),
             413: PayloadTooLarge(
                 f"the request body is {request.content_length or 'more than'} bytes; the limit is "
-                f"{launch.max_payload_bytes} bytes (max_payload_in_mb / SAGEMAKER_MAX_PAYLOAD_IN_MB)"),
+                f"{launch.max_payload_bytes} bytes (max_payload_in_mb / SAGEMAKER_MAX_PAYLOAD_IN_MB)"
+            ),
         }.get(exc.code, InputError(exc.description or exc.name) if (exc.code or 500) < 500 else ServingError())
         return _error_response(mapped)
 
@@ -323,8 +350,11 @@ def create_app(launch: FrontendLaunch) -> Flask:
 
     @app.get("/execution-parameters")
     def execution_parameters() -> Response:
-        body = {"MaxConcurrentTransforms": len(router.groups), "BatchStrategy": "SINGLE_RECORD",
-                "MaxPayloadInMB": max(1, launch.max_payload_bytes // (1024 * 1024))}
+        body = {
+            "MaxConcurrentTransforms": len(router.groups),
+            "BatchStrategy": "SINGLE_RECORD",
+            "MaxPayloadInMB": max(1, launch.max_payload_bytes // (1024 * 1024)),
+        }
         return Response(json.dumps(body), mimetype="application/json")
 
     # The handler answers these: SageMaker's entry and the OpenAI-compatible routes.
@@ -333,8 +363,7 @@ def create_app(launch: FrontendLaunch) -> Flask:
     @app.post("/v1/completions")
     @app.get("/v1/models")
     def invocations() -> Response:
-        body = read_body(request.environ, request.content_length, launch.max_payload_bytes,
-                         launch.body_read_timeout)
+        body = read_body(request.environ, request.content_length, launch.max_payload_bytes, launch.body_read_timeout)
         return Invocation(router, launch, g.request_id, request.environ.get("gunicorn.socket")).run(body)
 
     add_management_routes(app, router, registry, launch)

@@ -41,8 +41,9 @@ class IncompleteBody(InputError):
 
 def too_large(announced: int | None, limit: int) -> PayloadTooLarge:
     size = f"is {announced} bytes" if announced is not None else "(chunked) went past the limit"
-    return PayloadTooLarge(f"the request body {size}; the limit is {limit} bytes "
-                           f"(max_payload_in_mb / SAGEMAKER_MAX_PAYLOAD_IN_MB)")
+    return PayloadTooLarge(
+        f"the request body {size}; the limit is {limit} bytes (max_payload_in_mb / SAGEMAKER_MAX_PAYLOAD_IN_MB)"
+    )
 
 
 def _expected(announced: int | None) -> str:
@@ -74,20 +75,20 @@ def read_body(environ: dict, announced: int | None, limit: int, timeout: float) 
             if size > limit:
                 environ[CLOSE_CONNECTION] = True
                 raise too_large(None, limit)
-    except (TimeoutError, socket.timeout):
+    except TimeoutError:
         environ[CLOSE_CONNECTION] = True
         # (what did come may sit in gunicorn's buffer, uncounted here)
         whole = f"all {announced} bytes of the request body" if announced is not None else "the whole chunked body"
         raise IncompleteBody(f"{whole} did not arrive within {timeout:g}s (body_read_timeout)") from None
     except NoMoreData:
         environ[CLOSE_CONNECTION] = True
-        raise IncompleteBody(f"the request body ended after {size} {_expected(announced)} "
-                             f"(the client stopped sending)") from None
+        raise IncompleteBody(
+            f"the request body ended after {size} {_expected(announced)} (the client stopped sending)"
+        ) from None
     finally:
         if sock is not None:
             sock.settimeout(None)  # blocking again, as gunicorn left it
     if announced is not None and size < announced:
         environ[CLOSE_CONNECTION] = True
-        raise IncompleteBody(f"the request body ended after {size} {_expected(announced)} "
-                             f"(the client stopped sending)")
+        raise IncompleteBody(f"the request body ended after {size} {_expected(announced)} (the client stopped sending)")
     return b"".join(parts)

@@ -27,11 +27,27 @@ import socket
 import threading
 import time
 import uuid
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 from container.core.errors import ClientClosedRequest, GatewayTimeout, ServiceUnavailable, ServingError
-from container.core.protocol import (METRICS_PATH, Cancel, Chunk, End, Fail, FrameBuffer, Head, Invoke, Message,
-                                ProtocolError, RegisterAdapter, Status, UnregisterAdapter, WorkerState, encode)
+from container.core.protocol import (
+    METRICS_PATH,
+    Cancel,
+    Chunk,
+    End,
+    Fail,
+    FrameBuffer,
+    Head,
+    Invoke,
+    Message,
+    ProtocolError,
+    RegisterAdapter,
+    Status,
+    UnregisterAdapter,
+    WorkerState,
+    encode,
+)
 
 log = logging.getLogger("sagelmi.group")
 
@@ -256,7 +272,7 @@ class GroupClient:
         self._sender = threading.Thread(target=self._send_queued, name=f"group-{name}-send", daemon=True)
         self.on_connect: Callable[[], list[Message]] | None = None
 
-    def start(self) -> "GroupClient":
+    def start(self) -> GroupClient:
         self._thread.start()
         self._sender.start()
         return self
@@ -292,8 +308,7 @@ class GroupClient:
     def fetch_metrics(self, timeout: float) -> str:
         """The group's Prometheus metrics (text format)."""
         request_id = f"metrics-{uuid.uuid4().hex}"
-        pending = self.submit(Invoke(id=request_id, properties={}, body=b"", path=METRICS_PATH),
-                              require_ready=False)
+        pending = self.submit(Invoke(id=request_id, properties={}, body=b"", path=METRICS_PATH), require_ready=False)
         try:
             pending.wait_head(timeout)
             return pending.read_body(timeout).decode("utf-8")
@@ -433,5 +448,8 @@ class GroupClient:
         if orphans:
             log.error("worker group %s went away with %d request(s) in flight", self.name, len(orphans))
         for pending in orphans:
-            pending.fail(ServiceUnavailable(
-                f"worker group {self.name} stopped while handling the request; it is being restarted, retry"))
+            pending.fail(
+                ServiceUnavailable(
+                    f"worker group {self.name} stopped while handling the request; it is being restarted, retry"
+                )
+            )

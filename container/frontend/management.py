@@ -1,10 +1,10 @@
 """LMI's management routes for the one served model and its LoRA adapters.
 
-    GET    /models                                the model, its worker groups and their state
-    GET    /models/{model}/adapters               registered adapters
-    POST   /models/{model}/adapters?name=&src=    register one (src: a directory or an s3:// prefix)
-    GET    /models/{model}/adapters/{name}        describe one
-    DELETE /models/{model}/adapters/{name}        unregister one
+GET    /models                                the model, its worker groups and their state
+GET    /models/{model}/adapters               registered adapters
+POST   /models/{model}/adapters?name=&src=    register one (src: a directory or an s3:// prefix)
+GET    /models/{model}/adapters/{name}        describe one
+DELETE /models/{model}/adapters/{name}        unregister one
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import json
 from flask import Flask, Response, request
 
 from container.core.errors import NotFound
+from container.core.launch import FrontendLaunch
 from container.frontend.adapters import Adapter, AdapterRegistry
 from container.frontend.router import Router
-from container.core.launch import FrontendLaunch
 
 
 def _json(body, status: int = 200) -> Response:
@@ -36,12 +36,24 @@ def add_management_routes(app: Flask, router: Router, registry: AdapterRegistry,
 
     @app.get("/models")
     def list_models() -> Response:
-        groups = [{"index": g.index, "state": c.state.value, "detail": c.detail, "devices": g.devices}
-                  for c, g in zip(router.groups, launch.groups)]
+        groups = [
+            {"index": g.index, "state": c.state.value, "detail": c.detail, "devices": g.devices}
+            for c, g in zip(router.groups, launch.groups)
+        ]
         healthy, _ = router.health()
-        return _json({"models": [{"modelName": model.name, "modelUrl": model.url,
-                                  "status": "READY" if healthy else "UNAVAILABLE", "workerGroups": groups,
-                                  "adapters": [a.name for a in registry.list()]}]})
+        return _json(
+            {
+                "models": [
+                    {
+                        "modelName": model.name,
+                        "modelUrl": model.url,
+                        "status": "READY" if healthy else "UNAVAILABLE",
+                        "workerGroups": groups,
+                        "adapters": [a.name for a in registry.list()],
+                    }
+                ]
+            }
+        )
 
     @app.get("/models/<name>/adapters")
     def list_adapters(name: str) -> Response:

@@ -12,16 +12,25 @@ from container.core.metrics_text import merge
 class FrontendMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.requests = Counter("sagelmi_requests", "HTTP requests answered, by route and status",
-                                ["route", "status"], registry=self.registry)
-        self.first_byte = Histogram("sagelmi_request_first_byte_seconds",
-                                    "Time from receiving a request to sending its status line",
-                                    ["route"], registry=self.registry,
-                                    buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120))
-        self.in_flight = Gauge("sagelmi_requests_in_flight", "Requests admitted and not yet finished",
-                               registry=self.registry)
-        self.worker_ready = Gauge("sagelmi_worker_ready", "1 when the worker group is ready",
-                                  ["group"], registry=self.registry)
+        self.requests = Counter(
+            "sagelmi_requests",
+            "HTTP requests answered, by route and status",
+            ["route", "status"],
+            registry=self.registry,
+        )
+        self.first_byte = Histogram(
+            "sagelmi_request_first_byte_seconds",
+            "Time from receiving a request to sending its status line",
+            ["route"],
+            registry=self.registry,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+        )
+        self.in_flight = Gauge(
+            "sagelmi_requests_in_flight", "Requests admitted and not yet finished", registry=self.registry
+        )
+        self.worker_ready = Gauge(
+            "sagelmi_worker_ready", "1 when the worker group is ready", ["group"], registry=self.registry
+        )
 
     def observe(self, route: str, status: int, seconds: float) -> None:
         self.requests.labels(route, str(status)).inc()

@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 DOCUMENT_FILE = Path(__file__).with_name("openapi.json")
+
+
 @lru_cache(maxsize=1)
 def _packaged() -> dict[str, Any]:
     return json.loads(DOCUMENT_FILE.read_text())

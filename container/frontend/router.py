@@ -13,9 +13,9 @@ import itertools
 import threading
 
 from container.core.errors import ServiceUnavailable
-from container.frontend.group_client import GroupClient
 from container.core.launch import FrontendLaunch
 from container.core.protocol import WorkerState
+from container.frontend.group_client import GroupClient
 
 
 class Router:
@@ -45,7 +45,8 @@ class Router:
             if self._in_flight >= self.launch.job_queue_size:
                 raise ServiceUnavailable(
                     f"the request queue is full ({self._in_flight} requests in progress, "
-                    f"job_queue_size={self.launch.job_queue_size}); retry later")
+                    f"job_queue_size={self.launch.job_queue_size}); retry later"
+                )
             self._in_flight += 1
 
     def release(self) -> None:
@@ -73,10 +74,16 @@ class Router:
 
     # -- health
     def health(self) -> tuple[bool, dict]:
-        workers = [{"group": f"group-{client.name}", "state": client.state.value,
-                    "devices": self._devices[id(client)], "in_flight": client.in_flight,
-                    **({"detail": client.detail} if client.detail else {})}
-                   for client in self.groups]
+        workers = [
+            {
+                "group": f"group-{client.name}",
+                "state": client.state.value,
+                "devices": self._devices[id(client)],
+                "in_flight": client.in_flight,
+                **({"detail": client.detail} if client.detail else {}),
+            }
+            for client in self.groups
+        ]
         states = {client.state for client in self.groups}
         if self.draining:
             status = "Draining"

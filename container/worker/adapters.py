@@ -69,8 +69,9 @@ class AdapterTable:
         self.handler = handler
         if handler.add_adapter is None:
             if self.paths:
-                log.error("the handler %s does not serve LoRA adapters; ignoring %s", handler.origin,
-                          ", ".join(self.paths))
+                log.error(
+                    "the handler %s does not serve LoRA adapters; ignoring %s", handler.origin, ", ".join(self.paths)
+                )
             return
         for name, path in list(self.paths.items()):
             try:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 from container.core.protocol import Invoke
 
@@ -24,8 +24,7 @@ Entry = tuple[object, Invoke]  # (the connection to answer on, the request)
 
 
 class Batcher:
-    def __init__(self, size: int, delay_ms: float, slots: int,
-                 run: Callable[[list[Entry]], Awaitable[None]]) -> None:
+    def __init__(self, size: int, delay_ms: float, slots: int, run: Callable[[list[Entry]], Awaitable[None]]) -> None:
         self.size = size
         self.delay = delay_ms / 1000
         self.slots = asyncio.Semaphore(slots)

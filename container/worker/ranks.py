@@ -23,19 +23,29 @@ from __future__ import annotations
 
 import hmac
 import logging
-import uuid
 import os
 import queue
 import secrets
 import socket
 import struct
 import threading
+import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
-from container.core.protocol import (METRICS_PATH, Broadcast, FrameBuffer, Invoke, Message, ProtocolError, RankMetrics,
-                                Status, WorkerState, encode)
+from container.core.protocol import (
+    METRICS_PATH,
+    Broadcast,
+    FrameBuffer,
+    Invoke,
+    Message,
+    ProtocolError,
+    RankMetrics,
+    Status,
+    WorkerState,
+    encode,
+)
 
 log = logging.getLogger("sagelmi.ranks")
 
@@ -57,9 +67,15 @@ class RankInfo:
 
     def export(self) -> None:
         """Set the variables ``torch.distributed`` (``env://``) and vLLM read."""
-        os.environ.update({"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size),
-                           "LOCAL_RANK": str(self.local_rank), "MASTER_ADDR": self.master_addr,
-                           "MASTER_PORT": str(self.master_port)})
+        os.environ.update(
+            {
+                "RANK": str(self.rank),
+                "WORLD_SIZE": str(self.world_size),
+                "LOCAL_RANK": str(self.local_rank),
+                "MASTER_ADDR": self.master_addr,
+                "MASTER_PORT": str(self.master_port),
+            }
+        )
 
 
 def _this_host_address() -> str:
@@ -93,20 +109,33 @@ def bootstrap(launch_path: Path) -> tuple[RankInfo, bytes, socket.socket | None]
         # hostfile's first host) that the others reach: MASTER_ADDR if set, else its hostname's.
         host = "127.0.0.1" if local_size == size else os.environ.get("MASTER_ADDR") or _this_host_address()
         listener = socket.create_server(("127.0.0.1" if host == "127.0.0.1" else "0.0.0.0", 0))
-        shared = {"host": host, "relay_port": listener.getsockname()[1], "master_port": _free_port(host),
-                  "token": secrets.token_bytes(16), "launch": launch_path.read_bytes()}
+        shared = {
+            "host": host,
+            "relay_port": listener.getsockname()[1],
+            "master_port": _free_port(host),
+            "token": secrets.token_bytes(16),
+            "launch": launch_path.read_bytes(),
+        }
     shared = comm.bcast(shared, root=0)
     MPI.Finalize()
-    info = RankInfo(rank=rank, world_size=size, local_rank=local_rank, master_addr=shared["host"],
-                    master_port=shared["master_port"], relay_port=shared["relay_port"], token=shared["token"])
+    info = RankInfo(
+        rank=rank,
+        world_size=size,
+        local_rank=local_rank,
+        master_addr=shared["host"],
+        master_port=shared["master_port"],
+        relay_port=shared["relay_port"],
+        token=shared["token"],
+    )
     return info, shared["launch"], listener
 
 
 class _Peer:
     """One relay connection: framed writes under a lock, a reader thread."""
 
-    def __init__(self, sock: socket.socket, name: str, on_message: Callable[[Message], None],
-                 on_closed: Callable[[], None]) -> None:
+    def __init__(
+        self, sock: socket.socket, name: str, on_message: Callable[[Message], None], on_closed: Callable[[], None]
+    ) -> None:
         self.sock = sock
         self.name = name
         self._lock = threading.Lock()
@@ -162,12 +191,12 @@ class Leader:
                 sock.settimeout(None)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 self.states[rank] = Status(state=WorkerState.LOADING, rank=rank)
-                peer = _Peer(sock, f"rank-{rank}", lambda m, r=rank: self._heard(r, m),
-                             lambda r=rank: self.on_lost(r))
+                peer = _Peer(sock, f"rank-{rank}", lambda m, r=rank: self._heard(r, m), lambda r=rank: self.on_lost(r))
                 self.peers.append(peer)
-        except socket.timeout:
-            raise RuntimeError(f"only {len(self.peers)} of {self.info.world_size - 1} other ranks connected "
-                               f"within {ACCEPT_TIMEOUT:g}s") from None
+        except TimeoutError:
+            raise RuntimeError(
+                f"only {len(self.peers)} of {self.info.world_size - 1} other ranks connected within {ACCEPT_TIMEOUT:g}s"
+            ) from None
         finally:
             self.listener.close()
         for peer in self.peers:

@@ -36,7 +36,8 @@ def _content_type(properties: dict[str, str]) -> str:
 def _form_fields(body: bytes, content_type: str) -> list[tuple[str, bytes]]:
     """The fields of a ``multipart/form-data`` body, in order (files as their bytes)."""
     message = BytesParser(policy=HTTP).parsebytes(
-        b"Content-Type: " + content_type.encode("latin-1") + b"\r\n\r\n" + body)
+        b"Content-Type: " + content_type.encode("latin-1") + b"\r\n\r\n" + body
+    )
     if not message.is_multipart():
         raise InputError("the multipart/form-data body could not be read (is its boundary right?)")
     fields = []
@@ -102,13 +103,17 @@ def split_batch(output: Output, size: int) -> list[Output]:
     same); otherwise it must hold one entry per request, keyed ``batch_<i>.``.
     ``Output.error(..., batch_index=i)`` fails item ``i`` alone."""
     if output.stream_content is not None:
-        raise HandlerError("the handler answered a batch with a stream; a batched answer holds one entry "
-                           "per request (Output.add(..., batch_index=i))")
+        raise HandlerError(
+            "the handler answered a batch with a stream; a batched answer holds one entry "
+            "per request (Output.add(..., batch_index=i))"
+        )
     if output.code >= 300:
         return [output] * size
     if output.content.size() != size:
-        raise HandlerError(f"Batch output size mismatch, expected: {size}, actual: {output.content.size()} "
-                           f"(add one entry per request with Output.add(..., batch_index=i))")
+        raise HandlerError(
+            f"Batch output size mismatch, expected: {size}, actual: {output.content.size()} "
+            f"(add one entry per request with Output.add(..., batch_index=i))"
+        )
     answers: list[Output | None] = [None] * size
     for key, value in zip(output.content.get_keys(), output.content.get_values()):
         match = _BATCH_KEY.match(key or "")
@@ -137,7 +142,7 @@ def binary_decode(data: bytes) -> dict[str, str] | None:
             at += 4
             if length < 0 or at + length > len(data):
                 return None
-            items.append(bytes(data[at:at + length]).decode("utf-8"))
+            items.append(bytes(data[at : at + length]).decode("utf-8"))
             at += length
     except (struct.error, UnicodeDecodeError):
         return None

@@ -32,25 +32,44 @@ import os
 import signal
 import threading
 import time
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from container.core import logs, proc
 from container.core.errors import ServiceUnavailable, describe
 from container.core.metrics_text import merge
-from container.core.protocol import (EXIT_ENGINE_DEAD, EXIT_LOAD_FAILED, EXIT_RANK_LOST, FRAME_HEADER, METRICS_PATH,
-                                Cancel, Chunk, End, Fail, Head, Invoke, InvokeBatch, Message, ProtocolError,
-                                RegisterAdapter, Status, UnregisterAdapter, WorkerState, decode, encode,
-                                frame_length)
+from container.core.protocol import (
+    EXIT_ENGINE_DEAD,
+    EXIT_LOAD_FAILED,
+    EXIT_RANK_LOST,
+    FRAME_HEADER,
+    METRICS_PATH,
+    Cancel,
+    Chunk,
+    End,
+    Fail,
+    Head,
+    Invoke,
+    InvokeBatch,
+    Message,
+    ProtocolError,
+    RegisterAdapter,
+    Status,
+    UnregisterAdapter,
+    WorkerState,
+    decode,
+    encode,
+    frame_length,
+)
 from container.worker.adapters import AdapterTable
 from container.worker.batching import Batcher
-from handlers.api.context import WorkerContext, set_current
 from container.worker.requests import batch_input, chunk_of, request_input, split_batch, to_output
-from handlers.api import prepend
-from handlers.api import Input, Output, json_line
+from handlers.api import Input, Output, json_line, prepend
+from handlers.api.context import WorkerContext, set_current
 from handlers.api.loader import Handler, HandlerLoadError, load_handler
 
 log = logging.getLogger("sagelmi.worker")
@@ -146,8 +165,7 @@ class Worker:
         self.own_state = Status(state=WorkerState.LOADING)  # this rank's
         self.status = Status(state=WorkerState.LOADING, incarnation=incarnation)  # the group's (rank 0)
         self.handler: Handler | None = None
-        self.executor = ThreadPoolExecutor(max_workers=self.settings.sync_handler_threads,
-                                           thread_name_prefix="handler")
+        self.executor = ThreadPoolExecutor(max_workers=self.settings.sync_handler_threads, thread_name_prefix="handler")
         self.connections: set[Connection] = set()
         self.dropped = DroppedAnswers()
         self.batcher: Batcher | None = None
@@ -232,24 +250,33 @@ class Worker:
                     async for _ in self._stream(init, cancelled=threading.Event()):
                         pass
                 elif init.code >= 300:
-                    raise RuntimeError(f"it answered {init.code} {init.message}: "
-                                       f"{init.body().decode('utf-8', 'replace')[:500]}")
+                    raise RuntimeError(
+                        f"it answered {init.code} {init.message}: {init.body().decode('utf-8', 'replace')[:500]}"
+                    )
             await self.adapters.loaded(self.handler)
             if self.settings.batch_size > 1 and (not self.handler.builtin or self.handler.dynamic_batching):
-                self.batcher = Batcher(self.settings.batch_size, self.settings.max_batch_delay,
-                                       self.settings.sync_handler_threads, self._serve_batch)
+                self.batcher = Batcher(
+                    self.settings.batch_size,
+                    self.settings.max_batch_delay,
+                    self.settings.sync_handler_threads,
+                    self._serve_batch,
+                )
                 if self.context.follower is None:  # the other ranks run the batches rank 0 formed
                     self.batcher.start()
-                log.info("dynamic batching: up to %d requests, waiting up to %g ms",
-                         self.settings.batch_size, self.settings.max_batch_delay)
+                log.info(
+                    "dynamic batching: up to %d requests, waiting up to %g ms",
+                    self.settings.batch_size,
+                    self.settings.max_batch_delay,
+                )
         except HandlerLoadError as exc:
             return await self._set_own_state(WorkerState.FAILED, str(exc))
         except Exception as exc:
             log.exception("the handler's initialisation failed")
             origin = self.handler.origin if self.handler else "handler"
             what = "initialize()" if self.handler and self.handler.initialize else "handle() on the initialisation call"
-            return await self._set_own_state(WorkerState.FAILED,
-                                             f"{origin}: {what} failed: {type(exc).__name__}: {exc}")
+            return await self._set_own_state(
+                WorkerState.FAILED, f"{origin}: {what} failed: {type(exc).__name__}: {exc}"
+            )
         log.info("model ready in %.1fs", time.monotonic() - started)
         engine = proc.descendants([os.getpid()])
         if engine:  # what the handler started (vLLM's EngineCore and workers ...)
@@ -261,8 +288,11 @@ class Worker:
         """What LMI's Python engine adds to the properties of every call."""
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
         on_gpu = visible not in ("", "-1") and not self.settings.use_mpi
-        common: dict[str, Any] = {"device_id": "0" if on_gpu else "-1", "model_dir": self.settings.model_dir,
-                                  "cluster_size": 1}
+        common: dict[str, Any] = {
+            "device_id": "0" if on_gpu else "-1",
+            "model_dir": self.settings.model_dir,
+            "cluster_size": 1,
+        }
         if self.settings.use_mpi:
             common["tensor_parallel_degree"] = self.context.launch.tensor_parallel_degree
             common["pipeline_parallel_degree"] = self.settings.pipeline_parallel_degree
@@ -292,7 +322,8 @@ class Worker:
             detail = failed[0].detail if not self.mpi else f"rank {failed[0].rank}: {failed[0].detail}"
             return Status(state=WorkerState.FAILED, detail=detail, incarnation=self.incarnation)
         ready = all(s.state is WorkerState.READY for s in states) and (
-            self.context.leader is None or len(states) == self.context.world_size)
+            self.context.leader is None or len(states) == self.context.world_size
+        )
         return Status(state=WorkerState.READY if ready else WorkerState.LOADING, incarnation=self.incarnation)
 
     async def _publish(self) -> None:
@@ -412,8 +443,7 @@ class Worker:
     def _relays(self) -> bool:
         """Rank 0 of an MPI group hands requests and cancels to the other ranks
         (unless its built-in handler hands them work itself)."""
-        return (self.context.leader is not None and self.handler is not None
-                and not self.handler.requests_on_rank0_only)
+        return self.context.leader is not None and self.handler is not None and not self.handler.requests_on_rank0_only
 
     def _start_request(self, conn: Connection | DroppedAnswers, message: Invoke) -> asyncio.Task:
         request_id = message.properties.get("requestId", message.id)
@@ -483,8 +513,9 @@ class Worker:
     def _dropped(self, message: Invoke) -> bool:
         return self.batcher is not None and message.id in self.batcher.dropped
 
-    async def _send_output(self, conn: Connection | DroppedAnswers, rid: str, output: Output,
-                           cancelled: threading.Event) -> None:
+    async def _send_output(
+        self, conn: Connection | DroppedAnswers, rid: str, output: Output, cancelled: threading.Event
+    ) -> None:
         """Send ``output`` as the answer to request ``rid``: head, body or stream, end."""
         if getattr(output, "chunked", False):  # LMI async mode: the first chunk's properties are the headers
             output = await self._peek_chunks(output)
@@ -540,8 +571,10 @@ class Worker:
         own = generate_latest()
         if self.context.leader is None:
             return own
-        texts = {str(rank): text for rank, text in
-                 (await asyncio.to_thread(self.context.leader.collect_metrics, METRICS_TIMEOUT)).items()}
+        texts = {
+            str(rank): text
+            for rank, text in (await asyncio.to_thread(self.context.leader.collect_metrics, METRICS_TIMEOUT)).items()
+        }
         return merge({"0": own.decode(), **texts}, "rank")
 
     # -- calling the handler
@@ -572,8 +605,9 @@ class Worker:
             return
         items: asyncio.Queue = asyncio.Queue()
         room = threading.Semaphore(STREAM_QUEUE)  # the generator runs at most this far ahead of its sender
-        job = self.loop.run_in_executor(self.executor, contextvars.copy_context().run,
-                                        self._drain_sync_stream, output, items, room, cancelled)
+        job = self.loop.run_in_executor(
+            self.executor, contextvars.copy_context().run, self._drain_sync_stream, output, items, room, cancelled
+        )
         while (item := await items.get()) is not _END:
             room.release()
             if isinstance(item, BaseException):
@@ -581,8 +615,9 @@ class Worker:
             yield item
         await job
 
-    def _drain_sync_stream(self, output: Output, items: asyncio.Queue, room: threading.Semaphore,
-                           cancelled: threading.Event) -> None:
+    def _drain_sync_stream(
+        self, output: Output, items: asyncio.Queue, room: threading.Semaphore, cancelled: threading.Event
+    ) -> None:
         """Run a synchronous stream to its end on a pool thread, handing each
         formatted item to the loop (waiting while the sender is behind)."""
         iterator = iter(output.stream_content)

@@ -20,7 +20,7 @@ class Leader(Protocol):
 class Follower(Protocol):
     """Another rank's side of the relay (``container.worker.ranks.Follower``): what rank 0 broadcast, in order."""
 
-    broadcasts: "queue.SimpleQueue[bytes | None]"
+    broadcasts: queue.SimpleQueue[bytes | None]
 
 
 @dataclass(frozen=True)
@@ -50,16 +50,16 @@ class WorkerContext:
         return self.follower.broadcasts.get()
 
 
-_current: "tuple[WorkerContext, asyncio.AbstractEventLoop] | None" = None
+_current: tuple[WorkerContext, asyncio.AbstractEventLoop] | None = None
 
 
-def set_current(context: WorkerContext, loop: "asyncio.AbstractEventLoop") -> None:
+def set_current(context: WorkerContext, loop: asyncio.AbstractEventLoop) -> None:
     """Record the running worker's context and loop (one worker per process)."""
     global _current
     _current = (context, loop)
 
 
-def current() -> "tuple[WorkerContext, asyncio.AbstractEventLoop]":
+def current() -> tuple[WorkerContext, asyncio.AbstractEventLoop]:
     """The running worker's context and loop, for code a handler calls (``djl_python.huggingface``)."""
     if _current is None:
         raise RuntimeError("no sagelmi worker is running in this process")

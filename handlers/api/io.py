@@ -23,7 +23,8 @@ import io
 import json
 import logging
 import struct
-from typing import Any, AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import Any
 
 from container.core.errors import InputError, InvalidJSON
 
@@ -42,8 +43,13 @@ class PairList:
 
     ``keys`` and ``values`` are the two parallel lists (public, as in LMI)."""
 
-    def __init__(self, keys: list | None = None, values: list | None = None, pair_list: list | None = None,
-                 pair_map: dict | None = None) -> None:
+    def __init__(
+        self,
+        keys: list | None = None,
+        values: list | None = None,
+        pair_list: list | None = None,
+        pair_map: dict | None = None,
+    ) -> None:
         if keys and values:
             if len(keys) != len(values):
                 raise ValueError("key value size mismatch.")
@@ -71,7 +77,7 @@ class PairList:
             self.keys.append(key)
             self.values.append(value)
 
-    def add_all(self, other: "dict | PairList | None") -> None:
+    def add_all(self, other: dict | PairList | None) -> None:
         """Append every pair of a dict or of another ``PairList``."""
         if not other:
             return
@@ -145,8 +151,12 @@ def _depth_within(value: Any, limit: int) -> bool:
     """Whether ``value``'s lists and objects nest at most ``limit`` levels (no recursion)."""
     level = [value]
     for _ in range(limit):
-        level = [item for node in level if isinstance(node, (list, dict))
-                 for item in (node.values() if isinstance(node, dict) else node)]
+        level = [
+            item
+            for node in level
+            if isinstance(node, (list, dict))
+            for item in (node.values() if isinstance(node, dict) else node)
+        ]
         if not level:
             return True
     return not any(isinstance(node, (list, dict)) for node in level)
@@ -155,8 +165,9 @@ def _depth_within(value: Any, limit: int) -> bool:
 class Input:
     """One request (or the initialisation call) as a handler sees it."""
 
-    def __init__(self, properties: dict | None = None, body: bytes | None = None,
-                 request_path: str = "/invocations") -> None:
+    def __init__(
+        self, properties: dict | None = None, body: bytes | None = None, request_path: str = "/invocations"
+    ) -> None:
         self.function_name: str | None = None
         #: The HTTP route the request came in on (``/invocations``, ``/v1/chat/completions``...).
         self.request_path = request_path
@@ -176,7 +187,7 @@ class Input:
     def get_batch_size(self) -> int:
         return int(self.properties.get("batch_size", "1"))
 
-    def get_batches(self) -> list["Input"]:
+    def get_batches(self) -> list[Input]:
         """The items of a batch (``[self]`` when this is not one)."""
         if not self.is_batch():
             return [self]
@@ -242,8 +253,10 @@ class Input:
     def _required_bytes(self, key: str | None) -> bytes:
         data = self.get_as_bytes(key=key)
         if data is None:
-            raise _EmptyContent("this Input has no content (the initialisation call has none): "
-                                "check inputs.is_empty() before reading it")
+            raise _EmptyContent(
+                "this Input has no content (the initialisation call has none): "
+                "check inputs.is_empty() before reading it"
+            )
         return data
 
     def get_as_string(self, key: str | None = None) -> str:
@@ -270,16 +283,19 @@ class Input:
     def get_as_image(self, key: str | None = None):
         """The content as a ``PIL.Image``."""
         from PIL import Image
+
         return Image.open(io.BytesIO(self._required_bytes(key)))
 
     def get_as_numpy(self, key: str | None = None) -> list:
         """The content (DJL's ``tensor/ndlist``, or npz) as a list of numpy arrays."""
         from handlers.api.np_util import from_nd_list
+
         return from_nd_list(self._required_bytes(key))
 
     def get_as_npz(self, key: str | None = None) -> list:
         """The content (numpy's ``.npz``) as a list of arrays, in file order."""
         import numpy as np
+
         with np.load(io.BytesIO(self._required_bytes(key))) as npz:
             return [npz[name] for name in npz.files]
 
@@ -317,8 +333,10 @@ class _JSONEncoder(json.JSONEncoder):
 
 def json_line(item: Any) -> bytes:
     """``item`` as one compact line of JSON (numpy values included)."""
-    return json.dumps(item, ensure_ascii=False, allow_nan=False, cls=_JSONEncoder,
-                      separators=(",", ":")).encode("utf-8") + b"\n"
+    return (
+        json.dumps(item, ensure_ascii=False, allow_nan=False, cls=_JSONEncoder, separators=(",", ":")).encode("utf-8")
+        + b"\n"
+    )
 
 
 def _default_stream_item(item: Any) -> bytearray:
@@ -346,20 +364,29 @@ class Output:
         self._content_type_hint: str | None = None
 
     def __str__(self) -> str:
-        return json.dumps({"code": self.code, "message": self.message, "properties": self.properties,
-                           "content": {str(k): f"type: {type(v)}" for k, v in
-                                       zip(self.content.get_keys(), self.content.get_values())}}, indent=2)
+        return json.dumps(
+            {
+                "code": self.code,
+                "message": self.message,
+                "properties": self.properties,
+                "content": {
+                    str(k): f"type: {type(v)}" for k, v in zip(self.content.get_keys(), self.content.get_values())
+                },
+            },
+            indent=2,
+        )
 
-    def set_code(self, code: int) -> "Output":
+    def set_code(self, code: int) -> Output:
         self.code = int(code)
         return self
 
-    def set_message(self, message: str) -> "Output":
+    def set_message(self, message: str) -> Output:
         self.message = message
         return self
 
-    def error(self, error: str, code: int = 424, message: str = "invoke handler failure",
-              batch_index: int | None = None) -> "Output":
+    def error(
+        self, error: str, code: int = 424, message: str = "invoke handler failure", batch_index: int | None = None
+    ) -> Output:
         """Make this an error answer with LMI's JSON envelope. With ``batch_index``
         (sagelmi's addition), only that item of a batch fails."""
         body = {"code": code, "message": message, "error": error}
@@ -371,7 +398,7 @@ class Output:
         self.add_property("content-type", "application/json")
         return self.add_as_json(body)
 
-    def add_property(self, key: str, val: Any) -> "Output":
+    def add_property(self, key: str, val: Any) -> Output:
         """Set a response header (``Content-Type``, custom attributes, ...)."""
         self.properties[key] = val
         return self
@@ -382,7 +409,7 @@ class Output:
     def get_property(self, key: str) -> Any:
         return self.properties.get(key)
 
-    def add(self, value: Any, key: str | None = None, batch_index: int | None = None) -> "Output":
+    def add(self, value: Any, key: str | None = None, batch_index: int | None = None) -> Output:
         """Add content: text as UTF-8, bytes as they are, anything else as JSON
         (``None`` too: it becomes ``null``)."""
         if key is not None and not isinstance(key, str):
@@ -404,27 +431,30 @@ class Output:
             self._hint("application/json")
         return self
 
-    def add_as_json(self, val: Any, key: str | None = None, batch_index: int | None = None) -> "Output":
+    def add_as_json(self, val: Any, key: str | None = None, batch_index: int | None = None) -> Output:
         self._hint("application/json")
         return self.add(self._encode_json(val), key=key, batch_index=batch_index)
 
-    def add_as_string(self, val: str, key: str | None = None, batch_index: int | None = None) -> "Output":
+    def add_as_string(self, val: str, key: str | None = None, batch_index: int | None = None) -> Output:
         return self.add(str(val), key=key, batch_index=batch_index)
 
-    def add_as_numpy(self, np_list: Any, key: str | None = None, batch_index: int | None = None) -> "Output":
+    def add_as_numpy(self, np_list: Any, key: str | None = None, batch_index: int | None = None) -> Output:
         """Add numpy arrays in DJL's ``tensor/ndlist`` encoding."""
         from handlers.api.np_util import to_nd_list
+
         return self.add(to_nd_list(np_list), key=key, batch_index=batch_index)
 
-    def add_as_npz(self, np_list: Any, key: str | None = None, batch_index: int | None = None) -> "Output":
+    def add_as_npz(self, np_list: Any, key: str | None = None, batch_index: int | None = None) -> Output:
         """Add numpy arrays as an ``.npz`` file (``arr_0``, ``arr_1`` ...)."""
         import numpy as np
+
         buffer = io.BytesIO()
         np.savez(buffer, *np_list)
         return self.add(buffer.getvalue(), key=key, batch_index=batch_index)
 
-    def add_stream_content(self, stream_content: Iterable | AsyncIterator,
-                           output_formatter: Callable[[Any], Any] | None = _DEFAULT) -> "Output":
+    def add_stream_content(
+        self, stream_content: Iterable | AsyncIterator, output_formatter: Callable[[Any], Any] | None = _DEFAULT
+    ) -> Output:
         """Stream the items of ``stream_content`` (a sync or async iterable), each
         as one chunk. By default each item goes out as ``{"outputs": item}`` and a
         newline, as in LMI; ``output_formatter`` turns an item into text or bytes
@@ -435,8 +465,11 @@ class Output:
 
     @staticmethod
     def _encode_json(val: Any) -> bytearray:
-        return bytearray(json.dumps(val, ensure_ascii=False, allow_nan=False, indent=2, cls=_JSONEncoder,
-                                    separators=(",", ":")).encode("utf-8"))
+        return bytearray(
+            json.dumps(
+                val, ensure_ascii=False, allow_nan=False, indent=2, cls=_JSONEncoder, separators=(",", ":")
+            ).encode("utf-8")
+        )
 
     @staticmethod
     def write_utf8(msg: bytearray, val: str | None) -> None:
@@ -457,7 +490,7 @@ class Output:
             Output.write_utf8(msg, str(value))
         return msg
 
-    def finalize(self, finalize_function: Callable, *args: Any) -> "Output":
+    def finalize(self, finalize_function: Callable, *args: Any) -> Output:
         """Run ``finalize_function(*args)`` once the answer has been sent."""
         self.finalize_function = finalize_function
         self.finalize_args = args
@@ -515,8 +548,9 @@ class Output:
         headers = {str(k): str(v) for k, v in self.properties.items()}
         if not any(k.lower() == "content-type" for k in headers):
             if self.stream_content is not None:
-                headers["content-type"] = ("application/jsonlines" if self.stream_output_formatter is _DEFAULT
-                                           else "application/octet-stream")
+                headers["content-type"] = (
+                    "application/jsonlines" if self.stream_output_formatter is _DEFAULT else "application/octet-stream"
+                )
             elif self._content_type_hint and not self.content.is_empty():
                 headers["content-type"] = self._content_type_hint
         return headers

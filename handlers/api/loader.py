@@ -36,9 +36,10 @@ import inspect
 import logging
 import re
 import sys
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 from container.core.handler_choice import LMI_BUILTIN_NAMES, accelerate_reason
 from container.core.settings import Settings
@@ -52,7 +53,11 @@ class HandlerLoadError(Exception):
     """The handler could not be found or imported; the message says why."""
 
 
-BUILTIN = {"vllm": "handlers.engines.vllm", "lmi-dist": "handlers.engines.lmi_dist", "accelerate": "handlers.engines.accelerate"}
+BUILTIN = {
+    "vllm": "handlers.engines.vllm",
+    "lmi-dist": "handlers.engines.lmi_dist",
+    "accelerate": "handlers.engines.accelerate",
+}
 
 
 @dataclass(frozen=True)
@@ -100,7 +105,8 @@ def _builtin(settings: Settings) -> tuple[str, Path | None, str | None]:
     if not settings.model_id and not (Path(settings.model_dir) / "config.json").is_file():
         raise HandlerLoadError(
             "nothing to serve: the model directory has neither model.py nor a model (config.json), "
-            "and option.model_id (HF_MODEL_ID) is not set")
+            "and option.model_id (HF_MODEL_ID) is not set"
+        )
     reason = accelerate_reason(settings)
     if reason is None:
         return f"the built-in {engine} handler (option.rolling_batch={settings.rolling_batch})", None, BUILTIN[engine]
@@ -125,8 +131,7 @@ def _locate(settings: Settings) -> tuple[str, Path | None, str | None]:
             raise HandlerLoadError(f"option.entryPoint={entry_point}: no such file in the model directory")
         return f"option.entryPoint={entry_point}", path, None
     if not _MODULE_NAME.match(entry_point):
-        raise HandlerLoadError(
-            f"option.entryPoint={entry_point!r} is neither a .py file nor a Python module name")
+        raise HandlerLoadError(f"option.entryPoint={entry_point!r} is neither a .py file nor a Python module name")
     return f"option.entryPoint={entry_point}", None, entry_point
 
 
@@ -149,14 +154,15 @@ def load_handler(settings: Settings) -> Handler:
     except BaseException as exc:  # SystemExit from a module is a failed import too
         log.exception("importing the handler (%s) failed", origin)
         raise HandlerLoadError(f"importing {origin} failed: {type(exc).__name__}: {exc}") from exc
-    formatters = {"input_formatter": _decorated(module, "is_input_formatter"),
-                  "output_formatter": _decorated(module, "is_output_formatter")}
+    formatters = {
+        "input_formatter": _decorated(module, "is_input_formatter"),
+        "output_formatter": _decorated(module, "is_output_formatter"),
+    }
     fn = getattr(module, "handle", None)
     if fn is None and any(formatters.values()):
         found = " and ".join(f"@{name}" for name, f in formatters.items() if f)
         origin, _, module_name = _builtin(settings)
-        log.info("%s has no handle() but %s: serving with %s and those formatters", path or module_name,
-                 found, origin)
+        log.info("%s has no handle() but %s: serving with %s and those formatters", path or module_name, found, origin)
         module = importlib.import_module(module_name)
         fn = module.handle
         origin = f"{origin} with the {found} of model.py"
@@ -164,18 +170,25 @@ def load_handler(settings: Settings) -> Handler:
         public = sorted(n for n in vars(module) if not n.startswith("_") and callable(getattr(module, n)))
         raise HandlerLoadError(
             f"{origin} defines no function 'handle' and no @input_formatter/@output_formatter "
-            f"(callables found: {', '.join(public) or 'none'})")
+            f"(callables found: {', '.join(public) or 'none'})"
+        )
     if not callable(fn):
         raise HandlerLoadError(f"{origin}: 'handle' is a {type(fn).__name__}, not a function")
     builtin = module.__name__ in BUILTIN.values()
-    handler = Handler(fn=fn, origin=origin, kind=_kind(fn), shutdown=_optional(module, "shutdown"),
-                      initialize=_optional(module, "initialize") if builtin else None,
-                      check_health=_optional(module, "check_health") if builtin else None,
-                      requests_on_rank0_only=builtin and bool(getattr(module, "REQUESTS_ON_RANK0_ONLY", False)),
-                      add_adapter=_optional(module, "add_adapter") if builtin else None,
-                      remove_adapter=_optional(module, "remove_adapter") if builtin else None,
-                      builtin=builtin, dynamic_batching=builtin and bool(getattr(module, "DYNAMIC_BATCHING", False)),
-                      **formatters)
+    handler = Handler(
+        fn=fn,
+        origin=origin,
+        kind=_kind(fn),
+        shutdown=_optional(module, "shutdown"),
+        initialize=_optional(module, "initialize") if builtin else None,
+        check_health=_optional(module, "check_health") if builtin else None,
+        requests_on_rank0_only=builtin and bool(getattr(module, "REQUESTS_ON_RANK0_ONLY", False)),
+        add_adapter=_optional(module, "add_adapter") if builtin else None,
+        remove_adapter=_optional(module, "remove_adapter") if builtin else None,
+        builtin=builtin,
+        dynamic_batching=builtin and bool(getattr(module, "DYNAMIC_BATCHING", False)),
+        **formatters,
+    )
     log.info("handler %s loaded (%s handle)", origin, handler.kind.replace("_", " "))
     return handler
 

@@ -43,7 +43,7 @@ def get_byte_as_int(encoded: bytes, idx: int) -> tuple[int, int]:
 def get_bytes(encoded: bytes, idx: int, length: int) -> tuple[bytes, int]:
     if idx + length > len(encoded):
         raise ValueError("the ndlist data ends early")
-    return bytes(encoded[idx:idx + length]), idx + length
+    return bytes(encoded[idx : idx + length]), idx + length
 
 
 def get_char(encoded: bytes, idx: int) -> tuple[str, int]:

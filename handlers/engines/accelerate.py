@@ -30,12 +30,13 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 from container.core.errors import InputError
-from handlers.api.context import WorkerContext
 from handlers.api import Input, Output
+from handlers.api.context import WorkerContext
 from handlers.engines.lmi_schema import Formatter, Generation, LmiRequest, TokenInfo, parse_request
 
 log = logging.getLogger("sagelmi.accelerate")
@@ -60,20 +61,31 @@ ARCHITECTURES_2_TASK = {
     "BloomModel": "text-generation",
 }
 GENERATION_TASKS = {"text-generation": "AutoModelForCausalLM", "text2text-generation": "AutoModelForSeq2SeqLM"}
-PIPELINE_TASKS = {"text-classification": "AutoModelForSequenceClassification",
-                  "token-classification": "AutoModelForTokenClassification",
-                  "fill-mask": "AutoModelForMaskedLM", "feature-extraction": "AutoModel"}
+PIPELINE_TASKS = {
+    "text-classification": "AutoModelForSequenceClassification",
+    "token-classification": "AutoModelForTokenClassification",
+    "fill-mask": "AutoModelForMaskedLM",
+    "feature-extraction": "AutoModel",
+}
 EMBEDDING_TASKS = {"text-embedding": "AutoModel"}
 TASKS = {**GENERATION_TASKS, **PIPELINE_TASKS, **EMBEDDING_TASKS}
-DTYPES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16",
-          "bf16": "bfloat16", "bfloat16": "bfloat16", "auto": "auto"}
+DTYPES = {
+    "fp32": "float32",
+    "float32": "float32",
+    "fp16": "float16",
+    "float16": "float16",
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "auto": "auto",
+}
 
-_service: "AccelerateService | None" = None
+_service: AccelerateService | None = None
 
 
 def infer_task(model: str, revision: str | None = None, trust_remote_code: bool = False) -> str:
     """The task ``model``'s architecture is served for (``ValueError`` if none)."""
     from transformers import AutoConfig
+
     config = AutoConfig.from_pretrained(model, revision=revision, trust_remote_code=trust_remote_code)
     architecture = (getattr(config, "architectures", None) or [""])[0]
     for suffix, task in ARCHITECTURES_2_TASK.items():
@@ -82,10 +94,10 @@ def infer_task(model: str, revision: str | None = None, trust_remote_code: bool 
     raise ValueError(f"the task of {architecture or 'this model'} cannot be inferred: set option.task")
 
 
-def load_kwargs(options: dict[str, str], revision: str | None, trust_remote_code: bool,
-                gpus: int) -> dict[str, Any]:
+def load_kwargs(options: dict[str, str], revision: str | None, trust_remote_code: bool, gpus: int) -> dict[str, Any]:
     """``from_pretrained`` arguments from the settings (``ValueError`` for a bad dtype)."""
     import torch
+
     kwargs: dict[str, Any] = {"revision": revision, "trust_remote_code": trust_remote_code}
     dtype = options.get("dtype")
     if dtype:
@@ -111,6 +123,7 @@ class _Item:
 class AccelerateService:
     def __init__(self, task: str, model, tokenizer, formatter: Formatter) -> None:
         import transformers
+
         self.task = task
         self.model = model
         self.tokenizer = tokenizer
@@ -125,25 +138,35 @@ class AccelerateService:
             self.tokenizer.pad_token = self.tokenizer.eos_token
 
     @classmethod
-    def load(cls, context: WorkerContext) -> "AccelerateService":
+    def load(cls, context: WorkerContext) -> AccelerateService:
         import torch
         import transformers
+
         settings, model_path = context.settings, context.launch.model_location
         task = settings.task or infer_task(model_path, settings.revision, settings.trust_remote_code)
         if task not in TASKS:
-            raise ValueError(f"option.task={task} is not served by the Accelerate engine "
-                             f"(it serves {', '.join(TASKS)})")
-        kwargs = load_kwargs(settings.options, settings.revision, settings.trust_remote_code,
-                             torch.cuda.device_count())
-        log.info("Accelerate engine: loading %s for %s with %s", model_path, task,
-                 json.dumps(kwargs, default=str, sort_keys=True))
+            raise ValueError(
+                f"option.task={task} is not served by the Accelerate engine (it serves {', '.join(TASKS)})"
+            )
+        kwargs = load_kwargs(settings.options, settings.revision, settings.trust_remote_code, torch.cuda.device_count())
+        log.info(
+            "Accelerate engine: loading %s for %s with %s",
+            model_path,
+            task,
+            json.dumps(kwargs, default=str, sort_keys=True),
+        )
         started = time.monotonic()
         auto = getattr(transformers, TASKS[task])
         model = auto.from_pretrained(model_path, **kwargs).eval()
         tokenizer = transformers.AutoTokenizer.from_pretrained(
-            model_path, revision=settings.revision, trust_remote_code=settings.trust_remote_code)
-        log.info("Accelerate engine ready in %.1fs (%s on %s)", time.monotonic() - started,
-                 type(model).__name__, getattr(model, "hf_device_map", None) or model.device)
+            model_path, revision=settings.revision, trust_remote_code=settings.trust_remote_code
+        )
+        log.info(
+            "Accelerate engine ready in %.1fs (%s on %s)",
+            time.monotonic() - started,
+            type(model).__name__,
+            getattr(model, "hf_device_map", None) or model.device,
+        )
         return cls(task, model, tokenizer, Formatter(settings.output_formatter, settings.tgi_compat))
 
     # -- requests
@@ -181,8 +204,11 @@ class AccelerateService:
         if parsed.request is not None and parsed.request.stream:
             lines = self._stream_lines(parsed.request)
             first = next(lines)  # errors before the first token are the request's, not a broken stream
-            return (Output().add_property("content-type", self.formatter.stream_content_type)
-                    .add_stream_content(_prepend(first, lines), None))
+            return (
+                Output()
+                .add_property("content-type", self.formatter.stream_content_type)
+                .add_stream_content(_prepend(first, lines), None)
+            )
         return Output().add_as_json(self._run([parsed])[0])
 
     def _parse(self, index: int, item: Input) -> _Item:
@@ -193,7 +219,8 @@ class AccelerateService:
             return _Item(index, body, parse_request(body, self.known_generation))
         inputs = body["inputs"]
         if not (isinstance(inputs, str) and inputs) and not (
-                isinstance(inputs, list) and inputs and all(isinstance(p, str) and p for p in inputs)):
+            isinstance(inputs, list) and inputs and all(isinstance(p, str) and p for p in inputs)
+        ):
             raise InputError("'inputs' must be a non-empty string or a non-empty list of strings")
         if not isinstance(body.get("parameters") or {}, dict):
             raise InputError("'parameters' must be a JSON object")
@@ -226,7 +253,7 @@ class AccelerateService:
         results = _plain(results)
         answers, at = [], 0
         for it, ts in zip(group, texts):
-            part = results[at:at + len(ts)]
+            part = results[at : at + len(ts)]
             at += len(ts)
             if isinstance(it.body["inputs"], list):
                 answers.append(part)
@@ -237,6 +264,7 @@ class AccelerateService:
     # -- embeddings
     def _embed(self, texts: list[str]) -> list[list[float]]:
         import torch
+
         encoded = self.tokenizer(texts, padding=True, truncation=True, return_tensors="pt").to(self.model.device)
         with torch.inference_mode():
             hidden = self.model(**encoded).last_hidden_state
@@ -272,10 +300,12 @@ class AccelerateService:
     def _seed(self, request: LmiRequest) -> None:
         if request.parameters.seed is not None:
             import torch
+
             torch.manual_seed(request.parameters.seed)
 
     def _generate_answers(self, group: list[_Item]) -> list[Any]:
         import torch
+
         request = group[0].request
         prompts = [p for it in group for p in it.request.prompts]
         kwargs = self.generate_kwargs(request)
@@ -288,12 +318,13 @@ class AccelerateService:
             raise InputError(f"invalid generation parameters: {exc}") from None
         start = encoded["input_ids"].shape[1] if self.task == "text-generation" else 1
         steps = torch.stack(out.scores, dim=1).float().log_softmax(-1)  # [prompts, steps, vocab]
-        generations = [self._generation(prompt, out.sequences[i, start:], steps[i], request)
-                       for i, prompt in enumerate(prompts)]
+        generations = [
+            self._generation(prompt, out.sequences[i, start:], steps[i], request) for i, prompt in enumerate(prompts)
+        ]
         answers, at = [], 0
         for it in group:
             n = len(it.request.prompts)
-            answers.append(self.formatter.body(generations[at:at + n], it.request))
+            answers.append(self.formatter.body(generations[at : at + n], it.request))
             at += n
         return answers
 
@@ -325,6 +356,7 @@ class AccelerateService:
     def _stream_lines(self, request: LmiRequest) -> Iterator[bytes]:
         """The stream's lines (or events), token by token, as generation runs in a thread."""
         import torch
+
         kwargs = self.generate_kwargs(request)
         encoded = self.tokenizer(request.prompts, return_tensors="pt").to(self.model.device)
         streamer = TokenStreamer()
@@ -339,8 +371,13 @@ class AccelerateService:
             try:
                 self._seed(request)
                 with torch.inference_mode():
-                    self.model.generate(**encoded, **kwargs, streamer=streamer, logits_processor=[record],
-                                        stopping_criteria=[lambda ids, s, **kw: stop.is_set()])
+                    self.model.generate(
+                        **encoded,
+                        **kwargs,
+                        streamer=streamer,
+                        logits_processor=[record],
+                        stopping_criteria=[lambda ids, s, **kw: stop.is_set()],
+                    )
             except Exception as exc:
                 streamer.fail(exc)
             finally:
@@ -349,8 +386,9 @@ class AccelerateService:
         threading.Thread(target=run, name="accelerate-stream", daemon=True).start()
         return self._stream_items(request, streamer, scores, stop)
 
-    def _stream_items(self, request: LmiRequest, streamer: "TokenStreamer", scores: list,
-                      stop: threading.Event) -> Iterator[bytes]:
+    def _stream_items(
+        self, request: LmiRequest, streamer: TokenStreamer, scores: list, stop: threading.Event
+    ) -> Iterator[bytes]:
         gen = Generation(prompt=request.prompts[0])
         params, eos = request.parameters, _eos_ids(self.model)
         previous = ""
@@ -362,13 +400,18 @@ class AccelerateService:
                 token = self._token(token_id, scores[len(gen.tokens)], params.top_n_tokens)
                 gen.tokens.append(token)
                 text = self.tokenizer.decode([t.id for t in gen.tokens], skip_special_tokens=True)
-                token.text, previous = text[len(previous):], text
+                token.text, previous = text[len(previous) :], text
                 gen.text = text
                 if after is None:
                     stops = params.stop_sequences
                     stops = [stops] if isinstance(stops, str) else stops or []
-                    gen.finish_reason = ("eos_token" if token_id in eos else "stop_sequence"
-                                         if any(text.endswith(s) for s in stops) else "length")
+                    gen.finish_reason = (
+                        "eos_token"
+                        if token_id in eos
+                        else "stop_sequence"
+                        if any(text.endswith(s) for s in stops)
+                        else "length"
+                    )
                 yield self.formatter.stream_item(token, gen, params, last=after is None)
                 token_id = after
         finally:
@@ -432,6 +475,7 @@ def _plain(value: Any) -> Any:
 # -- the built-in handler's entry points (handlers/api/loader.py)
 async def initialize(context: WorkerContext) -> None:
     import asyncio
+
     global _service
     # Loading blocks: keep the worker's loop (status, /ping) free meanwhile.
     _service = await asyncio.to_thread(AccelerateService.load, context)

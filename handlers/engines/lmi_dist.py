@@ -46,8 +46,8 @@ from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.executor import Executor
 from vllm.v1.executor.uniproc_executor import ExecutorWithExternalLauncher
 
-from handlers.api.context import WorkerContext
 from handlers.api import Input, Output
+from handlers.api.context import WorkerContext
 from handlers.engines.vllm import VllmService, engine_kwargs
 
 log = logging.getLogger("sagelmi.lmi_dist")
@@ -254,8 +254,12 @@ class LockstepAsyncLLM(AsyncLLM):
         make_client = EngineCoreClient.make_async_mp_client
         EngineCoreClient.make_async_mp_client = staticmethod(lambda *args, **kwargs: client)
         try:
-            super().__init__(vllm_config, executor_class=Executor.get_class(vllm_config), log_stats=True,
-                             usage_context=UsageContext.OPENAI_API_SERVER)
+            super().__init__(
+                vllm_config,
+                executor_class=Executor.get_class(vllm_config),
+                log_stats=True,
+                usage_context=UsageContext.OPENAI_API_SERVER,
+            )
         finally:
             EngineCoreClient.make_async_mp_client = make_client
 
@@ -305,11 +309,17 @@ _state: dict[str, Any] = {}
 async def initialize(context: WorkerContext) -> None:
     chosen = context.settings.passthrough_options().get("distributed_executor_backend", "external_launcher")
     if chosen != "external_launcher":
-        raise ValueError(f"option.distributed_executor_backend={chosen} does not apply to lmi-dist, whose ranks are "
-                         f"MPI's (vLLM's external_launcher); drop it, or use option.rolling_batch=vllm in Python mode")
+        raise ValueError(
+            f"option.distributed_executor_backend={chosen} does not apply to lmi-dist, whose ranks are "
+            f"MPI's (vLLM's external_launcher); drop it, or use option.rolling_batch=vllm in Python mode"
+        )
     kwargs = engine_kwargs(context, distributed_executor_backend="external_launcher")
-    log.info("rank %d of %d: starting vLLM's engine core with %s", context.rank, context.world_size,
-             json.dumps(kwargs, default=str, sort_keys=True))
+    log.info(
+        "rank %d of %d: starting vLLM's engine core with %s",
+        context.rank,
+        context.world_size,
+        json.dumps(kwargs, default=str, sort_keys=True),
+    )
     started = time.monotonic()
     args = AsyncEngineArgs(**kwargs)
     vllm_config = args.create_engine_config(UsageContext.OPENAI_API_SERVER)

@@ -58,11 +58,13 @@ class LmiBody(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     inputs: StrictStr | list[StrictStr] = Field(
-        description="a prompt, or a list of prompts (answered with a list; not with stream)")
+        description="a prompt, or a list of prompts (answered with a list; not with stream)"
+    )
     parameters: LmiParameters | None = None
     stream: StrictBool = False
     adapters: StrictStr | list[StrictStr | None] | None = Field(
-        None, description="a LoRA adapter's name, or one per prompt (null: the base model) (option.enable_lora)")
+        None, description="a LoRA adapter's name, or one per prompt (null: the base model) (option.enable_lora)"
+    )
 
 
 class LmiToken(BaseModel):
@@ -90,7 +92,7 @@ class LmiAnswer(BaseModel):
 @dataclass(frozen=True)
 class LmiRequest:
     prompts: list[str]
-    batched: bool           # "inputs" was a list: answer with a list
+    batched: bool  # "inputs" was a list: answer with a list
     stream: bool
     parameters: LmiParameters
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams arguments
@@ -149,8 +151,10 @@ def _check_stops(params: LmiParameters, limit: int) -> None:
             raise InputError(f"parameters.{name}: {len(stops)} stop sequences; at most {limit} are allowed")
         longest = max((len(s) for s in stops if isinstance(s, str)), default=0)
         if longest > MAX_STOP_SEQUENCE_CHARS:
-            raise InputError(f"parameters.{name}: a stop sequence of {longest} characters; "
-                             f"at most {MAX_STOP_SEQUENCE_CHARS} are allowed")
+            raise InputError(
+                f"parameters.{name}: a stop sequence of {longest} characters; "
+                f"at most {MAX_STOP_SEQUENCE_CHARS} are allowed"
+            )
 
 
 def _body_errors(exc: ValidationError, body: dict) -> str:
@@ -166,8 +170,13 @@ def _body_errors(exc: ValidationError, body: dict) -> str:
         elif name == "adapters":
             messages.append("'adapters' must be an adapter's name or a list of names (null for the base model)")
         else:
-            messages.append("; ".join(f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}"
-                                      for err in exc.errors() if str(err["loc"][0]) == name))
+            messages.append(
+                "; ".join(
+                    f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}"
+                    for err in exc.errors()
+                    if str(err["loc"][0]) == name
+                )
+            )
     return "; ".join(messages)
 
 
@@ -200,6 +209,7 @@ def parse_request(body: Any, known_sampling: set[str], max_stop_sequences: int =
 
 # -- answers ---------------------------------------------------------------------------
 
+
 def finish_reason(reason: str | None, stop_reason: Any) -> str | None:
     """vLLM's finish reason in LMI's words."""
     if reason == "stop":
@@ -212,7 +222,7 @@ class TokenInfo:
     id: int
     text: str
     log_prob: float | None
-    top: list["TokenInfo"] = field(default_factory=list)
+    top: list[TokenInfo] = field(default_factory=list)
 
     def as_dict(self, tgi: bool) -> dict:
         return {"id": self.id, "text": self.text, ("logprob" if tgi else "log_prob"): self.log_prob}
@@ -234,7 +244,9 @@ class Formatter:
 
     def __init__(self, output_formatter: str, tgi: bool) -> None:
         if output_formatter not in OUTPUT_FORMATTERS:
-            raise ValueError(f"option.output_formatter={output_formatter!r} is not one of {', '.join(OUTPUT_FORMATTERS)}")
+            raise ValueError(
+                f"option.output_formatter={output_formatter!r} is not one of {', '.join(OUTPUT_FORMATTERS)}"
+            )
         self.tgi = tgi
         self.stream_format = "sse" if tgi and output_formatter != "jsonlines" else output_formatter
         if self.stream_format == "json":
@@ -251,8 +263,11 @@ class Formatter:
         return gen.prompt + gen.text if params.return_full_text else gen.text
 
     def _details(self, gen: Generation, params: LmiParameters, with_tokens: bool) -> dict:
-        details: dict[str, Any] = {"finish_reason": gen.finish_reason, "generated_tokens": len(gen.tokens),
-                                   "inputs": gen.prompt}
+        details: dict[str, Any] = {
+            "finish_reason": gen.finish_reason,
+            "generated_tokens": len(gen.tokens),
+            "inputs": gen.prompt,
+        }
         if with_tokens:
             details["tokens"] = [t.as_dict(self.tgi) for t in gen.tokens]
         if params.top_n_tokens:

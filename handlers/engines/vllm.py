@@ -28,12 +28,12 @@ import logging
 import os
 import time
 import uuid
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from prometheus_client import REGISTRY
 from prometheus_client.core import GaugeMetricFamily
 from pydantic import ValidationError
-
 from vllm import envs as vllm_envs
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
@@ -52,11 +52,18 @@ from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 
-from container.core.errors import (AnswerError, HandlerError, InputError, NotFound, OpenAIError, OpenAIErrorInfo,
-                              ServiceUnavailable, is_openai_path)
+from container.core.errors import (
+    AnswerError,
+    HandlerError,
+    InputError,
+    NotFound,
+    OpenAIError,
+    OpenAIErrorInfo,
+    ServiceUnavailable,
+    is_openai_path,
+)
+from handlers.api import Input, Output, prepend
 from handlers.api.context import WorkerContext
-from handlers.api import prepend
-from handlers.api import Input, Output
 from handlers.engines.lmi_schema import Formatter, Generation, LmiRequest, TokenInfo, finish_reason, parse_request
 from handlers.engines.vllm_args import build_engine_kwargs
 
@@ -64,7 +71,7 @@ log = logging.getLogger("sagelmi.vllm")
 
 ADAPTER_HEADER = "X-Amzn-SageMaker-Adapter-Identifier"
 
-_service: "VllmService | None" = None
+_service: VllmService | None = None
 
 
 class _EngineLoad:
@@ -74,8 +81,7 @@ class _EngineLoad:
         self.engine = engine
 
     def collect(self):
-        gauge = GaugeMetricFamily("sagelmi_engine_unfinished_requests",
-                                  "Requests the engine is running or has queued")
+        gauge = GaugeMetricFamily("sagelmi_engine_unfinished_requests", "Requests the engine is running or has queued")
         gauge.add_metric([], self.engine.get_num_unfinished_requests())
         yield gauge
 
@@ -90,13 +96,19 @@ def _malformed(exc: Exception) -> str:
     return f"the request could not be read ({type(exc).__name__}: {exc}); check the types of its fields"
 
 
-def _openai_error(path: str, status: int, message: str, err_type: str = "BadRequestError",
-                  param: str | None = None) -> Output:
+def _openai_error(
+    path: str, status: int, message: str, err_type: str = "BadRequestError", param: str | None = None
+) -> Output:
     """vLLM's refusal of an OpenAI body: in OpenAI's envelope on ``/v1/...`` (vLLM's type and
     param kept); on ``/invocations`` raised, so that it gets LMI's envelope like every error there."""
     if not is_openai_path(path):
-        raise (InputError(message) if status == 400 else NotFound(message) if status == 404
-               else AnswerError(message, status))
+        raise (
+            InputError(message)
+            if status == 400
+            else NotFound(message)
+            if status == 404
+            else AnswerError(message, status)
+        )
     body = OpenAIError(error=OpenAIErrorInfo(message=message, type=err_type, param=param, code=status))
     return Output(code=status).add_property("content-type", "application/json").add_as_json(body.model_dump())
 
@@ -114,7 +126,7 @@ class VllmService:
 
     # -- start and stop
     @classmethod
-    async def start(cls, context: WorkerContext) -> "VllmService":
+    async def start(cls, context: WorkerContext) -> VllmService:
         kwargs = engine_kwargs(context)
         log.info("starting vLLM with %s", json.dumps(kwargs, default=str, sort_keys=True))
         started = time.monotonic()
@@ -124,23 +136,40 @@ class VllmService:
         return cls.around(engine, context, kwargs)
 
     @classmethod
-    def around(cls, engine, context: WorkerContext, kwargs: dict) -> "VllmService":
+    def around(cls, engine, context: WorkerContext, kwargs: dict) -> VllmService:
         """The service on an engine that is already running (``AsyncLLM`` or one like it)."""
         settings = context.settings
         served = kwargs["served_model_name"]
-        return cls(engine, Formatter(settings.output_formatter, settings.tgi_compat),
-                   served[0] if isinstance(served, list) else served, bool(kwargs.get("enable_lora")))
+        return cls(
+            engine,
+            Formatter(settings.output_formatter, settings.tgi_compat),
+            served[0] if isinstance(served, list) else served,
+            bool(kwargs.get("enable_lora")),
+        )
 
     def _build_openai(self) -> None:
         self.models = OpenAIServingModels(
-            self.engine, [BaseModelPath(name=self.served_name, model_path=self.served_name)])
-        renderer = OnlineRenderer(model_config=self.engine.model_config, renderer=self.engine.renderer,
-                                  request_logger=None, chat_template=None, chat_template_content_format="auto")
-        self.chat = OpenAIServingChat(self.engine, self.models, "assistant", online_renderer=renderer,
-                                      request_logger=None, chat_template=None,
-                                      chat_template_content_format="auto")
-        self.completion = OpenAIServingCompletion(self.engine, self.models, online_renderer=renderer,
-                                                  request_logger=None)
+            self.engine, [BaseModelPath(name=self.served_name, model_path=self.served_name)]
+        )
+        renderer = OnlineRenderer(
+            model_config=self.engine.model_config,
+            renderer=self.engine.renderer,
+            request_logger=None,
+            chat_template=None,
+            chat_template_content_format="auto",
+        )
+        self.chat = OpenAIServingChat(
+            self.engine,
+            self.models,
+            "assistant",
+            online_renderer=renderer,
+            request_logger=None,
+            chat_template=None,
+            chat_template_content_format="auto",
+        )
+        self.completion = OpenAIServingCompletion(
+            self.engine, self.models, online_renderer=renderer, request_logger=None
+        )
 
     def shutdown(self) -> None:
         self.engine.shutdown()
@@ -158,8 +187,9 @@ class VllmService:
         """Serve the adapter in ``path`` as ``name`` (loaded now, so a bad one is refused
         now). Raises ``InputError`` when LoRA is off or the engine refuses the adapter."""
         if not self.lora:
-            raise InputError("LoRA adapters need option.enable_lora=true (with option.max_lora_rank "
-                             "at least the adapters' rank)")
+            raise InputError(
+                "LoRA adapters need option.enable_lora=true (with option.max_lora_rank at least the adapters' rank)"
+            )
         known = self.adapters.get(name)
         if known is not None and known.lora_path == path:
             return  # the same registration again (a replay): nothing to do
@@ -211,8 +241,9 @@ class VllmService:
                 raise
             except Exception as exc:
                 raise HandlerError(f"Custom formatter failed: {type(exc).__name__}: {exc}") from None
-            inputs = Input(properties=inputs.properties, body=json.dumps(payload).encode(),
-                           request_path=inputs.request_path)
+            inputs = Input(
+                properties=inputs.properties, body=json.dumps(payload).encode(), request_path=inputs.request_path
+            )
         output = await self._invoke(inputs)
         if callable(output_formatter) and output.code < 300:
             output = _formatted(output, output_formatter)
@@ -235,8 +266,9 @@ class VllmService:
             return await self._openai("completion", body, header, path)
         if "inputs" in body:
             return await self._lmi(body, inputs.get_property("requestId"), header)
-        raise InputError("the body needs 'inputs' (LMI schema), 'messages' (OpenAI chat) "
-                         "or 'prompt' (OpenAI completion)")
+        raise InputError(
+            "the body needs 'inputs' (LMI schema), 'messages' (OpenAI chat) or 'prompt' (OpenAI completion)"
+        )
 
     # -- OpenAI
     def _openai_model(self, model: Any, header: str | None) -> str:
@@ -251,8 +283,11 @@ class VllmService:
         return adapter.lora_name if adapter is not None else self.served_name
 
     async def _openai(self, kind: str, body: dict, header: str | None, path: str) -> Output:
-        request_cls, create = ((ChatCompletionRequest, self.chat.create_chat_completion) if kind == "chat"
-                               else (CompletionRequest, self.completion.create_completion))
+        request_cls, create = (
+            (ChatCompletionRequest, self.chat.create_chat_completion)
+            if kind == "chat"
+            else (CompletionRequest, self.completion.create_completion)
+        )
         body = {**body, "model": self._openai_model(body.get("model"), header)}
         try:
             request = request_cls.model_validate(body)
@@ -273,7 +308,9 @@ class VllmService:
             return _openai_error(path, result.error.code, result.error.message, result.error.type, result.error.param)
         if hasattr(result, "model_dump_json"):
             return Output().add_property("content-type", "application/json").add(result.model_dump_json())
-        return Output().add_property("content-type", "text/event-stream; charset=utf-8").add_stream_content(result, None)
+        return (
+            Output().add_property("content-type", "text/event-stream; charset=utf-8").add_stream_content(result, None)
+        )
 
     # -- LMI
     def _lmi_adapters(self, body: dict, header: str | None, prompts: int) -> list[LoRARequest | None]:
@@ -297,16 +334,24 @@ class VllmService:
         tag = inference_id or uuid.uuid4().hex
         if not request.stream:
             top_n = request.parameters.top_n_tokens
-            generations = await asyncio.gather(*(self._complete(p, sampling, f"{tag}-{i}", top_n, lora)
-                                                 for i, (p, lora) in enumerate(zip(request.prompts, loras))))
+            generations = await asyncio.gather(
+                *(
+                    self._complete(p, sampling, f"{tag}-{i}", top_n, lora)
+                    for i, (p, lora) in enumerate(zip(request.prompts, loras))
+                )
+            )
             return Output().add_as_json(self.formatter.body(list(generations), request))
         outputs = self._generate(request.prompts[0], sampling, tag, loras[0])
         first = await anext(outputs)  # errors before the first token become a 400, not a broken stream
-        return (Output().add_property("content-type", self.formatter.stream_content_type)
-                .add_stream_content(self._stream(request, first, outputs), None))
+        return (
+            Output()
+            .add_property("content-type", self.formatter.stream_content_type)
+            .add_stream_content(self._stream(request, first, outputs), None)
+        )
 
-    async def _generate(self, prompt: str, sampling, request_id: str,
-                        lora: LoRARequest | None = None) -> AsyncIterator[Any]:
+    async def _generate(
+        self, prompt: str, sampling, request_id: str, lora: LoRARequest | None = None
+    ) -> AsyncIterator[Any]:
         engine_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
         try:
             async for output in self.engine.generate(prompt, sampling, engine_id, lora_request=lora):
@@ -327,8 +372,9 @@ class VllmService:
         except Exception as exc:  # the engine is going away: nothing is left to free
             log.warning("could not abort engine request %s: %s", engine_id, exc)
 
-    async def _complete(self, prompt: str, sampling, request_id: str, top_n: int,
-                        lora: LoRARequest | None = None) -> Generation:
+    async def _complete(
+        self, prompt: str, sampling, request_id: str, top_n: int, lora: LoRARequest | None = None
+    ) -> Generation:
         gen = Generation(prompt=prompt)
         async for output in self._generate(prompt, sampling, request_id, lora):
             self._absorb(gen, output, top_n)
@@ -342,8 +388,11 @@ class VllmService:
             # vLLM: the sampled token first, then the top-k candidates (ranks 1..k)
             logprobs = completion.logprobs[i] if completion.logprobs else {}
             chosen = logprobs.get(token_id)
-            text = chosen.decoded_token if chosen is not None and chosen.decoded_token is not None else \
-                self.engine.tokenizer.decode([token_id])
+            text = (
+                chosen.decoded_token
+                if chosen is not None and chosen.decoded_token is not None
+                else self.engine.tokenizer.decode([token_id])
+            )
             ranked = sorted((lp.rank, tid, lp) for tid, lp in logprobs.items() if lp.rank and lp.rank <= top_n)
             top = [TokenInfo(tid, lp.decoded_token or "", lp.logprob) for _, tid, lp in ranked]
             new.append(TokenInfo(token_id, text, chosen.logprob if chosen is not None else None, top))
@@ -352,8 +401,11 @@ class VllmService:
         if output.prompt_logprobs and not gen.prefill:
             for token_id, lps in zip(output.prompt_token_ids, output.prompt_logprobs):
                 lp = (lps or {}).get(token_id)
-                gen.prefill.append(TokenInfo(token_id, self.engine.tokenizer.decode([token_id]),
-                                             lp.logprob if lp is not None else None))
+                gen.prefill.append(
+                    TokenInfo(
+                        token_id, self.engine.tokenizer.decode([token_id]), lp.logprob if lp is not None else None
+                    )
+                )
         if output.finished:
             gen.finish_reason = finish_reason(completion.finish_reason, completion.stop_reason)
         return new
@@ -415,8 +467,9 @@ async def _formatted_stream(chunks: AsyncIterator[Any], formatter, sse: bool) ->
 def engine_kwargs(context: WorkerContext, **overrides: Any) -> dict[str, Any]:
     """``AsyncEngineArgs`` keyword arguments for this worker group."""
     launch = context.launch
-    kwargs = build_engine_kwargs(context.settings, launch.model_location, launch.tensor_parallel_degree,
-                                 cpu=current_platform.is_cpu())
+    kwargs = build_engine_kwargs(
+        context.settings, launch.model_location, launch.tensor_parallel_degree, cpu=current_platform.is_cpu()
+    )
     return {**kwargs, **overrides}
 
 

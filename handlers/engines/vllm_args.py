@@ -11,8 +11,17 @@ import dataclasses
 import logging
 from typing import Any
 
-from container.core.engine_args import (DTYPES, IGNORED, RENAMED, SPECULATIVE, EngineOptionError, _convert,
-                                        _packaged_version, check_engine_option, default_served_name)
+from container.core.engine_args import (
+    DTYPES,
+    IGNORED,
+    RENAMED,
+    SPECULATIVE,
+    EngineOptionError,
+    _convert,
+    _packaged_version,
+    check_engine_option,
+    default_served_name,
+)
 from container.core.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -29,8 +38,9 @@ def engine_fields() -> dict[str, dataclasses.Field]:
 CPU_DEFAULTS = {"gpu_memory_utilization": 0.5}
 
 
-def build_engine_kwargs(settings: Settings, model: str, tensor_parallel_degree: int,
-                        cpu: bool = False) -> dict[str, Any]:
+def build_engine_kwargs(
+    settings: Settings, model: str, tensor_parallel_degree: int, cpu: bool = False
+) -> dict[str, Any]:
     """Keyword arguments for ``AsyncEngineArgs``: ``model`` is where the model is
     (a local path or Hub id), ``tensor_parallel_degree`` the group's (what ``max``
     stands for), ``cpu`` whether vLLM runs on its CPU platform.
@@ -56,11 +66,14 @@ def build_engine_kwargs(settings: Settings, model: str, tensor_parallel_degree: 
         if target not in fields:  # in the packaged list, but not in the vLLM that runs
             raise EngineOptionError(
                 f"option.{name}: the installed vLLM has no engine argument {target} (sagelmi's list of "
-                f"engine arguments is for vLLM {_packaged_version()}; regenerate it: sagelmi engine-args --write)")
+                f"engine arguments is for vLLM {_packaged_version()}; regenerate it: sagelmi engine-args --write)"
+            )
         kwargs[target] = _convert(name, raw, target, fields[target].type)
     if speculative:
         if "model" not in speculative:
-            raise EngineOptionError("option.speculative_length / draft_model_tp_size need option.speculative_draft_model")
+            raise EngineOptionError(
+                "option.speculative_length / draft_model_tp_size need option.speculative_draft_model"
+            )
         speculative.setdefault("num_speculative_tokens", 5)  # LMI's default speculative_length
         kwargs["speculative_config"] = {**speculative, **(kwargs.get("speculative_config") or {})}
     if cpu:

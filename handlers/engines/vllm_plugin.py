@@ -33,8 +33,8 @@ import importlib.util
 import logging
 import sys
 import threading
+from collections.abc import Callable
 from types import ModuleType
-from typing import Callable
 
 log = logging.getLogger("sagelmi.vllm_plugin")
 
@@ -62,7 +62,7 @@ def _rewinding_seeded_generators(runner_class) -> None:
 
     def _discarded(runner) -> list[int]:
         batch = runner.input_batch
-        rows = np.nonzero(runner.discard_request_mask.np[:batch.num_reqs])[0]
+        rows = np.nonzero(runner.discard_request_mask.np[: batch.num_reqs])[0]
         return [int(i) for i in rows if int(i) in batch.generators]
 
     def _sample(self, *args, **kwargs):
@@ -159,7 +159,7 @@ def register() -> None:
 
     if not getattr(lora_ops.bgmv_shrink, _PATCHED, False):
         fixed = _masking(lora_ops.bgmv_shrink)
-        lora_ops.bgmv_shrink = fixed      # what sgmv_shrink (prefill) calls
-        punica_cpu.bgmv_shrink = fixed    # what the CPU punica wrapper calls directly (decode, logits)
+        lora_ops.bgmv_shrink = fixed  # what sgmv_shrink (prefill) calls
+        punica_cpu.bgmv_shrink = fixed  # what the CPU punica wrapper calls directly (decode, logits)
         log.debug("vLLM CPU LoRA: base-model rows of mixed batches get no adapter delta")
     _after_import(_RUNNER_MODULE, _fix_runner)
