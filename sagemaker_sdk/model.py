@@ -15,6 +15,7 @@ from typing import Any
 from sagemaker import s3
 from sagemaker.model import Model
 
+from container.core.devices import resolve_tensor_parallel
 from container.core.settings import SettingsError, option_key
 from sagemaker_sdk import sizing
 from sagemaker_sdk.env import ContainerEnv, build_container_env, env_name, env_text
@@ -308,8 +309,8 @@ class SagelmiModel(Model):
             )
             return None
         gpus, memory, hardware = hardware_of(instance_type, None, None)
-        tp = gpus if settings.tensor_parallel_degree == "max" else settings.tensor_parallel_degree
         try:
+            tp = resolve_tensor_parallel(settings, gpus or 0)
             return plan_from_settings(
                 model,
                 settings.options,
@@ -319,7 +320,7 @@ class SagelmiModel(Model):
                 pp=settings.pipeline_parallel_degree,
                 hardware=hardware,
             )
-        except PlanError as exc:
+        except (PlanError, SettingsError) as exc:
             log.info("no plan for %s on %s (%s); deploying unchecked", model[0], instance_type, exc)
             return None
 

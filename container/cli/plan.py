@@ -16,6 +16,7 @@ import os
 import tempfile
 from pathlib import Path
 
+from container.core.devices import resolve_tensor_parallel
 from container.core.plan import PlanError, hardware_of, plan_from_settings, read_model, render
 from container.core.settings import resolve_settings
 
@@ -56,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         settings.options,
         gpus=gpus,
         gpu_memory_gib=memory,
-        tp=None if tp in (None, "max") else int(tp),
+        tp=None if tp is None else resolve_tensor_parallel(settings, gpus or 0),
         pp=pp,
         hardware=hardware,
         cpu_kv_cache_gib=float(env["VLLM_CPU_KVCACHE_SPACE"]) if env.get("VLLM_CPU_KVCACHE_SPACE") else None,

@@ -59,13 +59,34 @@ def _source(settings: Settings, key: str) -> str:
     return settings.sources.get(key, "default")
 
 
+def resolve_tensor_parallel(settings: Settings, devices: int, names: str = "") -> int:
+    """The tensor parallel degree a worker group runs with when ``devices`` accelerators are
+    visible (0: the CPU). ``max`` stands for every device one pipeline stage can have
+    (``devices // pipeline_parallel_degree``), and for 1 on the CPU. The one resolver the
+    container (``plan_groups``), ``sagelmi plan`` and the SDK use.
+
+    Raises ``SettingsError`` when ``max`` meets a device count that ``pp`` does not divide."""
+    tp, pp = settings.tensor_parallel_degree, settings.pipeline_parallel_degree
+    if tp != "max":
+        return tp
+    if not devices:
+        return 1
+    if devices % pp:
+        raise SettingsError(
+            f"option.tensor_parallel_degree=max with option.pipeline_parallel_degree={pp} "
+            f"({_source(settings, 'option.pipeline_parallel_degree')}) needs a device count divisible by {pp}, "
+            f"but {devices} are visible{f' ({names})' if names else ''}"
+        )
+    return devices // pp
+
+
 def plan_groups(settings: Settings, devices: list[str]) -> list[GroupPlan]:
     """Split ``devices`` into worker groups as the settings ask.
 
     Raises ``SettingsError`` when a group cannot get the devices it needs."""
-    tp, pp = settings.tensor_parallel_degree, settings.pipeline_parallel_degree
+    pp = settings.pipeline_parallel_degree
+    tp = resolve_tensor_parallel(settings, len(devices), ",".join(devices))
     if not devices:
-        tp = 1 if tp == "max" else tp
         if tp * pp > 1:
             log.info(
                 "no accelerators are visible: each worker group runs %d (tp %d x pp %d) processes on the CPU",
@@ -75,14 +96,6 @@ def plan_groups(settings: Settings, devices: list[str]) -> list[GroupPlan]:
             )
         count = settings.min_workers or settings.max_workers or 1
         return [GroupPlan(i, (), tp, pp) for i in range(count)]
-    if tp == "max":
-        if len(devices) % pp:
-            raise SettingsError(
-                f"option.tensor_parallel_degree=max with option.pipeline_parallel_degree={pp} "
-                f"({_source(settings, 'option.pipeline_parallel_degree')}) needs a device count divisible by {pp}, "
-                f"but {len(devices)} are visible ({','.join(devices)})"
-            )
-        tp = len(devices) // pp
     per_group = tp * pp
     if per_group > len(devices):
         raise SettingsError(

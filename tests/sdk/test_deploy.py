@@ -184,3 +184,27 @@ def test_a_model_that_fits_is_deployed(session, tmp_path):
     assert small.plan(INSTANCE_TYPE).splits[0].fits
     small.deploy(instance_type=INSTANCE_TYPE, wait=False)
     assert session.sagemaker_client.describe_endpoint(EndpointName=small.endpoint_name)
+
+
+def test_tensor_parallel_max_is_resolved_alike_by_the_container_the_planner_and_the_sdk(session, tmp_path):
+    """tp=max with pp=2 on 4 GPUs of 24 GiB is tp=2, pp=2 for all three (container.core.devices.
+    resolve_tensor_parallel): the worker groups the container starts, `sagelmi plan` and the SDK's plan."""
+    import json
+    import subprocess
+    import sys
+
+    from container.core.devices import plan_groups
+
+    model = _model_dir(tmp_path / "8b", 32, 16 * 10**9)
+    env = {"TENSOR_PARALLEL_DEGREE": "max", "PIPELINE_PARALLEL_DEGREE": "2"}
+    groups = plan_groups(resolve_settings(env, str(model)), ["0", "1", "2", "3"])
+    assert [(g.tensor_parallel_degree, g.pipeline_parallel_degree) for g in groups] == [(2, 2)]
+
+    cli = subprocess.run([sys.executable, "-m", "container", "plan", "--model-dir", str(model), "--gpus", "4",
+                          "--gpu-memory", "24", "--json", *(f"{k}={v}" for k, v in env.items())],
+                         capture_output=True, text=True, timeout=120)
+    assert [(s["tp"], s["pp"]) for s in json.loads(cli.stdout)["splits"]] == [(2, 2)], cli.stdout + cli.stderr
+
+    sdk = SagelmiModel(handler_dir=model, tensor_parallel_degree="max", pipeline_parallel_degree=2, image_uri=IMAGE,
+                       role=ROLE, sagemaker_session=session)
+    assert [(s.tp, s.pp) for s in sdk.plan("ml.g5.12xlarge").splits] == [(2, 2)]  # 4 x A10G 24 GiB
