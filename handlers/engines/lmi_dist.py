@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import REGISTRY
-from prometheus_client.core import GaugeMetricFamily
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.usage.usage_lib import UsageContext
 from vllm.v1.engine import EngineCoreOutputs
@@ -48,7 +47,7 @@ from vllm.v1.executor.uniproc_executor import ExecutorWithExternalLauncher
 
 from handlers.api import Input, Output
 from handlers.api.context import WorkerContext
-from handlers.engines.vllm import VllmService, engine_kwargs
+from handlers.engines.vllm import UnfinishedRequests, VllmService, engine_kwargs
 
 log = logging.getLogger("sagelmi.lmi_dist")
 
@@ -95,18 +94,6 @@ class LockstepCore:
         outputs, executed = self.core.step_fn()
         self.core.post_step(executed)
         return outputs.get(0) if outputs else None
-
-
-class _UnfinishedRequests:
-    """Prometheus collector on the other ranks: requests their engine has not finished."""
-
-    def __init__(self, core: EngineCore) -> None:
-        self.core = core
-
-    def collect(self):
-        gauge = GaugeMetricFamily("sagelmi_engine_unfinished_requests", "Requests the engine is running or has queued")
-        gauge.add_metric([], self.core.scheduler.get_num_unfinished_requests())
-        yield gauge
 
 
 class LeaderClient:
@@ -334,7 +321,7 @@ async def initialize(context: WorkerContext) -> None:
         client.start()
         _state["service"] = VllmService.around(engine, context, kwargs)
     else:
-        REGISTRY.register(_UnfinishedRequests(core))
+        REGISTRY.register(UnfinishedRequests(lambda: core.scheduler.get_num_unfinished_requests()))
         thread = threading.Thread(target=_follow, args=(lockstep, context), name="lmi-dist-follow", daemon=True)
         thread.start()
         _state["thread"] = thread

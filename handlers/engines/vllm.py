@@ -28,7 +28,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from prometheus_client import REGISTRY
@@ -74,15 +74,17 @@ ADAPTER_HEADER = "X-Amzn-SageMaker-Adapter-Identifier"
 _service: VllmService | None = None
 
 
-class _EngineLoad:
-    """Prometheus collector: requests the engine has not finished (exact, not sampled)."""
+class UnfinishedRequests:
+    """Prometheus collector ``sagelmi_engine_unfinished_requests``: requests an engine has not
+    finished (exact, not sampled), from ``count``. vLLM's ``AsyncLLM`` here; in lmi-dist also the
+    engine core of each rank that is not rank 0."""
 
-    def __init__(self, engine) -> None:
-        self.engine = engine
+    def __init__(self, count: Callable[[], int]) -> None:
+        self.count = count
 
     def collect(self):
         gauge = GaugeMetricFamily("sagelmi_engine_unfinished_requests", "Requests the engine is running or has queued")
-        gauge.add_metric([], self.engine.get_num_unfinished_requests())
+        gauge.add_metric([], self.count())
         yield gauge
 
 
@@ -122,7 +124,7 @@ class VllmService:
         self.formatter = formatter
         self.sampling_fields = set(SamplingParams.__struct_fields__)  # a msgspec.Struct in vLLM 0.32
         self._build_openai()
-        REGISTRY.register(_EngineLoad(engine))
+        REGISTRY.register(UnfinishedRequests(engine.get_num_unfinished_requests))
 
     # -- start and stop
     @classmethod
