@@ -64,6 +64,7 @@ from container.core.errors import (
 )
 from handlers.api import Input, Output, prepend
 from handlers.api.context import WorkerContext
+from handlers.engines.formatters import formatted
 from handlers.engines.lmi_schema import Formatter, Generation, LmiRequest, TokenInfo, finish_reason, parse_request
 from handlers.engines.vllm_args import build_engine_kwargs
 
@@ -248,7 +249,7 @@ class VllmService:
             )
         output = await self._invoke(inputs)
         if callable(output_formatter) and output.code < 300:
-            output = _formatted(output, output_formatter)
+            output = formatted(output, output_formatter)
         return output
 
     async def _invoke(self, inputs: Input) -> Output:
@@ -421,49 +422,6 @@ class VllmService:
                 yield self.formatter.stream_item(token, gen, params, last=output.finished and i == len(tokens) - 1)
             if output.finished and not tokens:
                 yield self.formatter.stream_item(None, gen, params, last=True)
-
-
-def _apply(formatter, data: Any) -> bytes:
-    try:
-        result = formatter(data)
-    except Exception as exc:
-        raise HandlerError(f"Custom formatter failed: {type(exc).__name__}: {exc}") from None
-    if hasattr(result, "model_dump_json"):
-        return result.model_dump_json().encode()
-    if isinstance(result, (bytes, bytearray)):
-        return bytes(result)
-    if isinstance(result, str):
-        return result.encode()
-    return json.dumps(result, ensure_ascii=False).encode()
-
-
-def _formatted(output: Output, formatter) -> Output:
-    """``output`` with each answer (or stream chunk) passed through ``formatter``."""
-    if output.stream_content is None:
-        data = output.body()
-        output.content = type(output.content)()
-        output.content.add("data", _apply(formatter, json.loads(data)))
-        return output
-    sse = "text/event-stream" in str(output.get_property("content-type") or "")
-    output.stream_content = _formatted_stream(output.stream_content, formatter, sse)
-    return output
-
-
-async def _formatted_stream(chunks: AsyncIterator[Any], formatter, sse: bool) -> AsyncIterator[bytes]:
-    async for chunk in chunks:
-        text = chunk.decode() if isinstance(chunk, (bytes, bytearray)) else str(chunk)
-        out = []
-        for line in text.splitlines():
-            if not line.strip():
-                continue
-            if sse:
-                payload = line.removeprefix("data:").strip()
-                out.append(line if payload == "[DONE]" else "data: " + _apply(formatter, json.loads(payload)).decode())
-                out.append("")
-            else:
-                out.append(_apply(formatter, json.loads(line)).decode())
-        if out:
-            yield ("\n".join(out) + "\n").encode()
 
 
 def engine_kwargs(context: WorkerContext, **overrides: Any) -> dict[str, Any]:
