@@ -58,7 +58,7 @@ class EngineOptionError(ValueError):
     """An option cannot become an engine argument; the message says why."""
 
 
-def _convert(name: str, raw: str, target: str, tp: Any) -> Any:
+def convert_option(name: str, raw: str, target: str, tp: Any) -> Any:
     """Text -> the engine argument's type ``tp`` (JSON accepted for structured values)."""
     candidates: list[Any] = [raw]
     try:
@@ -102,7 +102,7 @@ SIMPLE_KINDS = {bool: "bool", int: "int", float: "float", str: "str"}
 KIND_TYPES = {"bool": bool, "int": int, "float": float}
 
 
-def _packaged_version() -> str:
+def packaged_version() -> str:
     return json.loads(ENGINE_ARGS_FILE.read_text())["vllm_version"]
 
 
@@ -114,9 +114,9 @@ def packaged_engine_args() -> dict[str, str | list]:
 
 def _check_value(name: str, raw: str, target: str, kind: str | list) -> None:
     if isinstance(kind, list):
-        _convert(name, raw, target, Literal[tuple(kind)])
+        convert_option(name, raw, target, Literal[tuple(kind)])
     elif kind in KIND_TYPES:
-        _convert(name, raw, target, KIND_TYPES[kind])
+        convert_option(name, raw, target, KIND_TYPES[kind])
     elif kind == "json":
         try:
             json.loads(raw)

@@ -17,10 +17,10 @@ from container.core.engine_args import (
     RENAMED,
     SPECULATIVE,
     EngineOptionError,
-    _convert,
-    _packaged_version,
     check_engine_option,
+    convert_option,
     default_served_name,
+    packaged_version,
 )
 from container.core.settings import Settings
 
@@ -55,20 +55,20 @@ def build_engine_kwargs(
             continue
         if name in SPECULATIVE:
             key = SPECULATIVE[name]
-            speculative[key] = raw if key == "model" else _convert(name, raw, key, int)
+            speculative[key] = raw if key == "model" else convert_option(name, raw, key, int)
             continue
         if name == "dtype":
             value = DTYPES.get(raw.lower(), raw)
-            kwargs["dtype"] = _convert(name, value, "dtype", fields["dtype"].type)
+            kwargs["dtype"] = convert_option(name, value, "dtype", fields["dtype"].type)
             continue
         check_engine_option(name)
         target = RENAMED.get(name, name)
         if target not in fields:  # in the packaged list, but not in the vLLM that runs
             raise EngineOptionError(
                 f"option.{name}: the installed vLLM has no engine argument {target} (sagelmi's list of "
-                f"engine arguments is for vLLM {_packaged_version()}; regenerate it: sagelmi engine-args --write)"
+                f"engine arguments is for vLLM {packaged_version()}; regenerate it: sagelmi engine-args --write)"
             )
-        kwargs[target] = _convert(name, raw, target, fields[target].type)
+        kwargs[target] = convert_option(name, raw, target, fields[target].type)
     if speculative:
         if "model" not in speculative:
             raise EngineOptionError(
