@@ -59,9 +59,9 @@ def enable_flash() -> bool:
 def get_rolling_batch_class_from_str(rolling_batch_type: str):
     """The class that serves ``rolling_batch_type``: vLLM's engine for ``vllm``."""
     if rolling_batch_type in ("vllm", "lmi-dist", "auto"):
-        from handlers.engines.vllm import VllmService
+        from handlers.engines.vllm import VllmEngine
 
-        return VllmService
+        return VllmEngine
     raise ValueError(f"Invalid rolling batch type: {rolling_batch_type}")
 
 
@@ -107,22 +107,23 @@ class HuggingFaceService:
 
     def initialize(self, properties: dict) -> None:
         """Start the model's engine (sagelmi's vLLM engine) with the server's settings."""
-        context, self._loop = current()
+        running = current()
+        context, self._loop = running.context, running.loop
         self.hf_configs = dict(properties)
         rolling_batch = str(properties.get("rolling_batch", context.settings.rolling_batch))
         if rolling_batch == "disable":
-            from handlers.engines.accelerate import AccelerateService
+            from handlers.engines.accelerate import AccelerateEngine
 
             log.warning(
                 "ENGINE: HuggingFaceService runs the Hugging Face Accelerate engine (option.rolling_batch=disable)"
             )
-            self.accelerate = AccelerateService.load(context)
+            self.accelerate = AccelerateEngine.load(context)
             self.model, self.tokenizer = self.accelerate.model, self.accelerate.tokenizer
             self.model_config = self.model.config
             self.initialized = True
             return
         service_class = get_rolling_batch_class_from_str(rolling_batch)
-        self.rolling_batch = self._run(service_class.start(context))
+        self.rolling_batch = self._run(service_class.start(context, running.formatters))
         self.tokenizer = self.rolling_batch.engine.tokenizer
         self.model_config = self.rolling_batch.engine.model_config
         if properties.get("stop_sequence"):
@@ -161,11 +162,11 @@ class HuggingFaceService:
         if self.accelerate is not None:
             return self.accelerate.answer(inputs)
         if not inputs.is_batch():
-            return self._run(self.rolling_batch.invoke(inputs))
+            return self._run(self.rolling_batch.handle(inputs))
         outputs = Output()
         for i, item in enumerate(inputs.get_batches()):
             try:
-                answer = self._run(self.rolling_batch.invoke(item))
+                answer = self._run(self.rolling_batch.handle(item))
                 outputs.add(answer.body(), key="data", batch_index=i)
             except Exception as exc:  # as LMI: the item's answer is its error text
                 outputs.add(str(exc), key="data", batch_index=i)

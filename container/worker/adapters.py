@@ -29,7 +29,9 @@ class AdapterTable:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.paths: dict[str, str] = {}  # name -> local directory, in registration order
-        self.handler = None  # set once the handler is loaded (then registrations apply at once)
+        self.loaded_yet = False  # set once the handler is loaded (then registrations apply at once)
+        self.engine: Any = None  # the built-in engine (handlers.api.engine.Engine), if one serves
+        self.origin = "handler"
 
     def receive(self, conn: Any, message: RegisterAdapter | UnregisterAdapter) -> None:
         """Record ``message`` and, once the handler is loaded, apply it (in a task)."""
@@ -37,7 +39,7 @@ class AdapterTable:
             self.paths[message.name] = message.path
         else:
             self.paths.pop(message.name, None)
-        if self.handler is None:
+        if not self.loaded_yet:
             self.loop.create_task(conn.send(End(id=message.id)))  # applied after the load
             return
         self.loop.create_task(self._apply(conn, message))
@@ -53,29 +55,27 @@ class AdapterTable:
         await _send(conn, End(id=message.id))
 
     async def _call(self, message: RegisterAdapter | UnregisterAdapter) -> None:
-        add, remove = self.handler.add_adapter, self.handler.remove_adapter
-        if add is None or remove is None:
-            raise InputError(f"the handler {self.handler.origin} does not serve LoRA adapters")
+        if self.engine is None or not self.engine.serves_adapters:
+            raise InputError(f"the handler {self.origin} does not serve LoRA adapters")
         if isinstance(message, RegisterAdapter):
-            await add(message.name, message.path)
+            await self.engine.add_adapter(message.name, message.path)
             log.info("adapter %s registered", message.name)
         else:
-            await remove(message.name)
+            await self.engine.remove_adapter(message.name)
             log.info("adapter %s unregistered", message.name)
 
-    async def loaded(self, handler) -> None:
-        """The handler is loaded: apply every registration received so far. A
-        failing one is logged and dropped (the frontend checked it before)."""
-        self.handler = handler
-        if handler.add_adapter is None:
+    async def loaded(self, engine: Any, origin: str) -> None:
+        """The handler is loaded (``engine``: the built-in engine serving, or None for a
+        ``model.py``): apply every registration received so far. A failing one is logged and
+        dropped (the frontend checked it before)."""
+        self.loaded_yet, self.engine, self.origin = True, engine, origin
+        if engine is None or not engine.serves_adapters:
             if self.paths:
-                log.error(
-                    "the handler %s does not serve LoRA adapters; ignoring %s", handler.origin, ", ".join(self.paths)
-                )
+                log.error("the handler %s does not serve LoRA adapters; ignoring %s", origin, ", ".join(self.paths))
             return
         for name, path in list(self.paths.items()):
             try:
-                await handler.add_adapter(name, path)
+                await engine.add_adapter(name, path)
                 log.info("adapter %s registered", name)
             except Exception as exc:
                 log.error("adapter %s could not be loaded: %s", name, describe(exc)[2])

@@ -69,7 +69,8 @@ from container.worker.adapters import AdapterTable
 from container.worker.batching import Batcher
 from container.worker.requests import batch_input, chunk_of, request_input, split_batch, to_output
 from handlers.api import Input, Output, json_line, prepend
-from handlers.api.context import WorkerContext, set_current
+from handlers.api.context import Formatters, WorkerContext, set_current
+from handlers.api.engine import Engine
 from handlers.api.loader import Handler, HandlerLoadError, load_handler
 
 log = logging.getLogger("sagelmi.worker")
@@ -165,6 +166,8 @@ class Worker:
         self.own_state = Status(state=WorkerState.LOADING)  # this rank's
         self.status = Status(state=WorkerState.LOADING, incarnation=incarnation)  # the group's (rank 0)
         self.handler: Handler | None = None
+        self.engine: Engine | None = None  # the built-in engine this process runs, once started
+        self.handle: Any = None  # what answers a request: the engine's handle, or model.py's
         self.executor = ThreadPoolExecutor(max_workers=self.settings.sync_handler_threads, thread_name_prefix="handler")
         self.connections: set[Connection] = set()
         self.dropped = DroppedAnswers()
@@ -173,7 +176,7 @@ class Worker:
         self.stopping = asyncio.Event()
         self.loop = asyncio.get_running_loop()
         self.adapters = AdapterTable(self.loop)  # LoRA adapters the frontend registered (rank 0)
-        set_current(context, self.loop)
+        set_current(context, self.loop, Formatters())
 
     # -- lifecycle
     async def run(self) -> int:
@@ -220,7 +223,7 @@ class Worker:
         return await asyncio.start_unix_server(self._serve_connection, path=str(path))
 
     async def _shutdown_handler(self) -> None:
-        stop = self.handler.shutdown if self.handler is not None else None
+        stop = self.engine.shutdown if self.engine is not None else self.handler.shutdown if self.handler else None
         if stop is None:
             return
         try:
@@ -240,10 +243,14 @@ class Worker:
                 await asyncio.to_thread(self.context.follower.connect)
             # Import on the loop's thread: some libraries insist on the main thread.
             self.handler = load_handler(self.settings)
+            set_current(self.context, self.loop, self.handler.formatters)
             self.common = self._common_properties()
-            if self.handler.initialize is not None:
-                await self.handler.initialize(self.context)
-            else:  # LMI's initialisation call: an empty Input with the model properties
+            if self.handler.engine is not None:
+                self.engine = await self.handler.engine.start(self.context, self.handler.formatters)
+                self.handle = self.engine.handle
+            else:
+                self.handle = self.handler.fn
+                # LMI's initialisation call: an empty Input with the model properties
                 properties = {**self.context.launch.model_properties, **self.common}
                 init = to_output(await self._call(Input(properties=properties)))
                 if init.stream_content is not None:  # a generator handle(): run its body
@@ -253,8 +260,8 @@ class Worker:
                     raise RuntimeError(
                         f"it answered {init.code} {init.message}: {init.body().decode('utf-8', 'replace')[:500]}"
                     )
-            await self.adapters.loaded(self.handler)
-            if self.settings.batch_size > 1 and (not self.handler.builtin or self.handler.dynamic_batching):
+            await self.adapters.loaded(self.engine, self.handler.origin)
+            if self.settings.batch_size > 1 and (self.engine is None or self.engine.dynamic_batching):
                 self.batcher = Batcher(
                     self.settings.batch_size,
                     self.settings.max_batch_delay,
@@ -273,7 +280,7 @@ class Worker:
         except Exception as exc:
             log.exception("the handler's initialisation failed")
             origin = self.handler.origin if self.handler else "handler"
-            what = "initialize()" if self.handler and self.handler.initialize else "handle() on the initialisation call"
+            what = "start()" if self.handler and self.handler.engine else "handle() on the initialisation call"
             return await self._set_own_state(
                 WorkerState.FAILED, f"{origin}: {what} failed: {type(exc).__name__}: {exc}"
             )
@@ -296,10 +303,6 @@ class Worker:
         if self.settings.use_mpi:
             common["tensor_parallel_degree"] = self.context.launch.tensor_parallel_degree
             common["pipeline_parallel_degree"] = self.settings.pipeline_parallel_degree
-        if self.handler.input_formatter is not None:
-            common["input_formatter"] = self.handler.input_formatter
-        if self.handler.output_formatter is not None:
-            common["output_formatter"] = self.handler.output_formatter
         return common
 
     # -- state: this rank's, and (on rank 0) the group's
@@ -378,18 +381,17 @@ class Worker:
         os._exit(code)
 
     async def _watch_health(self) -> None:
-        check = self.handler.check_health
-        if check is None:
+        if self.engine is None:
             return
         while True:
             await asyncio.sleep(HEALTH_INTERVAL)
             self._check_health()
 
     def _check_health(self) -> None:
-        if self.handler is None or self.handler.check_health is None:
+        if self.engine is None:
             return
         try:
-            self.handler.check_health()
+            self.engine.check_health()
         except Exception as exc:
             self._fatal(f"the handler can no longer serve ({type(exc).__name__}: {exc})", EXIT_ENGINE_DEAD)
 
@@ -443,7 +445,9 @@ class Worker:
     def _relays(self) -> bool:
         """Rank 0 of an MPI group hands requests and cancels to the other ranks
         (unless its built-in handler hands them work itself)."""
-        return self.context.leader is not None and self.handler is not None and not self.handler.requests_on_rank0_only
+        if self.context.leader is None or self.handler is None:
+            return False
+        return self.handler.engine is None or not self.handler.engine.requests_on_rank0_only
 
     def _start_request(self, conn: Connection | DroppedAnswers, message: Invoke) -> asyncio.Task:
         request_id = message.properties.get("requestId", message.id)
@@ -579,12 +583,12 @@ class Worker:
 
     # -- calling the handler
     async def _call(self, inputs: Input) -> Any:
-        handler = self.handler
-        if handler.kind in ("async_generator", "generator"):  # sagelmi's own: handle() itself streams
-            return Output().add_stream_content(handler.fn(inputs), output_formatter=generator_item)
-        if handler.kind == "async":
-            return await handler.fn(inputs)
-        call = self.loop.run_in_executor(self.executor, contextvars.copy_context().run, handler.fn, inputs)
+        kind = self.handler.kind
+        if kind in ("async_generator", "generator"):  # sagelmi's own: handle() itself streams
+            return Output().add_stream_content(self.handle(inputs), output_formatter=generator_item)
+        if kind == "async":
+            return await self.handle(inputs)
+        call = self.loop.run_in_executor(self.executor, contextvars.copy_context().run, self.handle, inputs)
         if not self.mpi:
             return await call
         # In MPI mode a queued call runs on every rank even if cancelled (see the module's docstring).

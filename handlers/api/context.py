@@ -4,11 +4,24 @@ from __future__ import annotations
 
 import asyncio
 import queue
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, NamedTuple, Protocol
 
 from container.core.launch import WorkerLaunch
 from container.core.settings import Settings
+
+
+@dataclass(frozen=True)
+class Formatters:
+    """A ``model.py``'s ``@input_formatter`` and ``@output_formatter`` (LMI's signatures for the
+    engine serving it), or ``None`` for the engine's own."""
+
+    input: Callable[..., Any] | None = None
+    output: Callable[..., Any] | None = None
+
+    def __bool__(self) -> bool:
+        return self.input is not None or self.output is not None
 
 
 class Leader(Protocol):
@@ -50,17 +63,25 @@ class WorkerContext:
         return self.follower.broadcasts.get()
 
 
-_current: tuple[WorkerContext, asyncio.AbstractEventLoop] | None = None
+class Running(NamedTuple):
+    """The worker running in this process: its context, its event loop, and a ``model.py``'s formatters."""
+
+    context: WorkerContext
+    loop: asyncio.AbstractEventLoop
+    formatters: Formatters
 
 
-def set_current(context: WorkerContext, loop: asyncio.AbstractEventLoop) -> None:
-    """Record the running worker's context and loop (one worker per process)."""
+_current: Running | None = None
+
+
+def set_current(context: WorkerContext, loop: asyncio.AbstractEventLoop, formatters: Formatters) -> None:
+    """Record the running worker (one worker per process)."""
     global _current
-    _current = (context, loop)
+    _current = Running(context, loop, formatters)
 
 
-def current() -> tuple[WorkerContext, asyncio.AbstractEventLoop]:
-    """The running worker's context and loop, for code a handler calls (``djl_python.huggingface``)."""
+def current() -> Running:
+    """The running worker, for code a handler calls (``djl_python.huggingface``)."""
     if _current is None:
         raise RuntimeError("no sagelmi worker is running in this process")
     return _current

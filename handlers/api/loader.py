@@ -12,20 +12,9 @@ Hugging Face Accelerate engine (``handlers/engines/accelerate.py``) for
 Anything else stops start-up with the reason: there is no silent fallback to
 another handler.
 
-The formatters a ``model.py`` defines reach every call of the handler as the
-properties ``input_formatter`` and ``output_formatter`` (the functions), as in
-LMI.
-
-A built-in handler module may define, besides ``handle`` and ``shutdown``:
-``initialize(context)`` (a coroutine run instead of LMI's initialisation call,
-given the typed settings and the group layout), ``check_health()`` (raises once
-the handler can no longer serve, e.g. its engine died: the group is restarted),
-``add_adapter(name, path)`` / ``remove_adapter(name)`` (coroutines: serve a LoRA
-adapter, or stop serving it; ``container.worker.adapters``)
-and ``REQUESTS_ON_RANK0_ONLY = True`` (in MPI mode the handler hands work to
-its other ranks itself, so requests are not relayed to them) and
-``DYNAMIC_BATCHING = True`` (the worker's dynamic batching feeds it, as it feeds
-a ``model.py``).
+A built-in engine is a class implementing ``handlers.api.engine.Engine``; the loader
+names it and the worker starts it (``Engine.start``), with a formatters-only
+``model.py``'s formatters.
 """
 
 from __future__ import annotations
@@ -36,13 +25,14 @@ import inspect
 import logging
 import re
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from container.core.handler_choice import LMI_BUILTIN_NAMES, accelerate_reason
 from container.core.settings import Settings
+from handlers.api.engine import Engine, Formatters
 
 log = logging.getLogger(__name__)
 
@@ -53,30 +43,29 @@ class HandlerLoadError(Exception):
     """The handler could not be found or imported; the message says why."""
 
 
-BUILTIN = {
-    "vllm": "handlers.engines.vllm",
-    "lmi-dist": "handlers.engines.lmi_dist",
-    "accelerate": "handlers.engines.accelerate",
+BUILTIN = {  # engine name -> the module defining its Engine class, and the class
+    "vllm": ("handlers.engines.vllm", "VllmEngine"),
+    "lmi-dist": ("handlers.engines.lmi_dist", "LmiDistEngine"),
+    "accelerate": ("handlers.engines.accelerate", "AccelerateEngine"),
 }
+_BUILTIN_MODULES = {module: cls for module, cls in BUILTIN.values()}
 
 
 @dataclass(frozen=True)
 class Handler:
-    """A loaded ``handle`` function and what kind of callable it is."""
+    """What serves the group: a ``model.py``'s ``handle`` (``fn``), or a built-in engine (``engine``,
+    started by the worker) with the ``model.py``'s formatters; ``kind`` says how to call it."""
 
-    fn: Callable[..., Any]
     origin: str
     kind: str  # "sync", "async", "generator" or "async_generator"
-    shutdown: Callable[[], Any] | None = None  # the module's optional shutdown(), called when the worker stops
-    initialize: Callable[[Any], Awaitable[None]] | None = None  # built-in: replaces the initialisation call
-    check_health: Callable[[], None] | None = None  # built-in: raises once the handler cannot serve
-    requests_on_rank0_only: bool = False  # built-in: distributes work to its MPI ranks itself
-    builtin: bool = False  # one of sagelmi's built-in handlers (vLLM, lmi-dist, Accelerate)
-    dynamic_batching: bool = False  # built-in: fed by the worker's dynamic batching (DYNAMIC_BATCHING = True)
-    add_adapter: Callable[[str, str], Awaitable[None]] | None = None  # built-in: serve a LoRA adapter
-    remove_adapter: Callable[[str], Awaitable[None]] | None = None  # built-in: stop serving it
-    input_formatter: Callable[..., Any] | None = None  # model.py's @input_formatter
-    output_formatter: Callable[..., Any] | None = None  # model.py's @output_formatter
+    fn: Callable[..., Any] | None = None
+    engine: type[Engine] | None = None
+    shutdown: Callable[[], Any] | None = None  # a model.py's optional shutdown(), called when the worker stops
+    formatters: Formatters = Formatters()
+
+    @property
+    def builtin(self) -> bool:
+        return self.engine is not None
 
 
 def _kind(fn: Callable[..., Any]) -> str:
@@ -109,9 +98,13 @@ def _builtin(settings: Settings) -> tuple[str, Path | None, str | None]:
         )
     reason = accelerate_reason(settings)
     if reason is None:
-        return f"the built-in {engine} handler (option.rolling_batch={settings.rolling_batch})", None, BUILTIN[engine]
+        return (
+            f"the built-in {engine} handler (option.rolling_batch={settings.rolling_batch})",
+            None,
+            BUILTIN[engine][0],
+        )
     log.warning("ENGINE: the Hugging Face Accelerate engine (transformers) serves this model, because %s", reason)
-    return f"the built-in Hugging Face Accelerate handler ({reason})", None, BUILTIN["accelerate"]
+    return f"the built-in Hugging Face Accelerate handler ({reason})", None, BUILTIN["accelerate"][0]
 
 
 def _locate(settings: Settings) -> tuple[str, Path | None, str | None]:
@@ -154,19 +147,17 @@ def load_handler(settings: Settings) -> Handler:
     except BaseException as exc:  # SystemExit from a module is a failed import too
         log.exception("importing the handler (%s) failed", origin)
         raise HandlerLoadError(f"importing {origin} failed: {type(exc).__name__}: {exc}") from exc
-    formatters = {
-        "input_formatter": _decorated(module, "is_input_formatter"),
-        "output_formatter": _decorated(module, "is_output_formatter"),
-    }
+    formatters = Formatters(_decorated(module, "is_input_formatter"), _decorated(module, "is_output_formatter"))
+    if module.__name__ in _BUILTIN_MODULES:
+        return _engine(module, origin, Formatters())
     fn = getattr(module, "handle", None)
-    if fn is None and any(formatters.values()):
-        found = " and ".join(f"@{name}" for name, f in formatters.items() if f)
+    if fn is None and formatters:
+        named = (("@input_formatter", formatters.input), ("@output_formatter", formatters.output))
+        found = " and ".join(name for name, f in named if f)
         origin, _, module_name = _builtin(settings)
         log.info("%s has no handle() but %s: serving with %s and those formatters", path or module_name, found, origin)
-        module = importlib.import_module(module_name)
-        fn = module.handle
-        origin = f"{origin} with the {found} of model.py"
-    elif fn is None:
+        return _engine(importlib.import_module(module_name), f"{origin} with the {found} of model.py", formatters)
+    if fn is None:
         public = sorted(n for n in vars(module) if not n.startswith("_") and callable(getattr(module, n)))
         raise HandlerLoadError(
             f"{origin} defines no function 'handle' and no @input_formatter/@output_formatter "
@@ -174,23 +165,16 @@ def load_handler(settings: Settings) -> Handler:
         )
     if not callable(fn):
         raise HandlerLoadError(f"{origin}: 'handle' is a {type(fn).__name__}, not a function")
-    builtin = module.__name__ in BUILTIN.values()
-    handler = Handler(
-        fn=fn,
-        origin=origin,
-        kind=_kind(fn),
-        shutdown=_optional(module, "shutdown"),
-        initialize=_optional(module, "initialize") if builtin else None,
-        check_health=_optional(module, "check_health") if builtin else None,
-        requests_on_rank0_only=builtin and bool(getattr(module, "REQUESTS_ON_RANK0_ONLY", False)),
-        add_adapter=_optional(module, "add_adapter") if builtin else None,
-        remove_adapter=_optional(module, "remove_adapter") if builtin else None,
-        builtin=builtin,
-        dynamic_batching=builtin and bool(getattr(module, "DYNAMIC_BATCHING", False)),
-        **formatters,
-    )
+    shutdown = getattr(module, "shutdown", None)
+    handler = Handler(origin=origin, kind=_kind(fn), fn=fn, shutdown=shutdown if callable(shutdown) else None)
     log.info("handler %s loaded (%s handle)", origin, handler.kind.replace("_", " "))
     return handler
+
+
+def _engine(module: Any, origin: str, formatters: Formatters) -> Handler:
+    engine = getattr(module, _BUILTIN_MODULES[module.__name__])
+    log.info("handler %s loaded (engine %s)", origin, engine.__name__)
+    return Handler(origin=origin, kind=_kind(engine.handle), engine=engine, formatters=formatters)
 
 
 def _decorated(module: Any, marker: str) -> Callable | None:
@@ -200,8 +184,3 @@ def _decorated(module: Any, marker: str) -> Callable | None:
         if callable(value) and getattr(value, marker, False) is True:
             return value
     return None
-
-
-def _optional(module: Any, name: str) -> Callable | None:
-    value = getattr(module, name, None)
-    return value if callable(value) else None

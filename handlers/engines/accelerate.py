@@ -25,6 +25,7 @@ GPU or the CPU otherwise).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import queue
@@ -37,12 +38,10 @@ from typing import Any
 from container.core.errors import InputError
 from handlers.api import Input, Output
 from handlers.api.context import WorkerContext
+from handlers.api.engine import Engine, Formatters
 from handlers.engines.lmi_schema import Formatter, Generation, LmiRequest, TokenInfo, parse_request
 
 log = logging.getLogger("sagelmi.accelerate")
-
-# The worker's dynamic batching feeds this handler (unlike vLLM, which batches continuously).
-DYNAMIC_BATCHING = True
 
 # The task a model's architecture (by the end of its name) is served for; as LMI infers it.
 ARCHITECTURES_2_TASK = {
@@ -78,8 +77,6 @@ DTYPES = {
     "bfloat16": "bfloat16",
     "auto": "auto",
 }
-
-_service: AccelerateService | None = None
 
 
 def infer_task(model: str, revision: str | None = None, trust_remote_code: bool = False) -> str:
@@ -120,7 +117,9 @@ class _Item:
     request: LmiRequest | None = None
 
 
-class AccelerateService:
+class AccelerateEngine(Engine):
+    dynamic_batching = True  # the worker's dynamic batching feeds it (vLLM batches continuously)
+
     def __init__(self, task: str, model, tokenizer, formatter: Formatter) -> None:
         import transformers
 
@@ -138,7 +137,7 @@ class AccelerateService:
             self.tokenizer.pad_token = self.tokenizer.eos_token
 
     @classmethod
-    def load(cls, context: WorkerContext) -> AccelerateService:
+    def load(cls, context: WorkerContext) -> AccelerateEngine:
         import torch
         import transformers
 
@@ -169,7 +168,17 @@ class AccelerateService:
         )
         return cls(task, model, tokenizer, Formatter(settings.output_formatter, settings.tgi_compat))
 
+    @classmethod
+    async def start(cls, context: WorkerContext, formatters: Formatters) -> AccelerateEngine:
+        if formatters:
+            log.warning("the Accelerate engine answers with its own formatting; model.py's formatters are not used")
+        # Loading blocks: keep the worker's loop (status, /ping) free meanwhile.
+        return await asyncio.to_thread(cls.load, context)
+
     # -- requests
+    def handle(self, inputs: Input) -> Output | None:
+        return None if inputs.is_empty() else self.answer(inputs)
+
     def answer(self, inputs: Input) -> Output:
         """One request, or a batch of them (``batch_<i>.`` answers, one per item)."""
         batch = inputs.get_batches()
@@ -470,18 +479,3 @@ def _plain(value: Any) -> Any:
     if hasattr(value, "tolist"):
         return value.tolist()
     return value
-
-
-# -- the built-in handler's entry points (handlers/api/loader.py)
-async def initialize(context: WorkerContext) -> None:
-    import asyncio
-
-    global _service
-    # Loading blocks: keep the worker's loop (status, /ping) free meanwhile.
-    _service = await asyncio.to_thread(AccelerateService.load, context)
-
-
-def handle(inputs: Input) -> Output | None:
-    if inputs.is_empty():
-        return None
-    return _service.answer(inputs)

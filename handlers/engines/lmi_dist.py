@@ -18,7 +18,7 @@ engine takes identical steps, so one rank decides them:
 
 Waiting costs nothing: rank 0's thread sleeps until work arrives, the others
 block on their relay socket. Requests reach rank 0 only
-(``REQUESTS_ON_RANK0_ONLY``): the plans carry everything the other ranks need.
+(``requests_on_rank0_only``): the plans carry everything the other ranks need.
 """
 
 from __future__ import annotations
@@ -47,11 +47,10 @@ from vllm.v1.executor.uniproc_executor import ExecutorWithExternalLauncher
 
 from handlers.api import Input, Output
 from handlers.api.context import WorkerContext
-from handlers.engines.vllm import UnfinishedRequests, VllmService, engine_kwargs
+from handlers.api.engine import Engine, Formatters
+from handlers.engines.vllm import UnfinishedRequests, VllmEngine, engine_kwargs
 
 log = logging.getLogger("sagelmi.lmi_dist")
-
-REQUESTS_ON_RANK0_ONLY = True
 
 
 @dataclass
@@ -251,7 +250,7 @@ class LockstepAsyncLLM(AsyncLLM):
             EngineCoreClient.make_async_mp_client = make_client
 
 
-def _follow(lockstep: LockstepCore, context: WorkerContext) -> None:
+def _follow(lockstep: LockstepCore, context: WorkerContext, stopped: threading.Event) -> None:
     """Another rank: apply rank 0's plans and step, until told to stop."""
     try:
         while (data := context.next_broadcast()) is not None:
@@ -264,7 +263,7 @@ def _follow(lockstep: LockstepCore, context: WorkerContext) -> None:
         log.exception("the lmi-dist engine failed")
         lockstep.error = exc
         return
-    _state["stopped"] = True
+    stopped.set()
     lockstep.core.shutdown()
 
 
@@ -290,69 +289,71 @@ def _unlink_cpu_shared_memory() -> None:
             pass
 
 
-_state: dict[str, Any] = {}
+class LmiDistEngine(Engine):
+    """This rank's engine core; on rank 0 also vLLM's front (``VllmEngine``) around it."""
 
+    requests_on_rank0_only = True
+    serves_adapters = True
 
-async def initialize(context: WorkerContext) -> None:
-    chosen = context.settings.passthrough_options().get("distributed_executor_backend", "external_launcher")
-    if chosen != "external_launcher":
-        raise ValueError(
-            f"option.distributed_executor_backend={chosen} does not apply to lmi-dist, whose ranks are "
-            f"MPI's (vLLM's external_launcher); drop it, or use option.rolling_batch=vllm in Python mode"
+    def __init__(self, lockstep: LockstepCore, front: VllmEngine | None, thread: threading.Thread | None) -> None:
+        self.lockstep = lockstep
+        self.front = front  # rank 0
+        self.thread = thread  # another rank: following rank 0's plans
+        self.stopped = threading.Event()
+
+    @classmethod
+    async def start(cls, context: WorkerContext, formatters: Formatters) -> LmiDistEngine:
+        chosen = context.settings.passthrough_options().get("distributed_executor_backend", "external_launcher")
+        if chosen != "external_launcher":
+            raise ValueError(
+                f"option.distributed_executor_backend={chosen} does not apply to lmi-dist, whose ranks are "
+                f"MPI's (vLLM's external_launcher); drop it, or use option.rolling_batch=vllm in Python mode"
+            )
+        kwargs = engine_kwargs(context, distributed_executor_backend="external_launcher")
+        log.info(
+            "rank %d of %d: starting vLLM's engine core with %s",
+            context.rank,
+            context.world_size,
+            json.dumps(kwargs, default=str, sort_keys=True),
         )
-    kwargs = engine_kwargs(context, distributed_executor_backend="external_launcher")
-    log.info(
-        "rank %d of %d: starting vLLM's engine core with %s",
-        context.rank,
-        context.world_size,
-        json.dumps(kwargs, default=str, sort_keys=True),
-    )
-    started = time.monotonic()
-    args = AsyncEngineArgs(**kwargs)
-    vllm_config = args.create_engine_config(UsageContext.OPENAI_API_SERVER)
-    # Every rank builds its shard at the same time (the collectives of loading meet up).
-    core = await asyncio.to_thread(EngineCore, vllm_config, RankExecutor, True)
-    _unlink_cpu_shared_memory()
-    lockstep = _state["lockstep"] = LockstepCore(core)
-    log.info("engine core ready in %.1fs", time.monotonic() - started)
-    if context.rank == 0:
-        client = LeaderClient(lockstep, context, asyncio.get_running_loop())
-        engine = LockstepAsyncLLM(vllm_config, client)
-        client.start()
-        _state["service"] = VllmService.around(engine, context, kwargs)
-    else:
+        started = time.monotonic()
+        args = AsyncEngineArgs(**kwargs)
+        vllm_config = args.create_engine_config(UsageContext.OPENAI_API_SERVER)
+        # Every rank builds its shard at the same time (the collectives of loading meet up).
+        core = await asyncio.to_thread(EngineCore, vllm_config, RankExecutor, True)
+        _unlink_cpu_shared_memory()
+        lockstep = LockstepCore(core)
+        log.info("engine core ready in %.1fs", time.monotonic() - started)
+        if context.rank == 0:
+            client = LeaderClient(lockstep, context, asyncio.get_running_loop())
+            engine = LockstepAsyncLLM(vllm_config, client)
+            client.start()
+            return cls(lockstep, VllmEngine(engine, context, kwargs, formatters), None)
         REGISTRY.register(UnfinishedRequests(lambda: core.scheduler.get_num_unfinished_requests()))
-        thread = threading.Thread(target=_follow, args=(lockstep, context), name="lmi-dist-follow", daemon=True)
-        thread.start()
-        _state["thread"] = thread
+        follower = cls(lockstep, None, None)
+        follower.thread = threading.Thread(
+            target=_follow, args=(lockstep, context, follower.stopped), name="lmi-dist-follow", daemon=True
+        )
+        follower.thread.start()
+        return follower
 
+    async def handle(self, inputs: Input) -> Output | None:
+        return await self.front.handle(inputs)
 
-async def handle(inputs: Input) -> Output | None:
-    if inputs.is_empty():
-        return None
-    return await _state["service"].invoke(inputs)
+    async def add_adapter(self, name: str, path: str) -> None:
+        """Rank 0's engine front loads it; the LoRA call reaches every rank in the next plan."""
+        await self.front.add_adapter(name, path)
 
+    async def remove_adapter(self, name: str) -> None:
+        await self.front.remove_adapter(name)
 
-async def add_adapter(name: str, path: str) -> None:
-    """Rank 0's engine front loads it; the LoRA call reaches every rank in the next plan."""
-    await _state["service"].add_adapter(name, path)
+    def check_health(self) -> None:
+        """Raises once this rank's engine failed: the group restarts."""
+        if self.lockstep.error is not None:
+            raise EngineDeadError(f"the lmi-dist engine failed: {self.lockstep.error!r}")
+        if self.thread is not None and not self.thread.is_alive() and not self.stopped.is_set():
+            raise EngineDeadError("this rank stopped following rank 0")
 
-
-async def remove_adapter(name: str) -> None:
-    await _state["service"].remove_adapter(name)
-
-
-def check_health() -> None:
-    """Raises once this rank's engine failed: the group restarts."""
-    lockstep = _state.get("lockstep")
-    if lockstep is not None and lockstep.error is not None:
-        raise EngineDeadError(f"the lmi-dist engine failed: {lockstep.error!r}")
-    thread = _state.get("thread")
-    if thread is not None and not thread.is_alive() and not _state.get("stopped"):
-        raise EngineDeadError("this rank stopped following rank 0")
-
-
-def shutdown() -> None:
-    service = _state.get("service")
-    if service is not None:
-        service.shutdown()
+    def shutdown(self) -> None:
+        if self.front is not None:
+            self.front.shutdown()

@@ -147,12 +147,12 @@ def test_pipeline_tasks_answer_as_the_transformers_pipeline(tmp_path_factory, ta
     """In-process (no server): the engine's answer for the encoder tasks is the pipeline's."""
     from transformers import AutoTokenizer, pipeline
     import transformers
-    from handlers.engines.accelerate import PIPELINE_TASKS, AccelerateService, _plain
+    from handlers.engines.accelerate import PIPELINE_TASKS, AccelerateEngine, _plain
     from handlers.api import Input
     from handlers.engines.lmi_schema import Formatter
     directory = str(_bert_dir(tmp_path_factory))
     model = getattr(transformers, PIPELINE_TASKS[task]).from_pretrained(directory).eval()
-    service = AccelerateService(task, model, AutoTokenizer.from_pretrained(directory), Formatter("jsonlines", False))
+    service = AccelerateEngine(task, model, AutoTokenizer.from_pretrained(directory), Formatter("jsonlines", False))
     answer = json.loads(service.answer(Input(body=json.dumps({"inputs": text}).encode())).body())
     assert _rounded(answer) == _rounded(_plain(pipeline(task, model=directory)(text)))
     if task == "fill-mask":

@@ -1,0 +1,129 @@
+"""LMI's schema on the vLLM engine: ``{"inputs": ..., "parameters": ...}`` in, LMI's answer out
+(``handlers.engines.lmi_schema``), whole or streamed token by token."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from vllm import envs as vllm_envs
+from vllm.exceptions import VLLMClientError
+from vllm.lora.request import LoRARequest
+from vllm.sampling_params import RequestOutputKind, SamplingParams
+from vllm.v1.engine.exceptions import EngineDeadError
+
+from container.core.errors import InputError, ServiceUnavailable
+from handlers.api import Output, prepend
+from handlers.engines.lmi_schema import Formatter, Generation, LmiRequest, TokenInfo, finish_reason, parse_request
+from handlers.engines.vllm_adapters import Adapters
+
+log = logging.getLogger("sagelmi.vllm")
+
+
+class LmiFront:
+    def __init__(self, engine: Any, formatter: Formatter, adapters: Adapters) -> None:
+        self.engine = engine
+        self.formatter = formatter
+        self.adapters = adapters
+        self.sampling_fields = set(SamplingParams.__struct_fields__)  # a msgspec.Struct in vLLM 0.32
+
+    async def answer(self, body: dict, inference_id: str | None, header: str | None = None) -> Output:
+        """Answer an LMI body: whole, or a stream of token lines."""
+        request = parse_request(body, self.sampling_fields, vllm_envs.VLLM_MAX_STOP_STRINGS)
+        loras = self.adapters.for_lmi(body, header, len(request.prompts))
+        kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
+        try:
+            sampling = SamplingParams(**request.sampling, output_kind=kind)
+        except (VLLMClientError, ValueError, TypeError) as exc:  # a passed-through name got a wrong value
+            raise InputError(f"invalid generation parameters: {exc}") from None
+        tag = inference_id or uuid.uuid4().hex
+        if not request.stream:
+            top_n = request.parameters.top_n_tokens
+            generations = await asyncio.gather(
+                *(
+                    self._complete(p, sampling, f"{tag}-{i}", top_n, lora)
+                    for i, (p, lora) in enumerate(zip(request.prompts, loras))
+                )
+            )
+            return Output().add_as_json(self.formatter.body(list(generations), request))
+        outputs = self._generate(request.prompts[0], sampling, tag, loras[0])
+        first = await anext(outputs)  # errors before the first token become a 400, not a broken stream
+        return (
+            Output()
+            .add_property("content-type", self.formatter.stream_content_type)
+            .add_stream_content(self._stream(request, first, outputs), None)
+        )
+
+    async def _generate(
+        self, prompt: str, sampling, request_id: str, lora: LoRARequest | None = None
+    ) -> AsyncIterator[Any]:
+        engine_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
+        try:
+            async for output in self.engine.generate(prompt, sampling, engine_id, lora_request=lora):
+                yield output
+        except EngineDeadError:
+            raise ServiceUnavailable("the engine stopped; the worker group is being restarted, retry") from None
+        except Exception as exc:
+            # vLLM aborts only what its own generate() registered: a request refused on its way
+            # to the engine core (a value msgpack cannot carry) stays in its output processor.
+            await self._abort(engine_id)
+            if isinstance(exc, VLLMClientError):
+                raise InputError(str(exc)) from None
+            raise
+
+    async def _abort(self, engine_id: str) -> None:
+        try:
+            await self.engine.abort(engine_id)
+        except Exception as exc:  # the engine is going away: nothing is left to free
+            log.warning("could not abort engine request %s: %s", engine_id, exc)
+
+    async def _complete(
+        self, prompt: str, sampling, request_id: str, top_n: int, lora: LoRARequest | None = None
+    ) -> Generation:
+        gen = Generation(prompt=prompt)
+        async for output in self._generate(prompt, sampling, request_id, lora):
+            self._absorb(gen, output, top_n)
+        return gen
+
+    def _absorb(self, gen: Generation, output, top_n: int) -> list[TokenInfo]:
+        """Add one (delta or final) engine output to ``gen``; return its new tokens."""
+        completion = output.outputs[0]
+        new = []
+        for i, token_id in enumerate(completion.token_ids):
+            # vLLM: the sampled token first, then the top-k candidates (ranks 1..k)
+            logprobs = completion.logprobs[i] if completion.logprobs else {}
+            chosen = logprobs.get(token_id)
+            text = (
+                chosen.decoded_token
+                if chosen is not None and chosen.decoded_token is not None
+                else self.engine.tokenizer.decode([token_id])
+            )
+            ranked = sorted((lp.rank, tid, lp) for tid, lp in logprobs.items() if lp.rank and lp.rank <= top_n)
+            top = [TokenInfo(tid, lp.decoded_token or "", lp.logprob) for _, tid, lp in ranked]
+            new.append(TokenInfo(token_id, text, chosen.logprob if chosen is not None else None, top))
+        gen.tokens.extend(new)
+        gen.text += completion.text
+        if output.prompt_logprobs and not gen.prefill:
+            for token_id, lps in zip(output.prompt_token_ids, output.prompt_logprobs):
+                lp = (lps or {}).get(token_id)
+                gen.prefill.append(
+                    TokenInfo(
+                        token_id, self.engine.tokenizer.decode([token_id]), lp.logprob if lp is not None else None
+                    )
+                )
+        if output.finished:
+            gen.finish_reason = finish_reason(completion.finish_reason, completion.stop_reason)
+        return new
+
+    async def _stream(self, request: LmiRequest, first, outputs: AsyncIterator[Any]) -> AsyncIterator[bytes]:
+        gen = Generation(prompt=request.prompts[0])
+        params = request.parameters
+        async for output in prepend(first, outputs):
+            tokens = self._absorb(gen, output, params.top_n_tokens)
+            for i, token in enumerate(tokens):
+                yield self.formatter.stream_item(token, gen, params, last=output.finished and i == len(tokens) - 1)
+            if output.finished and not tokens:
+                yield self.formatter.stream_item(None, gen, params, last=True)

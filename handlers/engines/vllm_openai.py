@@ -1,0 +1,113 @@
+"""The OpenAI schema on the vLLM engine: vLLM's own OpenAI serving classes (chat, completion,
+models), run in the worker around the same engine, so their semantics (chat templates,
+logprobs, ``n``, usage, SSE ending with ``data: [DONE]``) are vLLM's."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from pydantic import ValidationError
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+from vllm.entrypoints.openai.models.protocol import BaseModelPath
+from vllm.entrypoints.openai.models.serving import OpenAIServingModels
+from vllm.entrypoints.serve import create_error_response
+from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+from vllm.exceptions import VLLMClientError
+from vllm.renderers.online_renderer import OnlineRenderer
+
+from container.core.errors import AnswerError, InputError, NotFound, OpenAIError, OpenAIErrorInfo, is_openai_path
+from handlers.api import Output
+
+log = logging.getLogger("sagelmi.vllm")
+
+# What vLLM raises on some bodies its schema lets through (fuzzing found `"tool_calls": true`
+# and a message parsed as another type): the body's fault, so 400, logged as one line.
+_MALFORMED = (TypeError, KeyError, AttributeError, IndexError)
+
+
+def _malformed(exc: Exception) -> str:
+    log.info("vLLM could not take the request: %s: %s", type(exc).__name__, exc)
+    return f"the request could not be read ({type(exc).__name__}: {exc}); check the types of its fields"
+
+
+def _openai_error(
+    path: str, status: int, message: str, err_type: str = "BadRequestError", param: str | None = None
+) -> Output:
+    """vLLM's refusal of an OpenAI body: in OpenAI's envelope on ``/v1/...`` (vLLM's type and
+    param kept); on ``/invocations`` raised, so that it gets LMI's envelope like every error there."""
+    if not is_openai_path(path):
+        raise (
+            InputError(message)
+            if status == 400
+            else NotFound(message)
+            if status == 404
+            else AnswerError(message, status)
+        )
+    body = OpenAIError(error=OpenAIErrorInfo(message=message, type=err_type, param=param, code=status))
+    return Output(code=status).add_property("content-type", "application/json").add_as_json(body.model_dump())
+
+
+class OpenAIFront:
+    """vLLM's OpenAI serving classes around one engine."""
+
+    def __init__(self, engine: Any, served_name: str) -> None:
+        self.engine = engine
+        self.models = OpenAIServingModels(engine, [BaseModelPath(name=served_name, model_path=served_name)])
+        renderer = OnlineRenderer(
+            model_config=engine.model_config,
+            renderer=engine.renderer,
+            request_logger=None,
+            chat_template=None,
+            chat_template_content_format="auto",
+        )
+        self.chat = OpenAIServingChat(
+            engine,
+            self.models,
+            "assistant",
+            online_renderer=renderer,
+            request_logger=None,
+            chat_template=None,
+            chat_template_content_format="auto",
+        )
+        self.completion = OpenAIServingCompletion(engine, self.models, online_renderer=renderer, request_logger=None)
+
+    async def models_listing(self) -> Output:
+        """``/v1/models``: the served model and its adapters."""
+        listing = await self.models.show_available_models()
+        for card in listing.data:  # vLLM's root is a local path (the model's, an adapter's): never shown
+            card.root = card.id
+        return Output().add_property("content-type", "application/json").add(listing.model_dump_json())
+
+    async def answer(self, kind: str, body: dict, path: str) -> Output:
+        """Answer an OpenAI ``chat`` or ``completion`` body (its ``model`` already resolved)."""
+        request_cls, create = (
+            (ChatCompletionRequest, self.chat.create_chat_completion)
+            if kind == "chat"
+            else (CompletionRequest, self.completion.create_completion)
+        )
+        try:
+            request = request_cls.model_validate(body)
+        except ValidationError as exc:
+            detail = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+            return _openai_error(path, 400, detail)
+        except VLLMClientError as exc:  # vLLM's own validators raise it, not a ValueError pydantic collects
+            return _openai_error(path, 400, str(exc), param=getattr(exc, "parameter", None))
+        except _MALFORMED as exc:  # a vLLM validator tripping over a body of the wrong shape
+            return _openai_error(path, 400, _malformed(exc))
+        try:
+            result = await create(request, None)
+        except (VLLMClientError, ValueError) as exc:  # vLLM's request validation
+            result = create_error_response(exc)
+        except _MALFORMED as exc:  # vLLM's chat renderer tripping over a message of a shape it accepted
+            return _openai_error(path, 400, _malformed(exc))
+        if isinstance(result, ErrorResponse):
+            return _openai_error(path, result.error.code, result.error.message, result.error.type, result.error.param)
+        if hasattr(result, "model_dump_json"):
+            return Output().add_property("content-type", "application/json").add(result.model_dump_json())
+        return (
+            Output().add_property("content-type", "text/event-stream; charset=utf-8").add_stream_content(result, None)
+        )
