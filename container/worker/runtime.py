@@ -32,7 +32,6 @@ import os
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -46,13 +45,9 @@ from container.core.protocol import (
     EXIT_ENGINE_DEAD,
     EXIT_LOAD_FAILED,
     EXIT_RANK_LOST,
-    FRAME_HEADER,
     METRICS_PATH,
     Cancel,
-    Chunk,
-    End,
     Fail,
-    Head,
     Invoke,
     InvokeBatch,
     Message,
@@ -61,14 +56,13 @@ from container.core.protocol import (
     Status,
     UnregisterAdapter,
     WorkerState,
-    decode,
-    encode,
-    frame_length,
 )
 from container.worker.adapters import AdapterTable
 from container.worker.batching import Batcher
-from container.worker.requests import batch_input, chunk_of, request_input, split_batch, to_output
-from handlers.api import Input, Output, json_line, prepend
+from container.worker.calls import Calls
+from container.worker.connection import Connection, DroppedAnswers, PeerGone
+from container.worker.requests import batch_input, request_input, split_batch, to_output
+from handlers.api import Input, Output
 from handlers.api.context import Formatters, WorkerContext, set_current
 from handlers.api.engine import Engine
 from handlers.api.loader import Handler, HandlerLoadError, load_handler
@@ -78,83 +72,6 @@ log = logging.getLogger("sagelmi.worker")
 SHUTDOWN_TIMEOUT = 15.0
 HEALTH_INTERVAL = 1.0  # how often a built-in handler's check_health() runs
 METRICS_TIMEOUT = 2.0  # how long rank 0 waits for the other ranks' metrics
-WRITE_HIGH_WATER = 1 << 16  # bytes buffered towards the frontend before senders wait (then vLLM merges deltas)
-STREAM_QUEUE = 64  # items a synchronous generator may run ahead of its sender
-_HOP_BY_HOP = {"content-length", "transfer-encoding", "connection", "keep-alive"}
-_END = object()
-
-
-class PeerGone(Exception):
-    """The frontend's connection closed while an answer was being sent (not an
-    error of the handler's: a handler's own ``OSError`` is a 424 like any other)."""
-
-
-class Connection:
-    """One connection from the frontend (or the supervisor) to rank 0.
-
-    Frames are coalesced: everything sent during one pass of the event loop
-    (typically one token for each running stream) leaves in a single write,
-    instead of one system call per frame."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader = reader
-        self.writer = writer
-        self.tasks: dict[str, asyncio.Task] = {}
-        self._frames: list[bytes] = []
-        self._loop = asyncio.get_running_loop()
-
-    async def send(self, message: Message) -> None:
-        """Queue ``message``; raises ``PeerGone`` once the connection is closed."""
-        if not self._frames:
-            # Flush on the loop's next pass, after the other streams woken by the
-            # same engine step have queued their frames too.
-            self._loop.call_soon(self._loop.call_soon, self._flush)
-        self._frames.append(encode(message))
-        try:
-            if self.writer.transport.get_write_buffer_size() > WRITE_HIGH_WATER:
-                await self.writer.drain()  # the frontend reads too slowly: wait for it
-        except (ConnectionError, OSError) as exc:
-            raise PeerGone(str(exc)) from None
-        if self.writer.is_closing():
-            raise PeerGone("the connection to the frontend is closed")
-
-    def _flush(self) -> None:
-        frames, self._frames = self._frames, []
-        if frames and not self.writer.is_closing():
-            self.writer.write(b"".join(frames))
-
-    async def receive(self) -> Message | None:
-        try:
-            header = await self.reader.readexactly(FRAME_HEADER.size)
-        except asyncio.IncompleteReadError as exc:
-            if exc.partial:
-                raise ProtocolError("connection closed in the middle of a frame header") from None
-            return None
-        return decode(await self.reader.readexactly(frame_length(header)))
-
-    def close(self) -> None:
-        self.writer.close()
-
-
-class DroppedAnswers:
-    """Where the answers of a rank other than 0 go: nowhere (rank 0's answer is the group's)."""
-
-    def __init__(self) -> None:
-        self.tasks: dict[str, asyncio.Task] = {}
-
-    async def send(self, message: Message) -> None:
-        if isinstance(message, Fail):
-            log.warning("this rank's answer was an error (rank 0 answers the client): %s", message.error)
-
-    def close(self) -> None:
-        pass
-
-
-def generator_item(item: Any) -> Any:
-    """How an item of a ``handle()`` that is itself a generator goes out: bytes
-    and text as they are (``Output.format_stream_item`` sends them), anything else
-    as one JSON line."""
-    return item if isinstance(item, (str, bytes, bytearray, memoryview)) else json_line(item)
 
 
 class Worker:
@@ -167,7 +84,6 @@ class Worker:
         self.status = Status(state=WorkerState.LOADING, incarnation=incarnation)  # the group's (rank 0)
         self.handler: Handler | None = None
         self.engine: Engine | None = None  # the built-in engine this process runs, once started
-        self.handle: Any = None  # what answers a request: the engine's handle, or model.py's
         self.executor = ThreadPoolExecutor(max_workers=self.settings.sync_handler_threads, thread_name_prefix="handler")
         self.connections: set[Connection] = set()
         self.dropped = DroppedAnswers()
@@ -176,6 +92,7 @@ class Worker:
         self.stopping = asyncio.Event()
         self.loop = asyncio.get_running_loop()
         self.adapters = AdapterTable(self.loop)  # LoRA adapters the frontend registered (rank 0)
+        self.calls = Calls(self.loop, self.executor, self.mpi)
         set_current(context, self.loop, Formatters())
 
     # -- lifecycle
@@ -247,14 +164,14 @@ class Worker:
             self.common = self._common_properties()
             if self.handler.engine is not None:
                 self.engine = await self.handler.engine.start(self.context, self.handler.formatters)
-                self.handle = self.engine.handle
+                self.calls.handler_loaded(self.engine.handle, self.handler.kind)
             else:
-                self.handle = self.handler.fn
+                self.calls.handler_loaded(self.handler.fn, self.handler.kind)
                 # LMI's initialisation call: an empty Input with the model properties
                 properties = {**self.context.launch.model_properties, **self.common}
-                init = to_output(await self._call(Input(properties=properties)))
+                init = to_output(await self.calls.call(Input(properties=properties)))
                 if init.stream_content is not None:  # a generator handle(): run its body
-                    async for _ in self._stream(init, cancelled=threading.Event()):
+                    async for _ in self.calls.stream(init, cancelled=threading.Event()):
                         pass
                 elif init.code >= 300:
                     raise RuntimeError(
@@ -470,8 +387,8 @@ class Worker:
             elif self.own_state.state is not WorkerState.READY:
                 raise ServiceUnavailable("the model worker is not ready")
             else:
-                output = to_output(await self._call(request_input(message, self.common)))
-            await self._send_output(conn, rid, output, cancelled)
+                output = to_output(await self.calls.call(request_input(message, self.common)))
+            await self.calls.send_output(conn, rid, output, cancelled)
         except asyncio.CancelledError:
             cancelled.set()
             log.info("request abandoned: cancelled by the frontend")
@@ -495,7 +412,7 @@ class Worker:
             return
         output = None
         try:
-            output = to_output(await self._call(batch_input([message for _, message in batch], self.common)))
+            output = to_output(await self.calls.call(batch_input([message for _, message in batch], self.common)))
             answers = split_batch(output, len(batch))
         except asyncio.CancelledError:
             return
@@ -510,43 +427,12 @@ class Worker:
             if self._dropped(message):
                 continue
             try:
-                await self._send_output(conn, message.id, answer, threading.Event())
+                await self.calls.send_output(conn, message.id, answer, threading.Event())
             except PeerGone:
                 pass
 
     def _dropped(self, message: Invoke) -> bool:
         return self.batcher is not None and message.id in self.batcher.dropped
-
-    async def _send_output(
-        self, conn: Connection | DroppedAnswers, rid: str, output: Output, cancelled: threading.Event
-    ) -> None:
-        """Send ``output`` as the answer to request ``rid``: head, body or stream, end."""
-        if getattr(output, "chunked", False):  # LMI async mode: the first chunk's properties are the headers
-            output = await self._peek_chunks(output)
-        headers = {k: v for k, v in output.headers().items() if k.lower() not in _HOP_BY_HOP}
-        streaming = output.stream_content is not None
-        await conn.send(Head(id=rid, code=output.code, headers=headers, stream=streaming))
-        if streaming:
-            async for data in self._stream(output, cancelled):
-                if data:
-                    await conn.send(Chunk(id=rid, data=data))
-        else:
-            body = output.body()
-            if body:
-                await conn.send(Chunk(id=rid, data=body))
-        await conn.send(End(id=rid))
-
-    async def _peek_chunks(self, output: Output) -> Output:
-        stream = aiter(output.stream_content)
-        try:
-            first = await anext(stream)
-        except StopAsyncIteration:
-            return Output(code=204, message="No content")
-        if isinstance(first, Output):
-            output.properties = {**first.properties, **output.properties}
-            chunk_of(first)  # a failed first chunk is the request's error, not a stream's last line
-        output.stream_content = prepend(first, stream)
-        return output
 
     async def _fail(self, conn: Connection | DroppedAnswers, rid: str, exc: Exception, quiet: bool = False) -> None:
         self._check_health()  # an engine that died fails its requests first: restart at once
@@ -580,73 +466,3 @@ class Worker:
             for rank, text in (await asyncio.to_thread(self.context.leader.collect_metrics, METRICS_TIMEOUT)).items()
         }
         return merge({"0": own.decode(), **texts}, "rank")
-
-    # -- calling the handler
-    async def _call(self, inputs: Input) -> Any:
-        kind = self.handler.kind
-        if kind in ("async_generator", "generator"):  # sagelmi's own: handle() itself streams
-            return Output().add_stream_content(self.handle(inputs), output_formatter=generator_item)
-        if kind == "async":
-            return await self.handle(inputs)
-        call = self.loop.run_in_executor(self.executor, contextvars.copy_context().run, self.handle, inputs)
-        if not self.mpi:
-            return await call
-        # In MPI mode a queued call runs on every rank even if cancelled (see the module's docstring).
-        call.add_done_callback(lambda f: f.cancelled() or f.exception())  # an abandoned call's error is dropped
-        return await asyncio.shield(call)
-
-    async def _stream(self, output: Output, cancelled: threading.Event) -> AsyncIterator[bytes]:
-        stream = output.stream_content
-        if hasattr(stream, "__aiter__"):
-            async for item in stream:
-                if isinstance(item, Output):  # LMI async mode: a chunk (async_utils), ending with last=True
-                    data, last = chunk_of(item)
-                    yield data
-                    if last:
-                        break
-                else:
-                    yield output.format_stream_item(item)
-            return
-        items: asyncio.Queue = asyncio.Queue()
-        room = threading.Semaphore(STREAM_QUEUE)  # the generator runs at most this far ahead of its sender
-        job = self.loop.run_in_executor(
-            self.executor, contextvars.copy_context().run, self._drain_sync_stream, output, items, room, cancelled
-        )
-        while (item := await items.get()) is not _END:
-            room.release()
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-        await job
-
-    def _drain_sync_stream(
-        self, output: Output, items: asyncio.Queue, room: threading.Semaphore, cancelled: threading.Event
-    ) -> None:
-        """Run a synchronous stream to its end on a pool thread, handing each
-        formatted item to the loop (waiting while the sender is behind)."""
-        iterator = iter(output.stream_content)
-
-        def put(item) -> bool:
-            while not room.acquire(timeout=0.5):
-                if cancelled.is_set():
-                    return False
-            self.loop.call_soon_threadsafe(items.put_nowait, item)
-            return True
-
-        try:
-            for item in iterator:
-                if cancelled.is_set():
-                    if not self.mpi:
-                        return
-                    continue  # MPI mode: every rank runs the stream to its end
-                put(output.format_stream_item(item))
-        except Exception as exc:
-            if not cancelled.is_set():
-                put(exc)
-            return
-        finally:
-            close = getattr(iterator, "close", None)
-            if close is not None:
-                close()
-        if not cancelled.is_set():
-            put(_END)

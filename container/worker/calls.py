@@ -1,0 +1,145 @@
+"""Calling a worker's handler, and turning what it returns into the worker protocol's frames.
+
+``async def handle`` (and async generators) run on the worker's loop; a plain ``def handle``
+runs on the handler thread pool, and a synchronous generator runs start to end as one job on
+that pool, its items handed to the loop as they come (at most ``STREAM_QUEUE`` ahead of the
+sender). In MPI mode a queued synchronous call or generator runs to its end on every rank,
+even once cancelled (``container.worker.runtime``'s docstring says why).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import threading
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from container.core.protocol import Chunk, End, Head
+from container.worker.connection import Connection, DroppedAnswers
+from container.worker.requests import chunk_of
+from handlers.api import Input, Output, json_line, prepend
+
+STREAM_QUEUE = 64  # items a synchronous generator may run ahead of its sender
+_HOP_BY_HOP = {"content-length", "transfer-encoding", "connection", "keep-alive"}
+_END = object()
+
+
+def generator_item(item: Any) -> Any:
+    """How an item of a ``handle()`` that is itself a generator goes out: bytes
+    and text as they are (``Output.format_stream_item`` sends them), anything else
+    as one JSON line."""
+    return item if isinstance(item, (str, bytes, bytearray, memoryview)) else json_line(item)
+
+
+class Calls:
+    def __init__(self, loop: asyncio.AbstractEventLoop, executor: ThreadPoolExecutor, mpi: bool) -> None:
+        self.loop = loop
+        self.executor = executor
+        self.mpi = mpi
+        self.handle: Callable[[Input], Any] | None = None  # the engine's handle, or model.py's
+        self.kind = "sync"
+
+    def handler_loaded(self, handle: Callable[[Input], Any], kind: str) -> None:
+        self.handle, self.kind = handle, kind
+
+    async def call(self, inputs: Input) -> Any:
+        kind = self.kind
+        if kind in ("async_generator", "generator"):  # sagelmi's own: handle() itself streams
+            return Output().add_stream_content(self.handle(inputs), output_formatter=generator_item)
+        if kind == "async":
+            return await self.handle(inputs)
+        call = self.loop.run_in_executor(self.executor, contextvars.copy_context().run, self.handle, inputs)
+        if not self.mpi:
+            return await call
+        # In MPI mode a queued call runs on every rank even if cancelled (see the module's docstring).
+        call.add_done_callback(lambda f: f.cancelled() or f.exception())  # an abandoned call's error is dropped
+        return await asyncio.shield(call)
+
+    async def stream(self, output: Output, cancelled: threading.Event) -> AsyncIterator[bytes]:
+        stream = output.stream_content
+        if hasattr(stream, "__aiter__"):
+            async for item in stream:
+                if isinstance(item, Output):  # LMI async mode: a chunk (async_utils), ending with last=True
+                    data, last = chunk_of(item)
+                    yield data
+                    if last:
+                        break
+                else:
+                    yield output.format_stream_item(item)
+            return
+        items: asyncio.Queue = asyncio.Queue()
+        room = threading.Semaphore(STREAM_QUEUE)  # the generator runs at most this far ahead of its sender
+        job = self.loop.run_in_executor(
+            self.executor, contextvars.copy_context().run, self._drain_sync_stream, output, items, room, cancelled
+        )
+        while (item := await items.get()) is not _END:
+            room.release()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+        await job
+
+    def _drain_sync_stream(
+        self, output: Output, items: asyncio.Queue, room: threading.Semaphore, cancelled: threading.Event
+    ) -> None:
+        """Run a synchronous stream to its end on a pool thread, handing each
+        formatted item to the loop (waiting while the sender is behind)."""
+        iterator = iter(output.stream_content)
+
+        def put(item) -> bool:
+            while not room.acquire(timeout=0.5):
+                if cancelled.is_set():
+                    return False
+            self.loop.call_soon_threadsafe(items.put_nowait, item)
+            return True
+
+        try:
+            for item in iterator:
+                if cancelled.is_set():
+                    if not self.mpi:
+                        return
+                    continue  # MPI mode: every rank runs the stream to its end
+                put(output.format_stream_item(item))
+        except Exception as exc:
+            if not cancelled.is_set():
+                put(exc)
+            return
+        finally:
+            close = getattr(iterator, "close", None)
+            if close is not None:
+                close()
+        if not cancelled.is_set():
+            put(_END)
+
+    async def send_output(
+        self, conn: Connection | DroppedAnswers, rid: str, output: Output, cancelled: threading.Event
+    ) -> None:
+        """Send ``output`` as the answer to request ``rid``: head, body or stream, end."""
+        if getattr(output, "chunked", False):  # LMI async mode: the first chunk's properties are the headers
+            output = await self._peek_chunks(output)
+        headers = {k: v for k, v in output.headers().items() if k.lower() not in _HOP_BY_HOP}
+        streaming = output.stream_content is not None
+        await conn.send(Head(id=rid, code=output.code, headers=headers, stream=streaming))
+        if streaming:
+            async for data in self.stream(output, cancelled):
+                if data:
+                    await conn.send(Chunk(id=rid, data=data))
+        else:
+            body = output.body()
+            if body:
+                await conn.send(Chunk(id=rid, data=body))
+        await conn.send(End(id=rid))
+
+    async def _peek_chunks(self, output: Output) -> Output:
+        stream = aiter(output.stream_content)
+        try:
+            first = await anext(stream)
+        except StopAsyncIteration:
+            return Output(code=204, message="No content")
+        if isinstance(first, Output):
+            output.properties = {**first.properties, **output.properties}
+            chunk_of(first)  # a failed first chunk is the request's error, not a stream's last line
+        output.stream_content = prepend(first, stream)
+        return output
