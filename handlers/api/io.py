@@ -22,20 +22,17 @@ import datetime
 import io
 import json
 import logging
-import struct
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 from container.core.errors import InputError, InvalidJSON
+from handlers.api import djl_framing
 
 log = logging.getLogger(__name__)
 
 # Deeper JSON is refused: nothing a model takes nests this deep, and code that walks a
 # parsed body recursively (validation, re-encoding) would hit Python's recursion limit.
 MAX_JSON_DEPTH = 128
-
-_SHORT = struct.Struct(">h")
-_INT = struct.Struct(">i")
 
 
 class PairList:
@@ -118,30 +115,6 @@ class PairList:
 
 
 # -- LMI's socket framing (big-endian), used by ``Input.read`` and ``Output.send``
-def retrieve_buffer(conn, length: int) -> bytearray:
-    """Read exactly ``length`` bytes from socket ``conn``."""
-    data = bytearray()
-    while len(data) < length:
-        chunk = conn.recv(length - len(data))
-        if not chunk:
-            raise ValueError("Connection disconnected")
-        data += chunk
-    return data
-
-
-def retrieve_int(conn) -> int:
-    return _INT.unpack(retrieve_buffer(conn, 4))[0]
-
-
-def retrieve_short(conn) -> int:
-    return _SHORT.unpack(retrieve_buffer(conn, 2))[0]
-
-
-def retrieve_utf8(conn) -> str | None:
-    length = retrieve_int(conn)
-    return None if length < 0 else retrieve_buffer(conn, length).decode("utf-8")
-
-
 class _EmptyContent(AttributeError):
     """Text asked of an Input with no content (the initialisation call). An
     ``AttributeError``, as LMI raises there, with a message that says what to do."""
@@ -301,13 +274,7 @@ class Input:
 
     def read(self, conn) -> None:
         """Read one request from ``conn`` in DJL's socket framing."""
-        for _ in range(retrieve_short(conn)):
-            key = retrieve_utf8(conn)
-            self.properties[key] = retrieve_utf8(conn)
-        for _ in range(retrieve_short(conn)):
-            key = retrieve_utf8(conn)
-            self.content.add(key=key, value=retrieve_buffer(conn, retrieve_int(conn)))
-        self.function_name = self.properties.get("handler")
+        djl_framing.read_input(self, conn)
 
 
 class _JSONEncoder(json.JSONEncoder):
@@ -471,24 +438,8 @@ class Output:
             ).encode("utf-8")
         )
 
-    @staticmethod
-    def write_utf8(msg: bytearray, val: str | None) -> None:
-        """Append ``val`` to ``msg`` as DJL writes text: its length, then UTF-8 (-1 for None)."""
-        if val is None:
-            msg += _INT.pack(-1)
-        else:
-            data = val.encode("utf-8")
-            msg += _INT.pack(len(data))
-            msg += data
-
-    @staticmethod
-    def binary_encode(data: dict) -> bytearray:
-        """A dict of strings in DJL's binary form (what async-mode answers carry)."""
-        msg = bytearray(_SHORT.pack(len(data)))
-        for key, value in data.items():
-            Output.write_utf8(msg, key)
-            Output.write_utf8(msg, str(value))
-        return msg
+    write_utf8 = staticmethod(djl_framing.write_utf8)
+    binary_encode = staticmethod(djl_framing.binary_encode)
 
     def finalize(self, finalize_function: Callable, *args: Any) -> Output:
         """Run ``finalize_function(*args)`` once the answer has been sent."""
@@ -503,32 +454,7 @@ class Output:
 
     def send(self, sock) -> None:
         """Write this answer to socket ``sock`` in DJL's framing (streams item by item)."""
-        msg = bytearray(_SHORT.pack(self.code))
-        self.write_utf8(msg, self.message)
-        msg += _SHORT.pack(len(self.properties))
-        for key, value in self.properties.items():
-            self.write_utf8(msg, key)
-            self.write_utf8(msg, str(value))
-        if self.stream_content is None:
-            msg += _SHORT.pack(self.content.size())
-            for key, value in zip(self.content.get_keys(), self.content.get_values()):
-                self.write_utf8(msg, key)
-                msg += _INT.pack(len(value))
-                msg += value
-            sock.sendall(msg)
-            return
-        msg += _SHORT.pack(-1)
-        sock.sendall(msg)
-        try:
-            for item in self.stream_content:
-                data = self.format_stream_item(item)
-                sock.sendall(b"\x01" + _INT.pack(len(data)) + data)
-        except Exception as exc:
-            log.exception("Failed read streaming content from output")
-            text = str(exc).encode("utf-8")
-            sock.sendall(b"\x00" + _INT.pack(len(text)) + text)
-            return
-        sock.sendall(b"\x00" + _INT.pack(0))
+        djl_framing.send_output(self, sock)
 
     def _hint(self, content_type: str) -> None:
         if self._content_type_hint is None:
