@@ -17,7 +17,7 @@ import logging
 
 from handlers.api import Input, Output
 from handlers.api.context import current
-from handlers.engines.accelerate import ARCHITECTURES_2_TASK
+from handlers.engines.accelerate import ARCHITECTURES_2_TASK, task_of_architecture  # noqa: F401 - LMI names it here
 
 log = logging.getLogger(__name__)
 
@@ -210,9 +210,9 @@ class HuggingFaceService:
         path = model_config_path or self.hf_configs.get("model_id") or self.hf_configs.get("model_dir")
         config = AutoConfig.from_pretrained(path, trust_remote_code=False)
         architecture = (getattr(config, "architectures", None) or [""])[0]
-        for suffix, task in ARCHITECTURES_2_TASK.items():
-            if architecture.endswith(suffix):
-                return task
+        task = task_of_architecture(architecture)
+        if task is not None:
+            return task
         raise ValueError(f"Task couldn't be inferred from {architecture}. Please manually set `task` option.")
 
     def get_image_token(self) -> str | None:

@@ -85,10 +85,18 @@ def infer_task(model: str, revision: str | None = None, trust_remote_code: bool 
 
     config = AutoConfig.from_pretrained(model, revision=revision, trust_remote_code=trust_remote_code)
     architecture = (getattr(config, "architectures", None) or [""])[0]
+    task = task_of_architecture(architecture)
+    if task is None:
+        raise ValueError(f"the task of {architecture or 'this model'} cannot be inferred: set option.task")
+    return task
+
+
+def task_of_architecture(architecture: str) -> str | None:
+    """The task a model of ``architecture`` (config.json's first) is served for, as LMI infers it."""
     for suffix, task in ARCHITECTURES_2_TASK.items():
         if architecture.endswith(suffix):
             return task
-    raise ValueError(f"the task of {architecture or 'this model'} cannot be inferred: set option.task")
+    return None
 
 
 def load_kwargs(options: dict[str, str], revision: str | None, trust_remote_code: bool, gpus: int) -> dict[str, Any]:
