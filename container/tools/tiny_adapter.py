@@ -1,6 +1,6 @@
-"""``sagelmi tiny-adapter BASE DIR --seed N``: write a LoRA adapter for a model
-(the tiny model of ``sagelmi tiny-model`` in tests) with ``peft``, without any
-training or download.
+"""``python -m container.tools.tiny_adapter BASE DIR --seed N``: write a LoRA adapter for a
+model (the tiny model of ``sagelmi tiny-model`` in tests) with ``peft`` (the test extra's),
+without any training or download. Test tooling, not a ``sagelmi`` command.
 
 The adapter is rank 8 on ``q_proj`` and ``v_proj``. peft starts LoRA's B
 matrices at zero (an adapter that changes nothing); here every LoRA matrix is
