@@ -119,20 +119,9 @@ class VllmEngine(Engine):
         in, a dict or text out, once per stream chunk when streaming)."""
         if inputs.is_empty():
             return None
-        input_formatter, output_formatter = self.formatters.input, self.formatters.output
-        if input_formatter is not None and inputs.request_path != "/v1/models":
-            try:
-                payload = input_formatter(inputs.get_as_json(), tokenizer=self.engine.tokenizer)
-            except InputError:
-                raise
-            except Exception as exc:
-                raise HandlerError(f"Custom formatter failed: {type(exc).__name__}: {exc}") from None
-            inputs = Input(
-                properties=inputs.properties, body=json.dumps(payload).encode(), request_path=inputs.request_path
-            )
         output = await self._route(inputs)
-        if output_formatter is not None and output.code < 300:
-            output = formatted(output, output_formatter)
+        if self.formatters.output is not None and output.code < 300:
+            output = formatted(output, self.formatters.output)
         return output
 
     async def _route(self, inputs: Input) -> Output:
@@ -140,6 +129,13 @@ class VllmEngine(Engine):
         if path == "/v1/models":
             return await self.openai.models_listing()
         body = inputs.get_as_json()
+        if self.formatters.input is not None:  # the body as parsed, formatted once: not re-encoded and parsed again
+            try:
+                body = self.formatters.input(body, tokenizer=self.engine.tokenizer)
+            except InputError:
+                raise
+            except Exception as exc:
+                raise HandlerError(f"Custom formatter failed: {type(exc).__name__}: {exc}") from None
         if not isinstance(body, dict):
             raise InputError("the request body must be a JSON object")
         header = inputs.get_property(ADAPTER_HEADER)
