@@ -132,13 +132,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(name: str, command: list[str], env: dict, port: int, timeout: float = 300) -> Server:
-    """Start a server and wait for GET /ping to answer 200; the time that took is its start-up."""
+def start_server(name: str, command: list[str], env: dict, port: int, timeout: float = 300,
+                 cwd: Path = REPO) -> Server:
+    """Start a server (in ``cwd``, by default this checkout) and wait for GET /ping to answer 200; the time
+    that took is its start-up."""
     print(f"starting {name} ...", flush=True)
     log = tempfile.NamedTemporaryFile(prefix=f"bench-{name}-", suffix=".log", delete=False)
     started = time.monotonic()
     process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                               cwd=REPO)
+                               cwd=cwd)
     server = Server(name, port, process, log.name)
     while time.monotonic() - started < timeout:
         if process.poll() is not None:

@@ -1,7 +1,7 @@
 """Relay benchmark: what sagelmi's request path costs with the engine taken away.
 
     make bench          (runs benchmarks/bench.py, then this)
-    python benchmarks/relay.py [--levels 1,64,256] [--trials 5] [--tokens 256] [--out DIR]
+    python benchmarks/relay.py [--levels 1,64,256] [--trials 5] [--tokens 256] [--baseline REF] [--out DIR]
 
 A handler that streams pre-made token lines as fast as the event loop allows
 (``benchmarks/relay_model/model.py``) is served three ways, all up at once:
@@ -10,14 +10,19 @@ A handler that streams pre-made token lines as fast as the event loop allows
   protocol, the model worker's event loop): the relay as users run it;
 - **gunicorn+Flask**: the same items from a Flask route in one gthread gunicorn worker, with as
   many threads as sagelmi's frontend, in-process (no worker hop): the floor of this stack;
-- **asyncio**: the same items from a minimal HTTP/1.1 server on one asyncio loop.
+- **asyncio**: the same items from a minimal HTTP/1.1 server on one asyncio loop;
+- with ``--baseline REF``, **sagelmi@COMMIT**: ``sagelmi serve`` of another commit (checked out with
+  ``git worktree add --detach`` into a temporary directory, removed afterwards), run by the same
+  interpreter and packages with ``PYTHONPATH`` on that tree: the "before" of a before/after
+  comparison of the relay (``make bench`` passes ``RELAY_BASELINE``).
 
 For each level (concurrent streams) the trials rotate through the servers (every round runs each
 once, the order shifted and reversed from round to round). A trial is ``max(2, 16 // streams)``
 requests per connection, over ``streams`` keep-alive connections, each request streaming
 ``--tokens`` items. The client is one asyncio loop in this process that counts items in the raw
 bytes. Per trial: items (chunks) per second at the client, and the CPU seconds of each server's
-process tree per item. Ratios sagelmi / floor of the medians come with a bootstrap 90% interval.
+process tree per item. Ratios sagelmi / floor (and sagelmi / sagelmi@COMMIT) of the medians come
+with a bootstrap 90% interval.
 
 Writes relay.md, relay.json and relay.png (next to results.md of benchmarks/bench.py).
 """
@@ -31,17 +36,19 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from bench import DEFAULT_OUT, fmt, fmt_ratio, free_port, start_server, stop_server, tree_cpu_seconds
+from bench import DEFAULT_OUT, REPO, fmt, fmt_ratio, free_port, start_server, stop_server, tree_cpu_seconds
 from bench_stats import bootstrap_ratio, median_or_none, rotation
 
 MODEL_DIR = Path(__file__).resolve().parent / "relay_model"
-SERVERS = ("sagelmi", "gunicorn+Flask", "asyncio")
+SERVERS = ("sagelmi", "gunicorn+Flask", "asyncio")  # with --baseline, a fourth: sagelmi@COMMIT
 FLOOR = "gunicorn+Flask"
 THREADS = 1000 + 32  # sagelmi's frontend threads with the default job_queue_size (container/frontend/server.py)
 RESAMPLES, CONFIDENCE, SEED = 2000, 0.9, 0
@@ -121,6 +128,51 @@ def serve_asyncio(port: int) -> None:
     asyncio.run(main())
 
 
+# -- sagelmi from a checkout: this one, or another commit's (--baseline)
+
+def git(*args: str) -> str:
+    return subprocess.run(["git", "-C", str(REPO), *args], check=True, capture_output=True, text=True).stdout.strip()
+
+
+def checkout(ref: str, parent: Path) -> tuple[Path, str]:
+    """A detached git worktree of ``ref`` under ``parent``: (its path, the commit)."""
+    try:
+        commit = git("rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}")
+    except subprocess.CalledProcessError:
+        raise SystemExit(f"--baseline {ref}: not a commit of {REPO} (make bench: RELAY_BASELINE= runs none)") from None
+    tree = parent / f"sagelmi-{commit[:7]}"
+    git("worktree", "add", "--detach", "--quiet", str(tree), commit)
+    return tree, commit
+
+
+def remove_checkout(tree: Path) -> None:
+    subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], capture_output=True)
+    shutil.rmtree(tree, ignore_errors=True)
+    subprocess.run(["git", "-C", str(REPO), "worktree", "prune"], capture_output=True)
+
+
+def sagelmi_command(tree: Path) -> list[str]:
+    """What the ``sagelmi`` console script of ``tree`` runs (its pyproject.toml's [project.scripts]
+    entry, module:function; the module moved between commits), run by this interpreter."""
+    text = (tree / "pyproject.toml").read_text()
+    scripts = text.split("[project.scripts]", 1)[1].split("\n[", 1)[0]
+    module, function = re.search(r'^sagelmi\s*=\s*"([\w.]+):(\w+)"', scripts, re.M).groups()
+    return [sys.executable, "-c", f"import sys; from {module} import {function}; sys.argv[0] = 'sagelmi'; "
+            f"sys.exit({function}())"]
+
+
+def tree_env(tree: Path, env: dict) -> dict:
+    """``env`` with sagelmi's packages imported from ``tree``, checked: the venv's editable install
+    points at one checkout, and a server of another commit must not import a module from it."""
+    env = {**env, "PYTHONPATH": str(tree)}
+    found = subprocess.run([sys.executable, "-c", "import container, djl_python, handlers\n"
+                            "for m in (container, djl_python, handlers): print(m.__file__)"],
+                           env=env, cwd=tree, check=True, capture_output=True, text=True).stdout.split()
+    if not all(Path(f).resolve().is_relative_to(tree.resolve()) for f in found):
+        raise SystemExit(f"sagelmi's packages for {tree} were imported from elsewhere: {found}")
+    return env
+
+
 # -- the client
 
 class Broken(Exception):
@@ -185,13 +237,13 @@ def trial(server, streams: int, tokens: int, marker: bytes) -> dict:
             "cpu_us_per_item": round(cpu / items * 1e6, 2) if items else None}
 
 
-def summarise(streams: int, trials: list[dict]) -> dict:
-    by_server = {name: [t for t in trials if t["server"] == name] for name in SERVERS}
+def summarise(streams: int, trials: list[dict], names: tuple[str, ...] = SERVERS) -> dict:
+    by_server = {name: [t for t in trials if t["server"] == name] for name in names}
     servers = {name: {"items_per_s": median_or_none([t["items_per_s"] for t in ts]),
                       "cpu_us_per_item": median_or_none([t["cpu_us_per_item"] for t in ts]),
                       "errors": sum(t["errors"] for t in ts), "trials": len(ts)} for name, ts in by_server.items()}
     ratios = {}
-    for other in SERVERS[1:]:
+    for other in names[1:]:
         for metric in ("items_per_s", "cpu_us_per_item"):
             a = [t[metric] for t in by_server["sagelmi"] if t[metric]]
             b = [t[metric] for t in by_server[other] if t[metric]]
@@ -204,21 +256,39 @@ def write_results(data: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "relay.json").write_text(json.dumps(data, indent=2))
     meta = data["meta"]
-    rows = ["| streams | items/s: " + " / ".join(SERVERS) + " | sagelmi / floor [90% CI] | sagelmi / asyncio [90% CI] "
-            "| CPU µs per item: " + " / ".join(SERVERS) + " | CPU sagelmi / floor [90% CI] | errors |",
-            "|" + "---|" * 7]
+    names = tuple(meta.get("servers", SERVERS))
+    base = meta.get("baseline")
+    head = f"HEAD / {base['name']}" if base else ""
+    vs_base = f"vs {base['name']}" if base else ""
+    rows = ["| streams | items/s: " + " / ".join(names) + " | sagelmi / floor [90% CI] | sagelmi / asyncio [90% CI] "
+            + (f"| items/s {head} [90% CI] " if base else "")
+            + "| CPU µs per item: " + " / ".join(names) + " | CPU sagelmi / floor [90% CI] "
+            + (f"| CPU {head} [90% CI] " if base else "") + "| errors |",
+            "|" + "---|" * (9 if base else 7)]
     for lv in data["results"]:
-        s = lv["servers"]
-        rows.append(f"| {lv['streams']} | " + " / ".join(fmt(s[n]['items_per_s'], 0) for n in SERVERS)
-                    + f" | {fmt_ratio(lv['ratios'][f'items_per_s vs {FLOOR}'])}"
-                    + f" | {fmt_ratio(lv['ratios']['items_per_s vs asyncio'])} | "
-                    + " / ".join(fmt(s[n]['cpu_us_per_item'], 1) for n in SERVERS)
-                    + f" | {fmt_ratio(lv['ratios'][f'cpu_us_per_item vs {FLOOR}'])} | "
-                    + " / ".join(str(s[n]["errors"]) for n in SERVERS) + " |")
+        s, r = lv["servers"], lv["ratios"]
+        rows.append(f"| {lv['streams']} | " + " / ".join(fmt(s[n]['items_per_s'], 0) for n in names)
+                    + f" | {fmt_ratio(r[f'items_per_s vs {FLOOR}'])} | {fmt_ratio(r['items_per_s vs asyncio'])} | "
+                    + (f"{fmt_ratio(r[f'items_per_s {vs_base}'])} | " if base else "")
+                    + " / ".join(fmt(s[n]['cpu_us_per_item'], 1) for n in names)
+                    + f" | {fmt_ratio(r[f'cpu_us_per_item vs {FLOOR}'])} | "
+                    + (f"{fmt_ratio(r[f'cpu_us_per_item {vs_base}'])} | " if base else "")
+                    + " / ".join(str(s[n]["errors"]) for n in names) + " |")
     at64 = next((lv for lv in data["results"] if lv["streams"] == 64), None)
     verdict = ("not measured (level 64 not run)" if at64 is None else
                ("**met**" if (at64["ratios"][f"items_per_s vs {FLOOR}"] or [0])[0] >= 0.8 else "**not met**")
                + f" ({fmt_ratio(at64['ratios'][f'items_per_s vs {FLOOR}'])})")
+    targets = [f"- Relay capacity >= 0.8x the gunicorn + Flask floor at 64 streams (issue 11): {verdict}"]
+    fourth = ""
+    if base:
+        ratios = {lv["streams"]: lv["ratios"][f"items_per_s vs {base['name']}"] for lv in data["results"]}
+        met = all(r and r[2] >= 1.0 for r in ratios.values())
+        targets.append(f"- Relay at HEAD no slower than before (issue 24, `--baseline {base['ref']}`): the interval of "
+                       f"items/s {head} includes or exceeds 1.0 at every level: {'**met**' if met else '**not met**'} ("
+                       + "; ".join(f"{n} streams {fmt_ratio(r)}" for n, r in ratios.items()) + ")")
+        fourth = (f" The fourth, **{base['name']}**, is `sagelmi serve` of commit {base['commit']} (`--baseline "
+                  f"{base['ref']}`), from a temporary git worktree, with the same interpreter and packages and the "
+                  f"same `model.py`: the relay before, against HEAD (here {meta['head']}).")
     text = f"""# Relay benchmark
 
 Generated by `make bench` (`benchmarks/relay.py`) on {meta['date']}: {meta['machine']}.
@@ -227,8 +297,8 @@ as fast as the event loop allows (`benchmarks/relay_model/model.py`), served by 
 (`sagelmi serve` with that `model.py`: frontend, worker protocol, model worker), by the same
 items from a Flask route in one gthread gunicorn worker with sagelmi's thread count
 (**gunicorn+Flask**, in-process: the floor of this stack) and by a minimal HTTP/1.1 server on
-one **asyncio** loop. All three are up at once; {meta['trials']} trials per server and level, in
-rotating order. Cells list the three servers' medians over their trials. Items per second are
+one **asyncio** loop.{fourth} All {len(names)} are up at once; {meta['trials']} trials per server and level,
+in rotating order. Cells list the servers' medians over their trials. Items per second are
 counted at the client (one asyncio loop in the benchmark's process, on the same cores); CPU is
 user + system time of each server's whole process tree per item. Ratios are of medians, with a
 bootstrap 90% interval ({RESAMPLES} resamples).
@@ -237,9 +307,9 @@ bootstrap 90% interval ({RESAMPLES} resamples).
 
 {chr(10).join(rows)}
 
-## Target (issue 11; reported, not asserted)
+## Targets (reported, not asserted)
 
-- Relay capacity >= 0.8x the gunicorn + Flask floor at 64 streams: {verdict}
+{chr(10).join(targets)}
 
 What we learned from these runs is in [README.md](README.md).
 """
@@ -254,10 +324,12 @@ def plot(data: dict, out: Path) -> None:
     import matplotlib.pyplot as plt
 
     levels = [lv["streams"] for lv in data["results"]]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    width = 0.8 / len(SERVERS)
-    for i, name in enumerate(SERVERS):
-        x = [j + (i - 1) * width for j in range(len(levels))]
+    names = data["meta"].get("servers", SERVERS)
+    base = data["meta"].get("baseline")
+    fig, axes = plt.subplots(1, 3 if base else 2, figsize=(16 if base else 11, 4.2))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        x = [j + (i - (len(names) - 1) / 2) * width for j in range(len(levels))]
         axes[0].bar(x, [lv["servers"][name]["items_per_s"] for lv in data["results"]], width, label=name)
         axes[1].bar(x, [lv["servers"][name]["cpu_us_per_item"] for lv in data["results"]], width, label=name)
     for axis, title in ((axes[0], "Items (chunks) per second, median"),
@@ -267,6 +339,18 @@ def plot(data: dict, out: Path) -> None:
         axis.set_title(title)
         axis.grid(True, axis="y", alpha=0.3)
     axes[0].legend(fontsize=8)
+    if base:
+        for k, (metric, label) in enumerate((("items_per_s", "items/s"), ("cpu_us_per_item", "CPU µs per item"))):
+            ratios = [lv["ratios"][f"{metric} vs {base['name']}"] for lv in data["results"]]
+            x = [j + (k - 0.5) * 0.2 for j in range(len(levels))]
+            spread = [[r[0] - r[1] for r in ratios], [r[2] - r[0] for r in ratios]]
+            axes[2].errorbar(x, [r[0] for r in ratios], yerr=spread, fmt="o", capsize=4, label=label)
+        axes[2].axhline(1.0, color="grey", linestyle="--", linewidth=1)
+        axes[2].set_xticks(range(len(levels)), [str(c) for c in levels])
+        axes[2].set_xlabel("concurrent streams")
+        axes[2].set_title(f"sagelmi HEAD / {base['name']}, median [90% CI]")
+        axes[2].grid(True, axis="y", alpha=0.3)
+        axes[2].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "relay.png", dpi=110)
 
@@ -279,6 +363,8 @@ def main() -> int:
     parser.add_argument("--levels", default="1,64,256", help="concurrent streams (default 1,64,256)")
     parser.add_argument("--trials", type=int, default=5, help="trials per server and level (default 5)")
     parser.add_argument("--tokens", type=int, default=256, help="items streamed per request (default 256)")
+    parser.add_argument("--baseline", metavar="REF", help="also serve the relay with sagelmi of this git commit "
+                        "(the before of a before/after comparison; make bench: RELAY_BASELINE)")
     parser.add_argument("--out", default=str(DEFAULT_OUT), help="where to write results (default docs/benchmarks)")
     parser.add_argument("--replot", action="store_true", help="only rewrite the table and plot from relay.json")
     args = parser.parse_args()
@@ -288,35 +374,57 @@ def main() -> int:
         return 0
     model = load_model()
     workdir = Path(tempfile.mkdtemp(prefix="sagelmi-relay-"))
-    shutil.copy(MODEL_DIR / "model.py", workdir / "model.py")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     me = [sys.executable, str(Path(__file__).resolve())]
-    servers = {}
+    names, servers, baseline = SERVERS, {}, None
+    try:  # which commit "sagelmi" is (relay.md names it when it compares with a baseline)
+        head = git("rev-parse", "--short", "HEAD") + (" + uncommitted changes" if git("status", "--porcelain") else "")
+    except (OSError, subprocess.CalledProcessError):
+        head = "not a git checkout"
+    # each sagelmi's checkout, where its server starts (its own copy of model.py each)
+    trees = {"sagelmi": REPO}
     try:
-        for name, command in (("sagelmi", [sys.executable, "-m", "container", "serve", "--model-dir", str(workdir)]),
-                              ("gunicorn+Flask", [*me, "serve-flask"]), ("asyncio", [*me, "serve-asyncio"])):
+        if args.baseline:
+            tree, commit = checkout(args.baseline, workdir)
+            baseline = {"ref": args.baseline, "commit": commit, "name": f"sagelmi@{commit[:7]}"}
+            names = (*SERVERS, baseline["name"])
+            trees[baseline["name"]] = tree
+        commands = {FLOOR: [*me, "serve-flask"], "asyncio": [*me, "serve-asyncio"]}
+        for name in names:
             port = free_port()
-            args_port = ["--port", str(port)] if name == "sagelmi" else [str(port)]
-            servers[name] = start_server(name, command + args_port, env, port)
+            if name in commands:
+                servers[name] = start_server(name, commands[name] + [str(port)], env, port)
+                continue
+            tree = trees[name]
+            model_dir = workdir / f"model-{len(servers)}"
+            model_dir.mkdir()
+            shutil.copy(MODEL_DIR / "model.py", model_dir / "model.py")
+            command = [*sagelmi_command(tree), "serve", "--model-dir", str(model_dir), "--port", str(port)]
+            servers[name] = start_server(name, command, tree_env(tree, env), port, cwd=tree)
         results = []
         for streams in (int(x) for x in args.levels.split(",")):
-            for name in SERVERS:  # warm-up, not measured
+            for name in names:  # warm-up, not measured
                 trial(servers[name], streams, args.tokens, model.MARKER)
-            trials = [trial(servers[name], streams, args.tokens, model.MARKER) for name in rotation(SERVERS, args.trials)]
-            level = summarise(streams, trials)
-            s = level["servers"]
-            print(f"  streams={streams:<4} items/s " + " / ".join(fmt(s[n]['items_per_s'], 0) for n in SERVERS)
-                  + f"  sagelmi/floor {fmt_ratio(level['ratios'][f'items_per_s vs {FLOOR}'])}  CPU µs/item "
-                  + " / ".join(fmt(s[n]['cpu_us_per_item'], 1) for n in SERVERS), flush=True)
+            trials = [trial(servers[name], streams, args.tokens, model.MARKER) for name in rotation(names, args.trials)]
+            level = summarise(streams, trials, names)
+            s, r = level["servers"], level["ratios"]
+            print(f"  streams={streams:<4} items/s " + " / ".join(fmt(s[n]['items_per_s'], 0) for n in names)
+                  + f"  sagelmi/floor {fmt_ratio(r[f'items_per_s vs {FLOOR}'])}"
+                  + (f"  HEAD/{names[-1]} {fmt_ratio(r[f'items_per_s vs {names[-1]}'])}" if baseline else "")
+                  + "  CPU µs/item " + " / ".join(fmt(s[n]['cpu_us_per_item'], 1) for n in names), flush=True)
             results.append(level)
     finally:
         for server in servers.values():
             stop_server(server)
+        for tree in trees.values():
+            if tree != REPO:
+                remove_checkout(tree)
         shutil.rmtree(workdir, ignore_errors=True)
     meta = {"date": datetime.date.today().isoformat(), "cpus": os.cpu_count(),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
-            "tokens": args.tokens, "item_bytes": len(model.ITEM), "trials": args.trials, "resamples": RESAMPLES,
-            "confidence": CONFIDENCE, "seed": SEED}
+            "command": " ".join(["benchmarks/relay.py", *sys.argv[1:]]), "head": head, "servers": list(names),
+            "baseline": baseline, "tokens": args.tokens, "item_bytes": len(model.ITEM), "trials": args.trials,
+            "resamples": RESAMPLES, "confidence": CONFIDENCE, "seed": SEED}
     write_results({"meta": meta, "results": results}, out)
     print(f"wrote {out / 'relay.md'}, relay.json and relay.png")
     return 0

@@ -58,12 +58,17 @@ def test_make_bench_compares_both_servers(tmp_path):
 
     relay = json.loads((tmp_path / "relay.json").read_text())
     assert [level["streams"] for level in relay["results"]] == [1, 8]
+    # make bench's default baseline: sagelmi of the commit before the layers restructuring, from a worktree
+    assert relay["meta"]["servers"] == ["sagelmi", "gunicorn+Flask", "asyncio", "sagelmi@4f464b1"]
     for level in relay["results"]:
-        assert len(level["trials"]) == 6  # two rounds of the three servers
+        assert len(level["trials"]) == 8  # two rounds of the four servers
         for name, server in level["servers"].items():
             assert server["errors"] == 0 and server["items_per_s"] > 0, name
         assert all(t["items"] == t["requests"] * 64 for t in level["trials"])
-        ratio, low, high = level["ratios"]["items_per_s vs gunicorn+Flask"]
-        assert low <= ratio <= high
+        for other in ("gunicorn+Flask", "sagelmi@4f464b1"):
+            ratio, low, high = level["ratios"][f"items_per_s vs {other}"]
+            assert low <= ratio <= high
     assert "| 8 |" in (tmp_path / "relay.md").read_text()
+    worktrees = subprocess.run(["git", "worktree", "list"], cwd=REPO, capture_output=True, text=True).stdout
+    assert "sagelmi-relay-" not in worktrees  # the baseline's checkout is removed
     assert (tmp_path / "relay.png").stat().st_size > 10_000
