@@ -378,7 +378,8 @@ def main() -> int:
     me = [sys.executable, str(Path(__file__).resolve())]
     names, servers, baseline = SERVERS, {}, None
     try:  # which commit "sagelmi" is (relay.md names it when it compares with a baseline)
-        head = git("rev-parse", "--short", "HEAD") + (" + uncommitted changes" if git("status", "--porcelain") else "")
+        changed = git("status", "--porcelain", "--untracked-files=no", "--", "container", "handlers", "djl_python")
+        head = git("rev-parse", "--short", "HEAD") + (" + uncommitted changes" if changed else "")
     except (OSError, subprocess.CalledProcessError):
         head = "not a git checkout"
     # each sagelmi's checkout, where its server starts (its own copy of model.py each)
