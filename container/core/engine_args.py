@@ -29,8 +29,8 @@ from typing import Any, Literal
 
 from pydantic import TypeAdapter, ValidationError
 
-from container.core.artifacts import HUB_ID
 from container.core.handler_choice import uses_builtin_engine
+from container.core.served_names import served_names
 from container.core.settings import KEYS, Settings
 
 log = logging.getLogger(__name__)
@@ -152,13 +152,9 @@ def check_engine_option(name: str, raw: str | None = None) -> None:
 
 
 def default_served_name(settings: Settings, model: str) -> str:
-    """``option.served_model_name``'s default, the name in ``/v1`` answers and metric labels:
-    the Hub id for a Hub model, else the last part of the model's path or ``s3://`` URI --
-    never a local path."""
-    source = settings.model_id or model
-    if not source.startswith(("/", ".", "~", "s3://")) and HUB_ID.match(source) and not Path(source).exists():
-        return source
-    return Path(source.rstrip("/")).name or "model"
+    """The name the engine serves the model under (``model``: where it is); the derivation is
+    ``container.core.served_names``'s, this name stays for the vLLM engine's settings."""
+    return served_names(settings, model).engine
 
 
 def check_engine_options(settings: Settings, handler_dir: Path | None) -> None:

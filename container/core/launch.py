@@ -30,7 +30,7 @@ class FrontendLaunch(msgspec.Struct, frozen=True):
 class ModelInfo(msgspec.Struct, frozen=True):
     """The served model, as the frontend's management routes know it."""
 
-    name: str  # the name in /models/{name}/... and the OpenAI base model's id
+    name: str  # LMI's model name (served_names' management): GET /models and /models/{name}/...
     location: str  # its local path or Hub id
     lora: bool = False  # option.enable_lora
     max_lora_rank: int = 16  # vLLM's default when option.max_lora_rank is not set

@@ -32,6 +32,7 @@ from container.core.devices import GroupPlan, cpu_binding, discover_devices, pla
 from container.core.handler_choice import uses_builtin_engine
 from container.core.launch import FrontendLaunch, GroupAddress, ModelInfo, WorkerLaunch, encode_launch
 from container.core.protocol import WorkerState
+from container.core.served_names import served_names
 from container.core.settings import Settings, SettingsError
 from container.frontend.group_client import GroupClient
 from container.supervisor.plan_check import compare_kv, startup_plan
@@ -57,11 +58,10 @@ log = logging.getLogger("sagelmi.serve")
 
 def model_info(settings: Settings) -> ModelInfo:
     """The served model for the frontend's management routes: its name (LMI's model
-    name: option.served_model_name, else the model directory's or id's last part),
-    LoRA settings, where start-up adapters are and where adapter sources may be."""
+    name, ``served_names``' ``management``), LoRA settings, where start-up adapters are
+    and where adapter sources may be."""
     options = settings.passthrough_options()
     location = settings.model_id or settings.model_dir
-    name = options.get("served_model_name") or Path(location.rstrip("/")).name or "model"
     dirs = [settings.model_dir] + ([location] if location != settings.model_dir and Path(location).is_dir() else [])
     roots = dirs + [r.strip() for r in settings.adapter_roots.split(",") if r.strip()]
     builtin_schemas = (
@@ -69,7 +69,7 @@ def model_info(settings: Settings) -> ModelInfo:
         and not (Path(settings.model_dir) / "model.py").is_file()
     )
     return ModelInfo(
-        name=name,
+        name=served_names(settings).management,
         location=location,
         lora=options.get("enable_lora", "").lower() == "true",
         max_lora_rank=int(options.get("max_lora_rank") or 16),
