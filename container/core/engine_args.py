@@ -29,6 +29,7 @@ from typing import Any, Literal
 
 from pydantic import TypeAdapter, ValidationError
 
+from container.core.dtypes import LMI_DTYPES, vllm_dtype
 from container.core.handler_choice import uses_builtin_engine
 from container.core.served_names import served_names
 from container.core.settings import KEYS, Settings
@@ -43,8 +44,8 @@ SPECULATIVE = {
     "speculative_length": "num_speculative_tokens",
     "draft_model_tp_size": "draft_tensor_parallel_size",
 }
-# LMI's dtype words
-DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32", "auto": "auto"}
+# LMI's dtype words (the one table is container.core.dtypes; the vLLM engine reads this name)
+DTYPES = LMI_DTYPES
 # LMI options with no meaning for vLLM: accepted, with a warning saying why.
 IGNORED = {
     "lora_extra_vocab_size": "vLLM 0.32 has no lora_extra_vocab_size; adapters use the base vocabulary",
@@ -141,7 +142,7 @@ def check_engine_option(name: str, raw: str | None = None) -> None:
         target, kind = SPECULATIVE[name], "str" if name == "speculative_draft_model" else "int"
     elif name == "dtype":
         target, kind = "dtype", engine_args.get("dtype", "any")
-        raw = raw if raw is None else DTYPES.get(raw.lower(), raw)
+        raw = raw if raw is None else vllm_dtype(raw)
     else:
         target = RENAMED.get(name, name)
         if target not in engine_args:

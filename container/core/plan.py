@@ -22,40 +22,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from container.core.dtypes import SAFETENSORS_BYTES, canonical_dtype, element_bytes, known_words, vllm_dtype
 from container.core.instances import INSTANCES
 
 GIB = 2**30
-# bytes per element, by the names config.json, option.dtype/kv_cache_dtype and safetensors use
-DTYPE_BYTES = {
-    "float32": 4,
-    "fp32": 4,
-    "float": 4,
-    "float16": 2,
-    "fp16": 2,
-    "half": 2,
-    "bfloat16": 2,
-    "bf16": 2,
-    "fp8": 1,
-    "fp8_e4m3": 1,
-    "fp8_e5m2": 1,
-    "fp8_inc": 1,
-    "int8": 1,
-}
-SAFETENSORS_BYTES = {
-    "F64": 8,
-    "F32": 4,
-    "F16": 2,
-    "BF16": 2,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-    "F8_E8M0": 1,
-    "I64": 8,
-    "I32": 4,
-    "I16": 2,
-    "I8": 1,
-    "U8": 1,
-    "BOOL": 1,
-}
 BLOCK_SIZE = {"gpu": 16, "cpu": 128}  # vLLM's default KV block sizes
 ACTIVATION_RESERVE_GIB = 2.0  # activations, CUDA graphs, NCCL buffers: an estimate, vLLM measures it
 
@@ -99,18 +69,17 @@ class ModelShape:
 
 def resolved_dtype(option: str | None, shape: ModelShape) -> str:
     """vLLM's ``dtype=auto``: the config's, except float32, which is served in bfloat16."""
-    dtype = (option or "auto").lower()
+    dtype = vllm_dtype(option or "auto").lower()
     if dtype == "auto":
-        return "bfloat16" if shape.config_dtype == "float32" else shape.config_dtype
-    return {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}.get(dtype, dtype)
+        return "bfloat16" if canonical_dtype(shape.config_dtype) == "float32" else shape.config_dtype
+    return dtype
 
 
 def kv_bytes_per_token(shape: ModelShape, kv_dtype: str, tp: int = 1, pp: int = 1) -> int:
     """KV-cache bytes one token takes on one rank of a ``tp`` x ``pp`` split."""
-    try:
-        element = DTYPE_BYTES[kv_dtype]
-    except KeyError:
-        raise PlanError(f"unknown KV-cache dtype {kv_dtype!r} (known: {', '.join(sorted(DTYPE_BYTES))})") from None
+    element = element_bytes(kv_dtype)
+    if element is None:
+        raise PlanError(f"unknown KV-cache dtype {kv_dtype!r} (known: {', '.join(known_words())})")
     return 2 * math.ceil(shape.layers / pp) * max(1, shape.kv_heads // tp) * shape.head_dim * element
 
 
@@ -225,7 +194,7 @@ def make_plan(
     )
     choices = [(tp or 1, pp or 1)] if gpus is None or tp or pp else _splits(gpus)
     # weights as served: a float32 checkpoint served in bfloat16 takes half its file size
-    served_weights = weight * DTYPE_BYTES.get(served, 2) / DTYPE_BYTES.get(shape.config_dtype, 2)
+    served_weights = weight * (element_bytes(served) or 2) / (element_bytes(shape.config_dtype) or 2)
     for t, p in choices:
         per_rank = served_weights / (t * p)
         per_token = kv_bytes_per_token(shape, kv_dtype, t, p)

@@ -115,3 +115,17 @@ def test_vllms_kv_tokens_are_read_from_its_cache_config_metric():
                'vllm:cache_config_info{block_size="128",cache_dtype="auto",engine="0",num_gpu_blocks="8192"} 1.0\n')
     assert reported_kv_tokens(metrics) == 8192 * 128
     assert reported_kv_tokens("vllm:num_requests_running 0\n") is None
+
+
+def test_every_dtype_word_the_engine_options_take_is_one_plan_sizes():
+    from container.core.dtypes import element_bytes, vllm_dtype
+    from container.core.engine_args import DTYPES, packaged_engine_args
+
+    words = set(DTYPES) - {"auto"} | set(packaged_engine_args()["dtype"]) - {"auto"}
+    shape = ModelShape.from_config(LLAMA_8B)
+    for word in words | {w.upper() for w in words}:
+        assert element_bytes(vllm_dtype(word)) in (2, 4), word
+        assert kv_bytes_per_token(shape, word) == kv_bytes_per_token(shape, vllm_dtype(word).lower())
+    assert kv_bytes_per_token(shape, "half") == kv_bytes_per_token(shape, "bf16") == kv_bytes_per_token(shape, "fp8") * 2
+    with pytest.raises(PlanError, match="unknown KV-cache dtype 'fp4'.*fp16"):
+        kv_bytes_per_token(shape, "fp4")
