@@ -4,7 +4,11 @@ and each worker group's launch (its settings, handler properties, layout)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
+
+from container.core.settings import Settings
 
 
 class GroupAddress(msgspec.Struct, frozen=True):
@@ -49,21 +53,34 @@ class WorkerLaunch(msgspec.Struct, frozen=True):
     """Everything a worker group's processes need to start (every rank reads the
     same launch; in MPI mode rank 0 reads it and sends it to the others).
 
-    ``settings`` is the server's ``Settings`` as JSON, validated once by the
-    supervisor; ``model_properties`` is what a handler's initialisation call
-    receives (LMI's ``option.*`` text plus ``model_dir``)."""
+    ``settings`` is the server's ``Settings``, resolved by the supervisor, written
+    as a JSON object and validated again when the launch is read (``decode_worker_launch``);
+    ``model_properties`` is what a handler's initialisation call receives (LMI's
+    ``option.*`` text plus ``model_dir``)."""
 
     group: int
     socket_path: str
     ready_path: str  # rank 0 writes the incarnation here once the group is ready
-    settings: str
+    settings: Settings
     model_properties: dict[str, str]
     model_location: str  # the model's local path or Hub id (an s3:// prefix already downloaded)
     tensor_parallel_degree: int  # what option.tensor_parallel_degree (max included) means in this group
 
 
+def _encode_settings(value: Any) -> Any:
+    if isinstance(value, Settings):
+        return value.model_dump(mode="json")
+    raise NotImplementedError(f"a launch file cannot hold {type(value).__name__}")
+
+
+def _decode_settings(tp: type, value: Any) -> Any:
+    if tp is Settings:
+        return Settings.model_validate(value)
+    raise NotImplementedError(f"a launch file cannot hold {tp}")
+
+
 def encode_launch(launch: FrontendLaunch | WorkerLaunch) -> bytes:
-    return msgspec.json.encode(launch)
+    return msgspec.json.encode(launch, enc_hook=_encode_settings)
 
 
 def decode_frontend_launch(data: bytes) -> FrontendLaunch:
@@ -71,4 +88,5 @@ def decode_frontend_launch(data: bytes) -> FrontendLaunch:
 
 
 def decode_worker_launch(data: bytes) -> WorkerLaunch:
-    return msgspec.json.decode(data, type=WorkerLaunch)
+    """The launch, its ``settings`` validated into ``Settings`` (``msgspec.ValidationError`` if not)."""
+    return msgspec.json.decode(data, type=WorkerLaunch, dec_hook=_decode_settings)

@@ -111,7 +111,7 @@ class WorkerGroup:
                     group=plan.index,
                     socket_path=socket_path,
                     ready_path=str(self.ready_path),
-                    settings=settings.model_dump_json(),
+                    settings=settings,
                     model_properties=settings.model_properties(
                         model_id=model_location if model_location != settings.model_dir else None,
                         tensor_parallel_degree=plan.tensor_parallel_degree

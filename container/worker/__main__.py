@@ -12,7 +12,6 @@ from pathlib import Path
 
 from container.core import logs, proc
 from container.core.launch import decode_worker_launch
-from container.core.settings import Settings
 from container.worker.runtime import Worker
 from handlers.api.context import WorkerContext
 
@@ -20,16 +19,15 @@ from handlers.api.context import WorkerContext
 def _context(args: argparse.Namespace) -> WorkerContext:
     if not args.mpi:
         launch = decode_worker_launch(Path(args.launch).read_bytes())
-        return WorkerContext(launch, Settings.model_validate_json(launch.settings))
+        return WorkerContext(launch, launch.settings)
     from container.worker.ranks import Follower, Leader, bootstrap
 
     info, data, listener = bootstrap(Path(args.launch))
     info.export()
     launch = decode_worker_launch(data)
-    settings = Settings.model_validate_json(launch.settings)
     if info.rank == 0:
-        return WorkerContext(launch, settings, 0, info.world_size, leader=Leader(info, listener))
-    return WorkerContext(launch, settings, info.rank, info.world_size, follower=Follower(info))
+        return WorkerContext(launch, launch.settings, 0, info.world_size, leader=Leader(info, listener))
+    return WorkerContext(launch, launch.settings, info.rank, info.world_size, follower=Follower(info))
 
 
 def main(argv: list[str] | None = None) -> int:

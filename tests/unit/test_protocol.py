@@ -1,6 +1,8 @@
+import json
 import socket
 import threading
 
+import msgspec
 import pytest
 
 from container.core.launch import WorkerLaunch, decode_worker_launch, encode_launch
@@ -86,11 +88,15 @@ def test_truncated_and_garbage_frames_are_protocol_errors():
 
 def test_worker_launch_round_trips_as_json_with_typed_settings():
     settings = Settings(model_dir="/m", rolling_batch="lmi-dist", tgi_compat=True, tensor_parallel_degree="max")
-    launch = WorkerLaunch(group=1, socket_path="/tmp/s", ready_path="/tmp/r", settings=settings.model_dump_json(),
+    launch = WorkerLaunch(group=1, socket_path="/tmp/s", ready_path="/tmp/r", settings=settings,
                           model_properties={"model_id": "x"}, model_location="/m", tensor_parallel_degree=4)
-    again = decode_worker_launch(encode_launch(launch))
+    data = encode_launch(launch)
+    assert json.loads(data)["settings"]["tensor_parallel_degree"] == "max"  # an object, not JSON in a string
+    again = decode_worker_launch(data)
     assert again == launch
-    assert Settings.model_validate_json(again.settings) == settings
+    assert isinstance(again.settings, Settings) and again.settings == settings
+    with pytest.raises(msgspec.ValidationError, match="tensor_parallel_degree"):
+        decode_worker_launch(data.replace(b'"max"', b'"most"'))
 
 
 def test_status_state_is_a_closed_set():
