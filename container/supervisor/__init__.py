@@ -388,7 +388,7 @@ class Supervisor:
             for group in self.groups:
                 group.check(now)
             if self.plan is not None and self.groups and self.groups[0].ready:
-                compare_kv(self.plan, self.settings.port)
+                compare_kv(self.plan, self.groups[0].client)
                 self.plan = None  # once
             if self.frontend.poll() is not None:
                 reason = _exit_text(self.frontend.returncode)

@@ -1,6 +1,7 @@
 """``sagelmi serve`` plans the model as ``sagelmi plan`` does, logs it at start-up,
 and, once the engine is up, compares the KV-cache tokens it predicted with what
-vLLM reports (``vllm:cache_config_info``: blocks x block size), warning when they
+vLLM reports (``vllm:cache_config_info``: blocks x block size, in the metrics the
+first worker group answers over the wire protocol), warning when they
 differ by more than ``TOLERANCE``. A model it cannot plan (a Hub id, no
 safetensors, a custom handler, GPUs whose memory it cannot read) is skipped, said
 once at DEBUG level.
@@ -12,11 +13,12 @@ import logging
 import os
 import re
 import subprocess
-import urllib.request
 from pathlib import Path
 
+from container.core.errors import ServingError
 from container.core.plan import Plan, PlanError, plan_from_settings, read_model, render
 from container.core.settings import Settings
+from container.frontend.group_client import GroupClient
 
 log = logging.getLogger("sagelmi.plan")
 
@@ -87,13 +89,13 @@ def reported_kv_tokens(metrics: str) -> int | None:
         return None
 
 
-def compare_kv(plan: Plan, port: int) -> None:
-    """Log vLLM's KV-cache tokens beside the plan's; a warning beyond ``TOLERANCE``."""
+def compare_kv(plan: Plan, group: GroupClient) -> None:
+    """Log vLLM's KV-cache tokens, from the metrics of the ``group`` the plan is for,
+    beside the plan's; a warning beyond ``TOLERANCE``."""
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-            reported = reported_kv_tokens(response.read().decode(errors="replace"))
-    except OSError as exc:
-        log.debug("cannot read /metrics to compare the KV cache: %s", exc)
+        reported = reported_kv_tokens(group.fetch_metrics(timeout=5))
+    except ServingError as exc:
+        log.debug("cannot read worker group %s's metrics to compare the KV cache: %s", group.name, exc)
         return
     predicted = plan.splits[0].kv_tokens
     if reported is None or not reported:
