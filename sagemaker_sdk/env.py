@@ -16,7 +16,8 @@ from typing import Any
 
 from container.core.engine_args import check_engine_options
 from container.core.handler_choice import uses_builtin_engine
-from container.core.settings import KEY_BY_NAME, KEYS, Settings, SettingsError, resolve_settings
+from container.core.setting_keys import KEY_BY_NAME, KEYS
+from container.core.settings import Settings, SettingsError, resolve_settings
 
 
 @dataclass(frozen=True)

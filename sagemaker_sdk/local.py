@@ -26,7 +26,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from container.core.settings import KEYS
+from container.core.setting_keys import KEYS
 from sagemaker_sdk.predictor import SagelmiPredictor
 
 log = logging.getLogger(__name__)

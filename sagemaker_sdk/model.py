@@ -16,7 +16,8 @@ from sagemaker import s3
 from sagemaker.model import Model
 
 from container.core.devices import resolve_tensor_parallel
-from container.core.settings import SettingsError, option_key
+from container.core.setting_keys import option_key
+from container.core.settings import SettingsError
 from sagemaker_sdk import sizing
 from sagemaker_sdk.env import ContainerEnv, build_container_env, env_name, env_text
 from sagemaker_sdk.predictor import SagelmiPredictor

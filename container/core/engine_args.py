@@ -2,7 +2,7 @@
 
 The typed LMI settings that are engine arguments (``max_rolling_batch_size`` ->
 ``max_num_seqs``, ``tensor_parallel_degree`` -> ``tensor_parallel_size`` ...) come
-from the settings schema (``container.core.settings.KEYS``, each with its
+from the settings schema (``container.core.setting_keys.KEYS``, each with its
 ``engine_arg``). Of the other ``option.x`` values, LMI's names for engine
 arguments are translated (``dtype`` words, ``cpu_offload_gb_per_gpu``, the
 speculative-decoding trio -> ``speculative_config``), and any name that is a vLLM
@@ -32,7 +32,8 @@ from pydantic import TypeAdapter, ValidationError
 from container.core.dtypes import LMI_DTYPES, vllm_dtype
 from container.core.handler_choice import uses_builtin_engine
 from container.core.served_names import served_names
-from container.core.settings import KEYS, Settings
+from container.core.setting_keys import KEYS
+from container.core.settings import Settings
 
 log = logging.getLogger(__name__)
 

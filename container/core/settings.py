@@ -6,7 +6,7 @@ Names follow LMI. Precedence, weakest first:
 
 1. defaults;
 2. environment: ``OPTION_<NAME>`` (-> ``option.<name>``), ``SERVING_<KEY>``
-   (-> ``<key>``) and the aliases in ``KEYS`` (``HF_MODEL_ID``,
+   (-> ``<key>``) and the aliases in ``setting_keys.KEYS`` (``HF_MODEL_ID``,
    ``TENSOR_PARALLEL_DEGREE``, the TGI names ...). When several spellings of one
    setting are set, the one listed first in ``KEYS`` wins (LMI's own name
    beats a TGI alias) and a warning names the others;
@@ -24,13 +24,13 @@ import difflib
 import logging
 import shlex
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from container.core.serving_properties import read_properties
+from container.core.setting_keys import KEY_BY_ALIAS, KEY_BY_FIELD, KEY_BY_NAME, KEYS, option_key
 
 log = logging.getLogger(__name__)
 
@@ -39,251 +39,6 @@ DEFAULT_MODEL_DIR = "/opt/ml/model"
 
 class SettingsError(Exception):
     """A setting has a value that cannot be used; the message says which and why."""
-
-
-@dataclass(frozen=True)
-class Key:
-    """One setting: its ``serving.properties`` key and every other spelling."""
-
-    field: str  # attribute of Settings
-    key: str  # serving.properties key
-    env: tuple[str, ...]  # environment names, strongest first
-    allowed: str  # what values are accepted, for error messages
-    doc: str
-    sagemaker: tuple[str, ...] = ()  # SageMaker platform overrides, strongest first
-    engine_arg: str | None = None  # the vLLM engine argument it becomes (built-in engine only)
-    aliases: tuple[str, ...] = ()  # other serving.properties spellings LMI accepts
-
-
-KEYS: tuple[Key, ...] = (
-    # -- model
-    Key(
-        "model_id",
-        "option.model_id",
-        ("OPTION_MODEL_ID", "HF_MODEL_ID"),
-        "a Hub model id, a local path or s3:// URI",
-        "The model: a Hugging Face Hub id, a local directory or an s3:// prefix. Unset: the model directory.",
-        engine_arg="model",
-    ),
-    Key(
-        "revision",
-        "option.revision",
-        ("OPTION_REVISION", "HF_REVISION"),
-        "a Hub revision (branch, tag, commit)",
-        "Revision of a Hub model.",
-        engine_arg="revision",
-    ),
-    Key("task", "option.task", ("OPTION_TASK", "HF_TASK"), "a task name such as text-generation", "The model's task."),
-    Key(
-        "entry_point",
-        "option.entryPoint",
-        ("OPTION_ENTRYPOINT",),
-        "a .py file in the model directory or a module name",
-        "The handler. Unset: model.py in the model directory.",
-    ),
-    Key(
-        "trust_remote_code",
-        "option.trust_remote_code",
-        ("OPTION_TRUST_REMOTE_CODE", "HF_TRUST_REMOTE_CODE", "HF_MODEL_TRUST_REMOTE_CODE"),
-        "true or false",
-        "Allow model code from the Hub.",
-        engine_arg="trust_remote_code",
-    ),
-    Key(
-        "quantize",
-        "option.quantize",
-        ("OPTION_QUANTIZE", "HF_MODEL_QUANTIZE"),
-        "a quantization method name",
-        "Quantization method (awq, gptq, fp8, ...).",
-        engine_arg="quantization",
-    ),
-    # -- parallelism and workers
-    Key(
-        "engine",
-        "engine",
-        ("OPTION_ENGINE",),
-        "Python or MPI",
-        "How worker groups start: Python (one process each) or MPI (one mpirun job of tp x pp ranks each).",
-    ),
-    Key(
-        "mpi_mode",
-        "option.mpi_mode",
-        ("OPTION_MPI_MODE",),
-        "true or false",
-        "Run each worker group as MPI ranks (same as engine=MPI; implied by option.rolling_batch=lmi-dist).",
-    ),
-    Key(
-        "tensor_parallel_degree",
-        "option.tensor_parallel_degree",
-        ("OPTION_TENSOR_PARALLEL_DEGREE", "TENSOR_PARALLEL_DEGREE", "SM_NUM_GPUS"),
-        "a whole number >= 1, or max",
-        "Tensor parallel degree: accelerators per pipeline stage; max uses all devices a group sees.",
-        engine_arg="tensor_parallel_size",
-    ),
-    Key(
-        "pipeline_parallel_degree",
-        "option.pipeline_parallel_degree",
-        ("OPTION_PIPELINE_PARALLEL_DEGREE", "PIPELINE_PARALLEL_DEGREE"),
-        "a whole number >= 1",
-        "Pipeline stages per model copy; a worker group has tensor x pipeline parallel degree devices.",
-        engine_arg="pipeline_parallel_size",
-    ),
-    Key(
-        "mpi_hostfile",
-        "option.mpi_hostfile",
-        ("OPTION_MPI_HOSTFILE",),
-        "a path to an Open MPI hostfile",
-        "MPI mode: spread each group's ranks over these machines (this machine first: rank 0 answers).",
-    ),
-    Key(
-        "mpi_extra_args",
-        "option.mpi_extra_args",
-        ("OPTION_MPI_EXTRA_ARGS",),
-        "mpirun arguments, shell-quoted",
-        "MPI mode: more mpirun arguments, e.g. --oversubscribe or --mca btl_tcp_if_include eth0.",
-    ),
-    Key(
-        "min_workers",
-        "min_workers",
-        ("SERVING_MIN_WORKERS",),
-        "a whole number >= 1",
-        "Worker groups to start when there are no accelerators.",
-        ("SAGEMAKER_MODEL_SERVER_WORKERS", "SAGEMAKER_NUM_MODEL_WORKERS"),
-    ),
-    Key(
-        "max_workers",
-        "max_workers",
-        ("SERVING_MAX_WORKERS",),
-        "a whole number >= 1",
-        "Upper bound on worker groups (with accelerators: devices / tensor_parallel_degree).",
-        ("SAGEMAKER_MODEL_SERVER_WORKERS", "SAGEMAKER_NUM_MODEL_WORKERS"),
-    ),
-    Key(
-        "sync_handler_threads",
-        "option.sync_handler_threads",
-        ("OPTION_SYNC_HANDLER_THREADS",),
-        "a whole number >= 1",
-        "How many calls of a synchronous handle() one worker runs at once (1: one at a time, as LMI).",
-    ),
-    # -- engine
-    Key(
-        "rolling_batch",
-        "option.rolling_batch",
-        ("OPTION_ROLLING_BATCH",),
-        "auto, vllm, lmi-dist or disable",
-        "Continuous batching backend of the built-in handler: vllm in Python mode, lmi-dist (vLLM split "
-        "across MPI ranks) in MPI mode; auto picks by mode.",
-    ),
-    Key(
-        "max_rolling_batch_size",
-        "option.max_rolling_batch_size",
-        ("OPTION_MAX_ROLLING_BATCH_SIZE", "MAX_BATCH_SIZE"),
-        "a whole number >= 1",
-        "Most sequences the engine runs at once.",
-        engine_arg="max_num_seqs",
-    ),
-    Key(
-        "max_rolling_batch_prefill_tokens",
-        "option.max_rolling_batch_prefill_tokens",
-        ("OPTION_MAX_ROLLING_BATCH_PREFILL_TOKENS", "MAX_BATCH_PREFILL_TOKENS"),
-        "a whole number >= 1",
-        "Most prompt tokens prefilled in one engine step.",
-        engine_arg="max_num_batched_tokens",
-    ),
-    Key(
-        "output_formatter",
-        "option.output_formatter",
-        ("OPTION_OUTPUT_FORMATTER",),
-        "json, jsonlines or sse",
-        "Built-in handler: how LMI-schema streams are framed (json means jsonlines for streams).",
-    ),
-    Key(
-        "tgi_compat",
-        "option.tgi_compat",
-        ("OPTION_TGI_COMPAT",),
-        "true or false",
-        "Built-in handler: answer in TGI's forms (lists, details on, server-sent events).",
-    ),
-    Key(
-        "adapter_roots",
-        "option.adapter_roots",
-        ("OPTION_ADAPTER_ROOTS",),
-        "directories, comma-separated",
-        "LoRA adapters: more directories an adapter's source may be in (always allowed: the model directory "
-        "and the download cache); anything outside them, through .. or a symbolic link too, is refused.",
-    ),
-    # -- dynamic batching (handlers that batch: model.py)
-    Key(
-        "batch_size",
-        "batch_size",
-        ("SERVING_BATCH_SIZE", "OPTION_BATCH_SIZE"),
-        "a whole number >= 1",
-        "Dynamic batching for a model.py handler: up to this many requests in one Input "
-        "(get_batches()); 1: one request per call. The built-in engines batch continuously instead.",
-        aliases=("max_dynamic_batch_size", "option.batch_size"),
-    ),
-    Key(
-        "max_batch_delay",
-        "max_batch_delay",
-        ("SERVING_MAX_BATCH_DELAY", "OPTION_MAX_BATCH_DELAY"),
-        "milliseconds >= 0",
-        "Dynamic batching: how long a batch waits for more requests after its first.",
-        aliases=("option.max_batch_delay",),
-    ),
-    # -- server
-    Key("port", "port", ("SERVING_PORT",), "a port number 1-65535", "HTTP port.", ("SAGEMAKER_BIND_TO_PORT",)),
-    Key(
-        "job_queue_size",
-        "job_queue_size",
-        ("SERVING_JOB_QUEUE_SIZE", "MAX_CONCURRENT_REQUESTS"),
-        "a whole number >= 1",
-        "Requests accepted at once (running or waiting); beyond it: 503.",
-    ),
-    Key(
-        "max_payload_in_mb",
-        "max_payload_in_mb",
-        ("SERVING_MAX_PAYLOAD_IN_MB",),
-        "a number of MiB > 0",
-        "Largest request body; larger bodies get 413.",
-        ("SAGEMAKER_MAX_PAYLOAD_IN_MB",),
-    ),
-    Key(
-        "body_read_timeout",
-        "body_read_timeout",
-        ("SERVING_BODY_READ_TIMEOUT",),
-        "seconds > 0",
-        "Longest time a client may take to send a request body; a body still incomplete then, or cut "
-        "short by the client, gets 400 and is not run.",
-    ),
-    Key(
-        "predict_timeout",
-        "option.predict_timeout",
-        ("OPTION_PREDICT_TIMEOUT",),
-        "seconds > 0",
-        "Longest wait for an answer (for a stream: for its start and between chunks); then 504.",
-        ("SAGEMAKER_MODEL_SERVER_TIMEOUT_SECONDS", "SAGEMAKER_MODEL_SERVER_TIMEOUT"),
-    ),
-    Key(
-        "model_loading_timeout",
-        "option.model_loading_timeout",
-        ("OPTION_MODEL_LOADING_TIMEOUT",),
-        "seconds > 0",
-        "Longest model load before start-up fails.",
-        ("SAGEMAKER_STARTUP_TIMEOUT",),
-    ),
-    Key(
-        "shutdown_grace_period",
-        "shutdown_grace_period",
-        ("SERVING_SHUTDOWN_GRACE_PERIOD",),
-        "seconds >= 0",
-        "On SIGTERM, how long in-flight requests may take to finish.",
-    ),
-    Key("log_level", "log_level", ("SERVING_LOG_LEVEL",), "DEBUG, INFO, WARNING or ERROR", "Log level."),
-)
-
-KEY_BY_NAME = {k.key: k for k in KEYS}
-KEY_BY_FIELD = {k.field: k for k in KEYS}
-KEY_BY_ALIAS = {alias: k for k in KEYS for alias in k.aliases}
 
 
 class Settings(BaseModel):
@@ -444,13 +199,6 @@ class Settings(BaseModel):
 def _text(value) -> str:
     """A setting's value as ``serving.properties`` text (``100``, not ``100.0``)."""
     return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
-
-
-def option_key(name: str) -> str:
-    """``model_id`` or ``option.model_id`` -> ``option.model_id``, as the container spells an
-    ``OPTION_*`` variable's key (lower case; LMI spells one option in camel case: ``entryPoint``)."""
-    name = name.lower().removeprefix("option.")
-    return "option.entryPoint" if name == "entrypoint" else f"option.{name}"
 
 
 def _canonical(key: str) -> str:

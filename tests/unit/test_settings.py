@@ -5,7 +5,8 @@ import sys
 import pytest
 
 from container.core.serving_properties import parse_properties
-from container.core.settings import KEY_BY_FIELD, KEYS, SettingsError, describe_settings, resolve_settings
+from container.core.setting_keys import KEY_BY_FIELD, KEYS
+from container.core.settings import SettingsError, describe_settings, resolve_settings
 from tests.server import REPO, clean_env
 
 
