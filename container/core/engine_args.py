@@ -29,9 +29,8 @@ from typing import Any, Literal
 
 from pydantic import TypeAdapter, ValidationError
 
-from container.core.dtypes import LMI_DTYPES, vllm_dtype
+from container.core.dtypes import vllm_dtype
 from container.core.handler_choice import uses_builtin_engine
-from container.core.served_names import served_names
 from container.core.setting_keys import KEYS
 from container.core.settings import Settings
 
@@ -45,8 +44,6 @@ SPECULATIVE = {
     "speculative_length": "num_speculative_tokens",
     "draft_model_tp_size": "draft_tensor_parallel_size",
 }
-# LMI's dtype words (the one table is container.core.dtypes; the vLLM engine reads this name)
-DTYPES = LMI_DTYPES
 # LMI options with no meaning for vLLM: accepted, with a warning saying why.
 IGNORED = {
     "lora_extra_vocab_size": "vLLM 0.32 has no lora_extra_vocab_size; adapters use the base vocabulary",
@@ -151,12 +148,6 @@ def check_engine_option(name: str, raw: str | None = None) -> None:
         kind = engine_args[target]
     if raw is not None:
         _check_value(name, raw, target, kind)
-
-
-def default_served_name(settings: Settings, model: str) -> str:
-    """The name the engine serves the model under (``model``: where it is); the derivation is
-    ``container.core.served_names``'s, this name stays for the vLLM engine's settings."""
-    return served_names(settings, model).engine
 
 
 def check_engine_options(settings: Settings, handler_dir: Path | None) -> None:

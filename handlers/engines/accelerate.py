@@ -35,6 +35,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from container.core.dtypes import canonical_dtype
 from container.core.errors import InputError
 from handlers.api import Input, Output
 from handlers.api.context import WorkerContext
@@ -68,15 +69,7 @@ PIPELINE_TASKS = {
 }
 EMBEDDING_TASKS = {"text-embedding": "AutoModel"}
 TASKS = {**GENERATION_TASKS, **PIPELINE_TASKS, **EMBEDDING_TASKS}
-DTYPES = {
-    "fp32": "float32",
-    "float32": "float32",
-    "fp16": "float16",
-    "float16": "float16",
-    "bf16": "bfloat16",
-    "bfloat16": "bfloat16",
-    "auto": "auto",
-}
+TORCH_DTYPES = {"auto", "float32", "float16", "bfloat16"}  # what transformers loads weights as (container.core.dtypes)
 
 
 def infer_task(model: str, revision: str | None = None, trust_remote_code: bool = False) -> str:
@@ -106,9 +99,9 @@ def load_kwargs(options: dict[str, str], revision: str | None, trust_remote_code
     kwargs: dict[str, Any] = {"revision": revision, "trust_remote_code": trust_remote_code}
     dtype = options.get("dtype")
     if dtype:
-        name = DTYPES.get(dtype.lower())
-        if name is None:
-            raise ValueError(f"option.dtype={dtype} is not one of {', '.join(DTYPES)}")
+        name = canonical_dtype(dtype)
+        if name not in TORCH_DTYPES:
+            raise ValueError(f"option.dtype={dtype}: the Accelerate engine loads fp32, fp16, bf16 or auto")
         kwargs["dtype"] = name if name == "auto" else getattr(torch, name)
     device_map = options.get("device_map") or ("auto" if gpus > 1 else "cuda:0" if gpus == 1 else None)
     if device_map:

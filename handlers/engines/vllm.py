@@ -37,6 +37,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from container.core.errors import HandlerError, InputError
+from container.core.served_names import served_names
 from handlers.api import Input, Output
 from handlers.api.context import WorkerContext
 from handlers.api.engine import Engine, Formatters
@@ -84,7 +85,8 @@ class VllmEngine(Engine):
         self.served_name = served[0] if isinstance(served, list) else served
         self.formatters = formatters
         self.openai = OpenAIFront(engine, self.served_name)
-        self.adapters = Adapters(engine, self.openai.models, self.served_name, bool(kwargs.get("enable_lora")))
+        names = (self.served_name, served_names(settings, context.launch.model_location).management)
+        self.adapters = Adapters(engine, self.openai.models, names, bool(kwargs.get("enable_lora")))
         self.lmi = LmiFront(engine, Formatter(settings.output_formatter, settings.tgi_compat), self.adapters)
         REGISTRY.register(UnfinishedRequests(engine.get_num_unfinished_requests))
 

@@ -8,7 +8,6 @@ vLLM's ``OpenAIServingModels`` holds the table, so that ``/v1/models`` and an Op
 from __future__ import annotations
 
 import itertools
-import os
 from typing import Any
 
 from vllm.entrypoints.openai.models.serving import OpenAIServingModels
@@ -20,10 +19,10 @@ ADAPTER_HEADER = "X-Amzn-SageMaker-Adapter-Identifier"
 
 
 class Adapters:
-    def __init__(self, engine: Any, models: OpenAIServingModels, served_name: str, lora: bool) -> None:
+    def __init__(self, engine: Any, models: OpenAIServingModels, names: tuple[str, str], lora: bool) -> None:
         self.engine = engine
         self.models = models
-        self.served_name = served_name
+        self.served_name, self.management_name = names  # container.core.served_names
         self.lora = lora  # option.enable_lora
         self._lora_ids = itertools.count(1)
 
@@ -62,8 +61,8 @@ class Adapters:
 
     def named(self, name: Any) -> LoRARequest | None:
         """The adapter ``name`` names (None for no name or the base model's); ``NotFound`` if unknown."""
-        if name is None or name == "" or name in (self.served_name, os.path.basename(self.served_name.rstrip("/"))):
-            return None  # the base model, by its served name or (as GET /models shows it) its last part
+        if name is None or name == "" or name in (self.served_name, self.management_name):
+            return None  # the base model, by its served name or the name GET /models shows
         if not isinstance(name, str):
             raise InputError(f"an adapter is named by a string, not {name!r}")
         request = self.table.get(name)

@@ -11,17 +11,17 @@ import dataclasses
 import logging
 from typing import Any
 
+from container.core.dtypes import vllm_dtype
 from container.core.engine_args import (
-    DTYPES,
     IGNORED,
     RENAMED,
     SPECULATIVE,
     EngineOptionError,
     check_engine_option,
     convert_option,
-    default_served_name,
     packaged_version,
 )
+from container.core.served_names import served_names
 from container.core.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ def build_engine_kwargs(
             speculative[key] = raw if key == "model" else convert_option(name, raw, key, int)
             continue
         if name == "dtype":
-            value = DTYPES.get(raw.lower(), raw)
+            value = vllm_dtype(raw)
             kwargs["dtype"] = convert_option(name, value, "dtype", fields["dtype"].type)
             continue
         check_engine_option(name)
@@ -81,5 +81,5 @@ def build_engine_kwargs(
             if name not in kwargs:
                 log.info("vLLM runs on the CPU: %s=%s (set option.%s to change)", name, value, name)
                 kwargs[name] = value
-    kwargs.setdefault("served_model_name", default_served_name(settings, model))
+    kwargs.setdefault("served_model_name", served_names(settings, model).engine)
     return kwargs

@@ -119,7 +119,8 @@ def test_vllms_kv_tokens_are_read_from_its_cache_config_metric():
 
 def test_every_dtype_word_the_engine_options_take_is_one_plan_sizes():
     from container.core.dtypes import element_bytes, vllm_dtype
-    from container.core.engine_args import DTYPES, packaged_engine_args
+    from container.core.dtypes import LMI_DTYPES as DTYPES
+    from container.core.engine_args import packaged_engine_args
 
     words = set(DTYPES) - {"auto"} | set(packaged_engine_args()["dtype"]) - {"auto"}
     shape = ModelShape.from_config(LLAMA_8B)
