@@ -368,9 +368,13 @@ class Worker:
 
     def _start_request(self, conn: Connection | DroppedAnswers, message: Invoke) -> asyncio.Task:
         request_id = message.properties.get("requestId", message.id)
-        context = contextvars.copy_context()
-        context.run(logs.request_id_var.set, request_id)
-        task = self.loop.create_task(self._serve_request(conn, message), context=context)
+
+        def start() -> asyncio.Task:  # in a copy of the context: the task runs in (a copy of) that one
+            logs.request_id_var.set(request_id)
+            return self.loop.create_task(self._serve_request(conn, message))
+
+        # Not create_task(context=...): that argument is Python 3.11's, and 3.10 is supported
+        task = contextvars.copy_context().run(start)
         conn.tasks[message.id] = task
         return task
 
