@@ -47,13 +47,15 @@ class PairList:
         pair_list: list | None = None,
         pair_map: dict | None = None,
     ) -> None:
+        self.keys: list
+        self.values: list
         if keys and values:
             if len(keys) != len(values):
                 raise ValueError("key value size mismatch.")
             self.keys, self.values = keys, values
             return
-        self.keys: list = []
-        self.values: list = []
+        self.keys = []
+        self.values = []
         if pair_list:
             for pair in pair_list:
                 self.keys.append(pair[0])
@@ -329,6 +331,8 @@ class Output:
         #: Per-item status of a batched answer (``error(..., batch_index=i)``): index -> code.
         self.item_codes: dict[int, int] = {}
         self._content_type_hint: str | None = None
+        #: An LMI async-mode answer: ``stream_content`` yields ``Output`` chunks (set by the worker).
+        self.chunked = False
 
     def __str__(self) -> str:
         return json.dumps(

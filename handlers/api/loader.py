@@ -89,7 +89,7 @@ def _import_file(path: Path) -> Any:
     return module
 
 
-def _builtin(settings: Settings) -> tuple[str, Path | None, str | None]:
+def _builtin(settings: Settings) -> tuple[str, None, str]:
     engine = settings.builtin_engine
     if not settings.model_id and not (Path(settings.model_dir) / "config.json").is_file():
         raise HandlerLoadError(
@@ -141,7 +141,11 @@ def load_handler(settings: Settings) -> Handler:
         sys.path.insert(0, str(root))
     log.info("loading handler from %s", origin)
     try:
-        module = _import_file(path) if path is not None else importlib.import_module(module_name)
+        if path is not None:
+            module = _import_file(path)
+        else:
+            assert module_name is not None  # _locate: exactly one of file and module
+            module = importlib.import_module(module_name)
     except HandlerLoadError:
         raise
     except BaseException as exc:  # SystemExit from a module is a failed import too

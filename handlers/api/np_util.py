@@ -121,7 +121,8 @@ def from_nd_list(encoded: bytes) -> list[np.ndarray]:
             order, idx = get_byte_as_int(encoded, idx)
             length, idx = get_int(encoded, idx)
             data, idx = get_bytes(encoded, idx, length)
-            dtype = np.dtype(_FROM_DJL.get(dtype_name, dtype_name.lower())).newbyteorder(chr(order))
+            # numpy types the byte order as its Literal characters; DJL writes one of them ('<', '>' ...)
+            dtype = np.dtype(_FROM_DJL.get(dtype_name, dtype_name.lower())).newbyteorder(chr(order))  # type: ignore[arg-type]
             arrays.append(np.frombuffer(data, dtype=dtype).reshape(shape))
         return arrays
     except (struct.error, TypeError) as exc:
