@@ -26,6 +26,7 @@ def _context(args: argparse.Namespace) -> WorkerContext:
     info.export()
     launch = decode_worker_launch(data)
     if info.rank == 0:
+        assert listener is not None  # rank 0 opens the relay's listener
         return WorkerContext(launch, launch.settings, 0, info.world_size, leader=Leader(info, listener))
     return WorkerContext(launch, launch.settings, info.rank, info.world_size, follower=Follower(info))
 

@@ -15,21 +15,25 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Generic, TypeVar
 
 from container.core.protocol import Invoke
 
 log = logging.getLogger("sagelmi.worker")
 
-Entry = tuple[object, Invoke]  # (the connection to answer on, the request)
+Conn = TypeVar("Conn")  # what a request is answered on
+Entry = tuple[Conn, Invoke]  # (the connection to answer on, the request)
 
 
-class Batcher:
-    def __init__(self, size: int, delay_ms: float, slots: int, run: Callable[[list[Entry]], Awaitable[None]]) -> None:
+class Batcher(Generic[Conn]):
+    def __init__(
+        self, size: int, delay_ms: float, slots: int, run: Callable[[list[Entry[Conn]]], Awaitable[None]]
+    ) -> None:
         self.size = size
         self.delay = delay_ms / 1000
         self.slots = asyncio.Semaphore(slots)
         self.run = run
-        self.queue: asyncio.Queue[Entry] = asyncio.Queue()
+        self.queue: asyncio.Queue[Entry[Conn]] = asyncio.Queue()
         self.dropped: set[str] = set()  # ids cancelled while queued or running
         self.running: set[asyncio.Task] = set()
         self._loop_task: asyncio.Task | None = None
@@ -37,7 +41,7 @@ class Batcher:
     def start(self) -> None:
         self._loop_task = asyncio.get_running_loop().create_task(self._form_batches())
 
-    def submit(self, conn: object, message: Invoke) -> None:
+    def submit(self, conn: Conn, message: Invoke) -> None:
         self.queue.put_nowait((conn, message))
 
     def cancel(self, message_id: str) -> None:
@@ -49,7 +53,7 @@ class Batcher:
         for task in list(self.running):
             task.cancel()
 
-    async def _take(self, timeout: float | None) -> Entry | None:
+    async def _take(self, timeout: float | None) -> Entry[Conn] | None:
         """The next request still wanted; ``None`` when ``timeout`` passed first."""
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
@@ -75,7 +79,9 @@ class Batcher:
         loop = asyncio.get_running_loop()
         while True:
             await self.slots.acquire()
-            batch = [await self._take(None)]
+            first = await self._take(None)
+            assert first is not None  # no timeout: it waits for one
+            batch = [first]
             deadline = loop.time() + self.delay
             while len(batch) < self.size:
                 entry = await self._take(max(deadline - loop.time(), 0))
@@ -87,7 +93,7 @@ class Batcher:
             self.running.add(task)
             task.add_done_callback(self.running.discard)
 
-    async def _run(self, batch: list[Entry]) -> None:
+    async def _run(self, batch: list[Entry[Conn]]) -> None:
         try:
             await self.run(batch)
         finally:

@@ -12,9 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 from container.core.protocol import Chunk, End, Head
 from container.worker.connection import Connection, DroppedAnswers
@@ -45,12 +45,13 @@ class Calls:
         self.handle, self.kind = handle, kind
 
     async def call(self, inputs: Input) -> Any:
-        kind = self.kind
+        kind, handle = self.kind, self.handle
+        assert handle is not None, "a call before handler_loaded()"  # the worker calls once it has loaded
         if kind in ("async_generator", "generator"):  # sagelmi's own: handle() itself streams
-            return Output().add_stream_content(self.handle(inputs), output_formatter=generator_item)
+            return Output().add_stream_content(handle(inputs), output_formatter=generator_item)
         if kind == "async":
-            return await self.handle(inputs)
-        call = self.loop.run_in_executor(self.executor, contextvars.copy_context().run, self.handle, inputs)
+            return await handle(inputs)
+        call = self.loop.run_in_executor(self.executor, contextvars.copy_context().run, handle, inputs)
         if not self.mpi:
             return await call
         # In MPI mode a queued call runs on every rank even if cancelled (see the module's docstring).
@@ -60,7 +61,7 @@ class Calls:
     async def stream(self, output: Output, cancelled: threading.Event) -> AsyncIterator[bytes]:
         stream = output.stream_content
         if hasattr(stream, "__aiter__"):
-            async for item in stream:
+            async for item in cast(AsyncIterator[Any], stream):
                 if isinstance(item, Output):  # LMI async mode: a chunk (async_utils), ending with last=True
                     data, last = chunk_of(item)
                     yield data
@@ -86,7 +87,7 @@ class Calls:
     ) -> None:
         """Run a synchronous stream to its end on a pool thread, handing each
         formatted item to the loop (waiting while the sender is behind)."""
-        iterator = iter(output.stream_content)
+        iterator = iter(cast(Iterable[Any], output.stream_content))  # a synchronous stream (see stream())
 
         def put(item) -> bool:
             while not room.acquire(timeout=0.5):
@@ -133,7 +134,7 @@ class Calls:
         await conn.send(End(id=rid))
 
     async def _peek_chunks(self, output: Output) -> Output:
-        stream = aiter(output.stream_content)
+        stream = aiter(cast(AsyncIterator[Any], output.stream_content))  # chunked: an async stream
         try:
             first = await anext(stream)
         except StopAsyncIteration:

@@ -32,6 +32,7 @@ import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from container.core.protocol import (
@@ -172,8 +173,8 @@ class Leader:
         self._send_lock = threading.Lock()
         self._metrics: dict[str, dict[int, str]] = {}
         self._metrics_cond = threading.Condition()
-        self.on_change: Callable[[], None] = lambda: None  # a follower's status changed (reader thread)
-        self.on_lost: Callable[[int], None] = lambda rank: None  # a follower went away (reader thread)
+        self.on_change: Callable[[], object] = lambda: None  # a follower's status changed (reader thread)
+        self.on_lost: Callable[[int], object] = lambda rank: None  # a follower went away (reader thread)
 
     def accept_followers(self) -> None:
         """Wait until every follower has connected and proved it belongs to the job."""
@@ -191,7 +192,7 @@ class Leader:
                 sock.settimeout(None)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 self.states[rank] = Status(state=WorkerState.LOADING, rank=rank)
-                peer = _Peer(sock, f"rank-{rank}", lambda m, r=rank: self._heard(r, m), lambda r=rank: self.on_lost(r))
+                peer = _Peer(sock, f"rank-{rank}", partial(self._heard, rank), partial(self._lost, rank))
                 self.peers.append(peer)
         except TimeoutError:
             raise RuntimeError(
@@ -214,6 +215,9 @@ class Leader:
                     self._metrics_cond.notify_all()
         else:
             log.warning("ignoring %s from rank %d", type(message).__name__, rank)
+
+    def _lost(self, rank: int) -> None:
+        self.on_lost(rank)
 
     def collect_metrics(self, timeout: float) -> dict[int, str]:
         """Every follower's Prometheus text, by rank (those that answer within ``timeout``)."""
@@ -246,8 +250,8 @@ class Follower:
     def __init__(self, info: RankInfo) -> None:
         self.info = info
         self.broadcasts: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
-        self.on_message: Callable[[Message], None] = lambda message: None  # Invoke/Cancel (reader thread)
-        self.on_lost: Callable[[], None] = lambda: None  # rank 0 went away (reader thread)
+        self.on_message: Callable[[Message], object] = lambda message: None  # Invoke/Cancel (reader thread)
+        self.on_lost: Callable[[], object] = lambda: None  # rank 0 went away (reader thread)
         self._peer: _Peer | None = None
 
     def connect(self) -> None:
@@ -275,6 +279,7 @@ class Follower:
         self._send(RankMetrics(id=request_id, text=text))
 
     def _send(self, message: Message) -> None:
+        assert self._peer is not None, "connect() first"
         try:
             self._peer.send(encode(message))
         except OSError as exc:

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import re
 import struct
+from collections.abc import AsyncIterator
 from email.parser import BytesParser
 from email.policy import HTTP
+from typing import Any, cast
 from urllib.parse import parse_qsl
 
 from container.core.errors import AnswerError, HandlerError, InputError
@@ -45,7 +47,8 @@ def _form_fields(body: bytes, content_type: str) -> list[tuple[str, bytes]]:
         name = part.get_param("name", header="content-disposition")
         if name is None:
             raise InputError("a part of the multipart/form-data body has no name")
-        fields.append((str(name), part.get_payload(decode=True) or b""))
+        payload = cast("bytes | None", part.get_payload(decode=True))  # decode=True: a leaf part's bytes
+        fields.append((str(name), payload or b""))
     return fields
 
 
@@ -91,8 +94,8 @@ def batch_input(messages: list[Invoke], common: dict) -> Input:
         prefix = batch_prefix(i)
         for key, value in message.properties.items():
             batch.properties[prefix + key] = value
-        for key, value in request_content(message):
-            batch.content.add(prefix + key, value)
+        for key, data in request_content(message):
+            batch.content.add(prefix + key, data)
     return batch
 
 
@@ -128,7 +131,9 @@ def split_batch(output: Output, size: int) -> list[Output]:
         answer._content_type_hint = output._content_type_hint
         answer.content.add(match.group(2) or "data", value)
         answers[index] = answer
-    return answers
+    # As many entries as requests, each index below size: every answer is set, unless the
+    # handler repeated an index (then another one is None: not checked here, as before).
+    return cast("list[Output]", answers)
 
 
 def binary_decode(data: bytes) -> dict[str, str] | None:
@@ -162,7 +167,7 @@ def to_output(result: object) -> Output:
     if result is None:
         return Output(code=204, message="No content")
     if hasattr(result, "__aiter__"):
-        output = Output().add_stream_content(result, None)
+        output = Output().add_stream_content(cast(AsyncIterator[Any], result), None)
         output.chunked = True
         return output
     raise HandlerError(f"Invalid output type: {type(result)}")

@@ -34,7 +34,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -67,6 +67,9 @@ from handlers.api.context import Formatters, WorkerContext, set_current
 from handlers.api.engine import Engine
 from handlers.api.loader import Handler, HandlerLoadError, load_handler
 
+if TYPE_CHECKING:
+    from container.worker.ranks import Follower, Leader
+
 log = logging.getLogger("sagelmi.worker")
 
 SHUTDOWN_TIMEOUT = 15.0
@@ -87,13 +90,22 @@ class Worker:
         self.executor = ThreadPoolExecutor(max_workers=self.settings.sync_handler_threads, thread_name_prefix="handler")
         self.connections: set[Connection] = set()
         self.dropped = DroppedAnswers()
-        self.batcher: Batcher | None = None
+        self.batcher: Batcher[Connection | DroppedAnswers] | None = None
         self.common: dict[str, Any] = {}  # properties LMI adds to every call (device_id, model_dir ...)
         self.stopping = asyncio.Event()
         self.loop = asyncio.get_running_loop()
         self.adapters = AdapterTable(self.loop)  # LoRA adapters the frontend registered (rank 0)
         self.calls = Calls(self.loop, self.executor, self.mpi)
         set_current(context, self.loop, Formatters())
+
+    # The context's relay, as the handler API types it, is the worker's own (container.worker.ranks)
+    @property
+    def leader(self) -> Leader | None:
+        return cast("Leader | None", self.context.leader)
+
+    @property
+    def follower(self) -> Follower | None:
+        return cast("Follower | None", self.context.follower)
 
     # -- lifecycle
     async def run(self) -> int:
@@ -123,7 +135,8 @@ class Worker:
                 self.batcher.stop()
             if server is not None:
                 server.close()
-            for conn in [*self.connections, self.dropped]:
+            conns: list[Connection | DroppedAnswers] = [*self.connections, self.dropped]
+            for conn in conns:
                 for task in conn.tasks.values():
                     task.cancel()
                 conn.close()
@@ -153,11 +166,11 @@ class Worker:
     async def _load(self) -> bool:
         started = time.monotonic()
         try:
-            if self.context.leader is not None:
-                await self._meet_followers()
-            if self.context.follower is not None:
-                self._follow()
-                await asyncio.to_thread(self.context.follower.connect)
+            if self.leader is not None:
+                await self._meet_followers(self.leader)
+            if self.follower is not None:
+                self._follow(self.follower)
+                await asyncio.to_thread(self.follower.connect)
             # Import on the loop's thread: some libraries insist on the main thread.
             self.handler = load_handler(self.settings)
             set_current(self.context, self.loop, self.handler.formatters)
@@ -166,6 +179,7 @@ class Worker:
                 self.engine = await self.handler.engine.start(self.context, self.handler.formatters)
                 self.calls.handler_loaded(self.engine.handle, self.handler.kind)
             else:
+                assert self.handler.fn is not None  # a handler is an engine or a model.py's handle
                 self.calls.handler_loaded(self.handler.fn, self.handler.kind)
                 # LMI's initialisation call: an empty Input with the model properties
                 properties = {**self.context.launch.model_properties, **self.common}
@@ -227,16 +241,17 @@ class Worker:
         if state is WorkerState.FAILED:
             log.error("could not load the model: %s", detail)
         self.own_state = Status(state=state, detail=detail, rank=self.context.rank)
-        if self.context.follower is not None:
-            self.context.follower.send_status(self.own_state)
+        if self.follower is not None:
+            self.follower.send_status(self.own_state)
         await self._publish()
         return state is WorkerState.READY
 
     def _group_status(self) -> Status:
         """Ready once every rank is; failed as soon as one failed (saying which)."""
         states = [self.own_state]
-        if self.context.leader is not None:
-            states += [self.context.leader.states[r] for r in sorted(self.context.leader.states)]
+        leader = self.leader
+        if leader is not None:
+            states += [leader.states[r] for r in sorted(leader.states)]
         failed = [s for s in states if s.state is WorkerState.FAILED]
         if failed:
             detail = failed[0].detail if not self.mpi else f"rank {failed[0].rank}: {failed[0].detail}"
@@ -263,8 +278,7 @@ class Worker:
                 pass
 
     # -- the other ranks (MPI mode)
-    async def _meet_followers(self) -> None:
-        leader = self.context.leader
+    async def _meet_followers(self, leader: Leader) -> None:
         leader.on_change = lambda: self.loop.call_soon_threadsafe(lambda: self.loop.create_task(self._publish()))
         leader.on_lost = lambda rank: self.loop.call_soon_threadsafe(self._rank_lost, rank)
         await asyncio.to_thread(leader.accept_followers)
@@ -272,13 +286,13 @@ class Worker:
     def _rank_lost(self, rank: int) -> None:
         if self.stopping.is_set():
             return
-        state = self.context.leader.states.get(rank)
+        assert self.leader is not None  # the leader reports a lost rank
+        state = self.leader.states.get(rank)
         if state is not None and state.state is WorkerState.FAILED:
             return  # its failure is already the group's state; start-up stops
         self._fatal(f"rank {rank} of the group went away", EXIT_RANK_LOST)
 
-    def _follow(self) -> None:
-        follower = self.context.follower
+    def _follow(self, follower: Follower) -> None:
 
         def on_message(message: Message) -> None:
             self.loop.call_soon_threadsafe(self._dispatch, self.dropped, message)
@@ -334,14 +348,14 @@ class Worker:
         """Handle one message from the frontend (or, on another rank, from rank 0)."""
         if isinstance(message, Invoke):
             if message.path == METRICS_PATH:
-                if self.context.follower is not None:  # rank 0 collects every rank's metrics
-                    self.context.follower.send_metrics(message.id, generate_latest().decode())
+                if self.follower is not None:  # rank 0 collects every rank's metrics
+                    self.follower.send_metrics(message.id, generate_latest().decode())
                     return
             elif self.batcher is not None and self.own_state.state is WorkerState.READY:
                 self.batcher.submit(conn, message)  # relayed with its batch (InvokeBatch)
                 return
-            elif self._relays():
-                self.context.leader.send(message)
+            elif (leader := self._relay()) is not None:
+                leader.send(message)
             self._start_request(conn, message)
         elif isinstance(message, (RegisterAdapter, UnregisterAdapter)):
             self.adapters.receive(conn, message)
@@ -353,18 +367,20 @@ class Worker:
                 if self.batcher is not None:
                     self.batcher.cancel(message.id)
                 return
-            if self._relays():
-                self.context.leader.send(message)
+            if (leader := self._relay()) is not None:
+                leader.send(message)
             task.cancel()
         else:
             log.warning("ignoring unexpected %s message", type(message).__name__)
 
-    def _relays(self) -> bool:
+    def _relay(self) -> Leader | None:
         """Rank 0 of an MPI group hands requests and cancels to the other ranks
-        (unless its built-in handler hands them work itself)."""
-        if self.context.leader is None or self.handler is None:
-            return False
-        return self.handler.engine is None or not self.handler.engine.requests_on_rank0_only
+        (unless its built-in handler hands them work itself): the leader then, else ``None``."""
+        if self.leader is None or self.handler is None:
+            return None
+        if self.handler.engine is None or not self.handler.engine.requests_on_rank0_only:
+            return self.leader
+        return None
 
     def _start_request(self, conn: Connection | DroppedAnswers, message: Invoke) -> asyncio.Task:
         request_id = message.properties.get("requestId", message.id)
@@ -408,8 +424,8 @@ class Worker:
 
     async def _serve_batch(self, batch: list[tuple[Connection | DroppedAnswers, Invoke]]) -> None:
         """Run one batch (``container.worker.batching``) and answer each of its requests."""
-        if self._relays():
-            self.context.leader.send(InvokeBatch(items=[message for _, message in batch]))
+        if (leader := self._relay()) is not None:
+            leader.send(InvokeBatch(items=[message for _, message in batch]))
         if len(batch) == 1:  # as in DJL Serving: a batch of one is an ordinary request
             task = self._start_request(*batch[0])
             await asyncio.wait({task})  # the batch's slot is free once it is answered
@@ -463,10 +479,10 @@ class Worker:
     async def _metrics(self) -> bytes:
         """This process's Prometheus text; in MPI mode every rank's, labelled ``rank``."""
         own = generate_latest()
-        if self.context.leader is None:
+        if self.leader is None:
             return own
         texts = {
             str(rank): text
-            for rank, text in (await asyncio.to_thread(self.context.leader.collect_metrics, METRICS_TIMEOUT)).items()
+            for rank, text in (await asyncio.to_thread(self.leader.collect_metrics, METRICS_TIMEOUT)).items()
         }
         return merge({"0": own.decode(), **texts}, "rank")
