@@ -14,10 +14,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from typing import TYPE_CHECKING, Any
 
 from handlers.api import Input, Output
 from handlers.api.context import current
 from handlers.engines.accelerate import ARCHITECTURES_2_TASK, task_of_architecture  # noqa: F401 - LMI names it here
+
+if TYPE_CHECKING:
+    from handlers.engines.accelerate import AccelerateEngine
 
 log = logging.getLogger(__name__)
 
@@ -78,18 +82,19 @@ class StopWord:
 
 class HuggingFaceService:
     def __init__(self) -> None:
-        self.hf_pipeline = None
-        self.hf_pipeline_unwrapped = None
+        # LMI's attributes: a model.py may read or set them (the model's objects, any class)
+        self.hf_pipeline: Any = None
+        self.hf_pipeline_unwrapped: Any = None
         self.initialized = False
-        self.model = None
-        self.tokenizer = None
-        self.rolling_batch = None
-        self.accelerate = None  # the Accelerate engine, with option.rolling_batch=disable
-        self.model_config = None
-        self.peft_config = None
-        self.stopping_criteria_list = None
+        self.model: Any = None
+        self.tokenizer: Any = None
+        self.rolling_batch: Any = None  # the engine serving the model (sagelmi's VllmEngine), once initialized
+        self.accelerate: AccelerateEngine | None = None  # the Accelerate engine, with option.rolling_batch=disable
+        self.model_config: Any = None
+        self.peft_config: Any = None
+        self.stopping_criteria_list: list[StopWord] | None = None
         self.adapter_registry: dict = {}
-        self.hf_configs: dict = {}
+        self.hf_configs: dict[str, Any] = {}
         self.input_format_args: dict = {}
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -98,12 +103,16 @@ class HuggingFaceService:
             running = asyncio.get_running_loop()
         except RuntimeError:
             running = None
-        if running is self._loop:
+        loop = self._loop
+        if running is loop:
             coroutine.close()
             raise RuntimeError(
                 "HuggingFaceService is synchronous: call it from a plain `def handle`, not from `async def handle`"
             )
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+        if loop is None:  # called from another loop's thread before initialize()
+            coroutine.close()
+            raise RuntimeError("HuggingFaceService is not initialized: call initialize(properties) first")
+        return asyncio.run_coroutine_threadsafe(coroutine, loop).result()
 
     def initialize(self, properties: dict) -> None:
         """Start the model's engine (sagelmi's vLLM engine) with the server's settings."""
@@ -185,7 +194,8 @@ class HuggingFaceService:
         """A ``transformers`` pipeline for ``task`` (text generation wrapped to LMI's answer)."""
         from transformers import pipeline
 
-        self.hf_pipeline_unwrapped = pipeline(task=task, model=model_id_or_path, **kwargs)
+        # transformers types ``task`` as one of its Literal task names; LMI's callers pass any
+        self.hf_pipeline_unwrapped = pipeline(task=task, model=model_id_or_path, **kwargs)  # type: ignore[call-overload]
         self.model = self.hf_pipeline_unwrapped.model
         self.tokenizer = self.hf_pipeline_unwrapped.tokenizer
         if task == "text-generation":
@@ -208,6 +218,8 @@ class HuggingFaceService:
         from transformers import AutoConfig
 
         path = model_config_path or self.hf_configs.get("model_id") or self.hf_configs.get("model_dir")
+        if path is None:  # an OSError, as transformers' for a model it cannot find
+            raise OSError("no model to infer the task from: pass model_config_path, or initialize() first")
         config = AutoConfig.from_pretrained(path, trust_remote_code=False)
         architecture = (getattr(config, "architectures", None) or [""])[0]
         task = task_of_architecture(architecture)

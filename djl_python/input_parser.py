@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from djl_python.encode_decode import decode
 from djl_python.request_io import RequestInput, TextInput
@@ -18,22 +18,24 @@ from handlers.api import Input
 
 SAGEMAKER_ADAPTER_IDENTIFIER_HEADER = "X-Amzn-SageMaker-Adapter-Identifier"
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+
 _PARSE_FAILED = "Input Parsing failed. Ensure that the request payload is valid. "
 
 
-def input_formatter(function: Callable) -> Callable:
+def input_formatter(function: _F) -> _F:
     """Mark ``function`` as the model's input formatter."""
-    function.is_input_formatter = True
+    function.is_input_formatter = True  # type: ignore[attr-defined]  # LMI's marker on the function itself
     return function
 
 
-def prediction_handler(function: Callable) -> Callable:
-    function.is_prediction_handler = True
+def prediction_handler(function: _F) -> _F:
+    function.is_prediction_handler = True  # type: ignore[attr-defined]  # LMI's marker on the function itself
     return function
 
 
-def init_handler(function: Callable) -> Callable:
-    function.is_init_handler = True
+def init_handler(function: _F) -> _F:
+    function.is_init_handler = True  # type: ignore[attr-defined]  # LMI's marker on the function itself
     return function
 
 

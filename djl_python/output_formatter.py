@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar, cast
 
-from djl_python.request_io import RequestOutput, Sequence, TextGenerationOutput
+from djl_python.request_io import RequestInput, RequestOutput, Sequence, TextGenerationOutput, TextInput
 
 log = logging.getLogger(__name__)
 
@@ -28,10 +28,18 @@ __all__ = [
 ]
 
 
-def output_formatter(function: Callable) -> Callable:
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def output_formatter(function: _F) -> _F:
     """Mark ``function`` as the model's output formatter."""
-    function.is_output_formatter = True
+    function.is_output_formatter = True  # type: ignore[attr-defined]  # LMI's marker on the function itself
     return function
+
+
+def _input_text(request: RequestInput) -> str | list[str] | None:
+    """The prompt of a text request (LMI's formatters read ``input.input_text``: a TextInput)."""
+    return cast(TextInput, request).input_text
 
 
 def _parameters(request_output: TextGenerationOutput) -> dict:
@@ -42,14 +50,14 @@ def get_generated_text(sequence: Sequence, request_output: TextGenerationOutput)
     parameters = _parameters(request_output)
     text = "".join(token.text for token in sequence.tokens)
     if parameters.get("return_full_text") and request_output.input is not None:
-        return f"{request_output.input.input_text}{text}"
+        return f"{_input_text(request_output.input)}{text}"
     return text
 
 
 def get_sequence_details(request_output: TextGenerationOutput, sequence_index: int = 0) -> dict:
     sequence = request_output.sequences[sequence_index]
     parameters = _parameters(request_output)
-    details = {
+    details: dict[str, Any] = {
         "finish_reason": sequence.finish_reason,
         "generated_tokens": len(sequence.tokens),
         "tokens": request_output.get_tokens_as_dict(sequence_index),
@@ -68,7 +76,7 @@ def get_details_dict(request_output: TextGenerationOutput, include_tokens: bool 
         details = get_sequence_details(request_output, request_output.best_sequence_index)
         if not include_tokens:
             details.pop("tokens", None)
-        details["inputs"] = request_output.input.input_text if request_output.input is not None else None
+        details["inputs"] = _input_text(request_output.input) if request_output.input is not None else None
         return details
     if request_output.error:
         return {"finish_reason": "error"}
@@ -96,6 +104,7 @@ def _jsonlines_output_formatter(request_output: TextGenerationOutput) -> str:
     lines = []
     while best.has_next_token():
         token, _, _, last = best.get_next_token()
+        assert token is not None  # has_next_token()
         line: dict[str, Any] = {"token": request_output._token_dict(token)}
         if last:
             line["generated_text"] = get_generated_text(best, request_output)
@@ -113,14 +122,16 @@ def sse_response_formatter(request_output: TextGenerationOutput) -> str:
 
 def adapt_legacy_output_formatter(request_output: TextGenerationOutput) -> str:
     """Call an old-style formatter ``f(token, first, last, details, text, id)`` per new token."""
-    formatter = request_output.input.output_formatter
+    # Called for a request whose input carries an old-style formatter function
+    request = cast(RequestInput, request_output.input)
+    formatter = cast(Callable[..., str], request.output_formatter)
     best = request_output.sequences[request_output.best_sequence_index]
     out = []
     while best.has_next_token():
         token, _, first, last = best.get_next_token()
         details = get_details_dict(request_output) if last else {}
         text = get_generated_text(best, request_output) if last else None
-        out.append(formatter(token, first, last, details, text, request_output.input.request_id))
+        out.append(formatter(token, first, last, details, text, request.request_id))
     return "".join(out)
 
 

@@ -15,7 +15,7 @@ log = logging.getLogger(__name__)
 try:  # transformers comes with vLLM; the base class only marks the streamer for generate()
     from transformers.generation.streamers import BaseStreamer
 except ImportError:  # pragma: no cover
-    BaseStreamer = object
+    BaseStreamer = object  # type: ignore[misc,assignment]  # without transformers: a plain base class
 
 
 class HFStreamer(BaseStreamer):
