@@ -31,7 +31,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,7 +115,13 @@ class _Item:
 
     index: int
     body: Any
-    request: LmiRequest | None = None
+    request: LmiRequest | None = None  # a generation task's (parse_request)
+
+    @property
+    def generation(self) -> LmiRequest:
+        """The request of an item of a generation task."""
+        assert self.request is not None, "not a generation task's item"
+        return self.request
 
 
 class AccelerateEngine(Engine):
@@ -129,9 +135,10 @@ class AccelerateEngine(Engine):
         self.tokenizer = tokenizer
         self.formatter = formatter
         self.known_generation = set(transformers.GenerationConfig().to_dict())
-        self.pipeline = None
+        self.pipeline: Callable[..., Any] | None = None
         if task in PIPELINE_TASKS:
-            self.pipeline = transformers.pipeline(task, model=model, tokenizer=tokenizer)
+            # transformers types ``task`` as one of its Literal task names: this one is a PIPELINE_TASKS key
+            self.pipeline = transformers.pipeline(task, model=model, tokenizer=tokenizer)  # type: ignore[call-overload]
         if task == "text-generation":
             self.tokenizer.padding_side = "left"  # a batch of prompts ends where generation starts
         if self.tokenizer.pad_token is None:
@@ -195,7 +202,7 @@ class AccelerateEngine(Engine):
                 outputs.error(str(exc), code=400, message="Bad Request", batch_index=i)
         streams = [it for it in items if it.request is not None and it.request.stream]
         for it in streams:  # a stream in a batch of several is answered whole, in its line format
-            outputs.add(b"".join(self._stream_lines(it.request)), batch_index=it.index)
+            outputs.add(b"".join(self._stream_lines(it.generation)), batch_index=it.index)
         groups: dict[str, list[_Item]] = {}
         for it in items:
             if it not in streams:
@@ -250,8 +257,10 @@ class AccelerateEngine(Engine):
         if self.task in EMBEDDING_TASKS:
             results = self._embed(flat)
         else:
+            pipeline = self.pipeline
+            assert pipeline is not None  # load(): a task neither generation nor embedding is a pipeline's
             try:
-                results = self.pipeline(flat, **parameters)
+                results = pipeline(flat, **parameters)
             except (TypeError, ValueError, KeyError) as exc:
                 raise InputError(f"{self.task}: {type(exc).__name__}: {exc}") from None
             except Exception as exc:
@@ -316,8 +325,8 @@ class AccelerateEngine(Engine):
     def _generate_answers(self, group: list[_Item]) -> list[Any]:
         import torch
 
-        request = group[0].request
-        prompts = [p for it in group for p in it.request.prompts]
+        request = group[0].generation
+        prompts = [p for it in group for p in it.generation.prompts]
         kwargs = self.generate_kwargs(request)
         encoded = self.tokenizer(prompts, return_tensors="pt", padding=True).to(self.model.device)
         self._seed(request)
@@ -333,8 +342,8 @@ class AccelerateEngine(Engine):
         ]
         answers, at = [], 0
         for it in group:
-            n = len(it.request.prompts)
-            answers.append(self.formatter.body(generations[at : at + n], it.request))
+            n = len(it.generation.prompts)
+            answers.append(self.formatter.body(generations[at : at + n], it.generation))
             at += n
         return answers
 

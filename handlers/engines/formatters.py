@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 from container.core.errors import HandlerError
 from handlers.api import Output
@@ -33,7 +33,8 @@ def formatted(output: Output, formatter) -> Output:
         output.content.add("data", _apply(formatter, json.loads(data)))
         return output
     sse = "text/event-stream" in str(output.get_property("content-type") or "")
-    output.stream_content = _formatted_stream(output.stream_content, formatter, sse)
+    # an engine's stream (what this formats) is asynchronous
+    output.stream_content = _formatted_stream(cast(AsyncIterator[Any], output.stream_content), formatter, sse)
     return output
 
 

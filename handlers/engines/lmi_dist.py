@@ -238,7 +238,8 @@ class LockstepAsyncLLM(AsyncLLM):
     def __init__(self, vllm_config, client: LeaderClient) -> None:
         # AsyncLLM builds its engine-core client in its constructor; hand it ours.
         make_client = EngineCoreClient.make_async_mp_client
-        EngineCoreClient.make_async_mp_client = staticmethod(lambda *args, **kwargs: client)
+        # a deliberate patch of vLLM's factory, for this constructor only
+        EngineCoreClient.make_async_mp_client = staticmethod(lambda *args, **kwargs: client)  # type: ignore[method-assign]
         try:
             super().__init__(
                 vllm_config,
@@ -247,7 +248,7 @@ class LockstepAsyncLLM(AsyncLLM):
                 usage_context=UsageContext.OPENAI_API_SERVER,
             )
         finally:
-            EngineCoreClient.make_async_mp_client = make_client
+            EngineCoreClient.make_async_mp_client = make_client  # type: ignore[method-assign]
 
 
 def _follow(lockstep: LockstepCore, context: WorkerContext, stopped: threading.Event) -> None:
@@ -337,15 +338,20 @@ class LmiDistEngine(Engine):
         follower.thread.start()
         return follower
 
+    def _rank0_front(self) -> VllmEngine:
+        """The front: requests and adapters reach rank 0 alone (``requests_on_rank0_only``)."""
+        assert self.front is not None, "only rank 0 has the engine's front"
+        return self.front
+
     async def handle(self, inputs: Input) -> Output | None:
-        return await self.front.handle(inputs)
+        return await self._rank0_front().handle(inputs)
 
     async def add_adapter(self, name: str, path: str) -> None:
         """Rank 0's engine front loads it; the LoRA call reaches every rank in the next plan."""
-        await self.front.add_adapter(name, path)
+        await self._rank0_front().add_adapter(name, path)
 
     async def remove_adapter(self, name: str) -> None:
-        await self.front.remove_adapter(name)
+        await self._rank0_front().remove_adapter(name)
 
     def check_health(self) -> None:
         """Raises once this rank's engine failed: the group restarts."""

@@ -37,18 +37,18 @@ class LmiParameters(BaseModel):
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
-    max_new_tokens: int = Field(DEFAULT_MAX_NEW_TOKENS, ge=1, le=INT64_MAX)
+    max_new_tokens: int = Field(default=DEFAULT_MAX_NEW_TOKENS, ge=1, le=INT64_MAX)
     do_sample: bool | None = None
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)  # vLLM checks -1, 0 or >= 1
-    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)  # vLLM checks -1, 0 or >= 1
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     stop_sequences: list[str] | str | None = None
-    repetition_penalty: float | None = Field(None, gt=0)
+    repetition_penalty: float | None = Field(default=None, gt=0)
     return_full_text: bool = False
     details: bool | None = None
     decoder_input_details: bool = False
-    top_n_tokens: int = Field(0, ge=0, le=INT64_MAX)
+    top_n_tokens: int = Field(default=0, ge=0, le=INT64_MAX)
     ignore_eos_token: bool = False
 
 

@@ -77,9 +77,9 @@ def build_engine_kwargs(
         speculative.setdefault("num_speculative_tokens", 5)  # LMI's default speculative_length
         kwargs["speculative_config"] = {**speculative, **(kwargs.get("speculative_config") or {})}
     if cpu:
-        for name, value in CPU_DEFAULTS.items():
+        for name, default in CPU_DEFAULTS.items():
             if name not in kwargs:
-                log.info("vLLM runs on the CPU: %s=%s (set option.%s to change)", name, value, name)
-                kwargs[name] = value
+                log.info("vLLM runs on the CPU: %s=%s (set option.%s to change)", name, default, name)
+                kwargs[name] = default
     kwargs.setdefault("served_model_name", served_names(settings, model).engine)
     return kwargs

@@ -5,9 +5,10 @@ logprobs, ``n``, usage, SSE ending with ``data: [DONE]``) are vLLM's."""
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncGenerator
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
@@ -84,11 +85,7 @@ class OpenAIFront:
 
     async def answer(self, kind: str, body: dict, path: str) -> Output:
         """Answer an OpenAI ``chat`` or ``completion`` body (its ``model`` already resolved)."""
-        request_cls, create = (
-            (ChatCompletionRequest, self.chat.create_chat_completion)
-            if kind == "chat"
-            else (CompletionRequest, self.completion.create_completion)
-        )
+        request_cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
         try:
             request = request_cls.model_validate(body)
         except ValidationError as exc:
@@ -98,8 +95,12 @@ class OpenAIFront:
             return _openai_error(path, 400, str(exc), param=getattr(exc, "parameter", None))
         except _MALFORMED as exc:  # a vLLM validator tripping over a body of the wrong shape
             return _openai_error(path, 400, _malformed(exc))
+        result: BaseModel | AsyncGenerator[str, None]  # a response (ErrorResponse too), or SSE lines
         try:
-            result = await create(request, None)
+            if isinstance(request, ChatCompletionRequest):
+                result = await self.chat.create_chat_completion(request, None)
+            else:
+                result = await self.completion.create_completion(request, None)
         except (VLLMClientError, ValueError) as exc:  # vLLM's request validation
             result = create_error_response(exc)
         except _MALFORMED as exc:  # vLLM's chat renderer tripping over a message of a shape it accepted
