@@ -51,7 +51,8 @@ def _ref(name: str) -> dict:
 
 def build() -> dict[str, Any]:
     """The document for the built-in vLLM engine, from the installed types (imports vLLM)."""
-    from pydantic.json_schema import models_json_schema
+    from pydantic import BaseModel
+    from pydantic.json_schema import JsonSchemaMode, models_json_schema
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest, ChatCompletionResponse
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest, CompletionResponse
     from vllm.entrypoints.serve.engine.protocol import ModelList
@@ -59,7 +60,7 @@ def build() -> dict[str, Any]:
     from container.core.errors import LmiError, OpenAIError
     from handlers.engines.lmi_schema import LmiAnswer, LmiBody
 
-    models = [
+    models: list[tuple[type[BaseModel], JsonSchemaMode]] = [
         (LmiBody, "validation"),
         (LmiAnswer, "serialization"),
         (ChatCompletionRequest, "validation"),

@@ -188,7 +188,7 @@ def decode(payload: bytes | memoryview) -> Message:
         raise ProtocolError(f"undecodable frame: {exc}") from exc
 
 
-def frame_length(header: bytes) -> int:
+def frame_length(header: bytes | memoryview) -> int:
     (length,) = FRAME_HEADER.unpack(header)
     if length > MAX_FRAME_BYTES:
         raise ProtocolError(f"frame of {length} bytes exceeds the {MAX_FRAME_BYTES} limit")

@@ -14,7 +14,7 @@ import json
 from flask import Flask, Response, request
 
 from container.core.errors import NotFound
-from container.core.launch import FrontendLaunch
+from container.core.launch import FrontendLaunch, ModelInfo
 from container.frontend.adapters import Adapter, AdapterRegistry
 from container.frontend.router import Router
 
@@ -28,9 +28,13 @@ def _card(adapter: Adapter) -> dict:
 
 
 def add_management_routes(app: Flask, router: Router, registry: AdapterRegistry, launch: FrontendLaunch) -> None:
-    model = launch.model
+    def served() -> ModelInfo:
+        # The supervisor's launch names the model; a frontend started without one (a test's) fails these routes
+        assert launch.model is not None, "the frontend's launch names no model"
+        return launch.model
 
     def check_model(name: str) -> None:
+        model = served()
         if name != model.name:
             raise NotFound(f"model {name!r} is not served here; this server serves {model.name!r} (GET /models)")
 
@@ -41,6 +45,7 @@ def add_management_routes(app: Flask, router: Router, registry: AdapterRegistry,
             for c, g in zip(router.groups, launch.groups)
         ]
         healthy, _ = router.health()
+        model = served()
         return _json(
             {
                 "models": [

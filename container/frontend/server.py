@@ -145,7 +145,7 @@ class GunicornBridge:
         response = getattr(start_response, "__self__", None)  # gunicorn's Response, headers not yet sent
         environ[WSGI_RESPONSE] = response
         result = self.app(environ, start_response)
-        if environ.get(CLOSE_CONNECTION) and hasattr(response, "force_close"):
+        if environ.get(CLOSE_CONNECTION) and response is not None and hasattr(response, "force_close"):
             response.force_close()
         return result
 
@@ -184,7 +184,7 @@ class FrontendServer(BaseApplication):
 
     def load(self):
         app = create_app(self.launch)
-        app.wsgi_app = GunicornBridge(app.wsgi_app)
+        app.wsgi_app = GunicornBridge(app.wsgi_app)  # type: ignore[method-assign]  # Flask's way to wrap its WSGI app
         return app
 
 

@@ -82,7 +82,7 @@ def write_tiny_model(directory: str | Path, max_model_len: int = 1024) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     _tokenizer(directory, max_model_len)
     ids = {name: i for i, name in enumerate(SPECIAL_TOKENS)}
-    config = LlamaConfig(
+    config = LlamaConfig(  # type: ignore[call-arg]  # transformers' typed config lacks keys its **kwargs take
         vocab_size=VOCAB_SIZE,
         hidden_size=128,
         intermediate_size=256,
@@ -126,7 +126,7 @@ def write_tiny_t5(directory: str | Path, max_model_len: int = 512) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     _tokenizer(directory, max_model_len)
     ids = {name: i for i, name in enumerate(SPECIAL_TOKENS)}
-    config = T5Config(
+    config = T5Config(  # type: ignore[call-arg]  # transformers' typed config lacks keys its **kwargs take
         vocab_size=VOCAB_SIZE,
         d_model=64,
         d_kv=32,
@@ -193,7 +193,7 @@ def write_tiny_bert(directory: str | Path, max_model_len: int = 512) -> Path:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     _bert_tokenizer(directory, max_model_len)
-    config = BertConfig(
+    config = BertConfig(  # type: ignore[call-arg]  # transformers' typed config lacks keys its **kwargs take
         vocab_size=VOCAB_SIZE,
         hidden_size=64,
         intermediate_size=128,
