@@ -230,10 +230,12 @@ class LocalEndpoint:
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.ready_timeout
+        process = self.process
+        assert process is not None  # start() started it
         while time.monotonic() < deadline:
-            if self.process.poll() is not None:
+            if process.poll() is not None:
                 raise RuntimeError(
-                    f"the server exited with {self.process.returncode} before it was ready; "
+                    f"the server exited with {process.returncode} before it was ready; "
                     f"its log ({self.log_path}) ends:\n{self.log_tail()}"
                 )
             if self.ping() == 200:

@@ -14,6 +14,7 @@ from typing import Any
 
 from sagemaker import s3
 from sagemaker.model import Model
+from sagemaker.session import Session
 
 from container.core.devices import resolve_tensor_parallel
 from container.core.setting_keys import option_key
@@ -181,6 +182,13 @@ class SagelmiModel(Model):
         """The settings the container will resolve (``container.core.settings.Settings``)."""
         return self.container.settings
 
+    def _session(self) -> Session:
+        """The SageMaker session: passed in, or set up by ``deploy()``."""
+        session = self.sagemaker_session
+        if session is None:
+            raise ValueError("this needs a SageMaker session: pass sagemaker_session=, or deploy() first")
+        return session
+
     # -- model data --------------------------------------------------------------------
 
     def prepare_container_def(self, *args, **kwargs):
@@ -191,7 +199,8 @@ class SagelmiModel(Model):
     def _upload_handler_dir(self) -> str:
         """Pack ``handler_dir`` and upload it to the session's default bucket (or
         ``code_location``); the S3 URI of the ``model.tar.gz``."""
-        session = self.sagemaker_session
+        assert self.handler_dir is not None  # prepare_container_def uploads a handler_dir only
+        session = self._session()
         if session.local_mode:
             return f"file://{self.handler_dir}"
         packed = pack_directory(self.handler_dir)
@@ -216,7 +225,7 @@ class SagelmiModel(Model):
         if self.settings.model_id is None and self.model_size_gb is not None:
             return float(self.model_size_gb)  # the model is the model data
         if isinstance(data, str) and data.startswith("s3://"):
-            return sizing.s3_gb(self.sagemaker_session.s3_client, data)
+            return sizing.s3_gb(self._session().s3_client, data)
         if self.handler_dir is not None:
             return sizing.directory_gb(self.handler_dir)
         return None
@@ -231,7 +240,7 @@ class SagelmiModel(Model):
         if model_id is None:
             return self.model_data_size()
         if model_id.startswith("s3://"):
-            return sizing.s3_gb(self.sagemaker_session.s3_client, model_id)
+            return sizing.s3_gb(self._session().s3_client, model_id)
         if Path(model_id).is_absolute():  # a path inside the container (the model data's)
             return self.model_data_size()
         return sizing.hub_gb(model_id, self.settings.revision, self.env.get("HF_TOKEN"))
@@ -281,14 +290,9 @@ class SagelmiModel(Model):
                 _gb(data_gb),
             )
             self._follow_startup_timeout(container_startup_health_check_timeout)
-        return super().deploy(
-            initial_instance_count,
-            instance_type,
-            *args,
-            model_data_download_timeout=model_data_download_timeout,
-            container_startup_health_check_timeout=container_startup_health_check_timeout,
-            **kwargs,
-        )
+        kwargs["model_data_download_timeout"] = model_data_download_timeout
+        kwargs["container_startup_health_check_timeout"] = container_startup_health_check_timeout
+        return super().deploy(initial_instance_count, instance_type, *args, **kwargs)
 
     def plan(self, instance_type: str):
         """``container.core.plan``'s plan of this model on ``instance_type`` with its settings
@@ -325,9 +329,9 @@ class SagelmiModel(Model):
             log.info("no plan for %s on %s (%s); deploying unchecked", model[0], instance_type, exc)
             return None
 
-    def check_fit(self, instance_type: str) -> None:
+    def check_fit(self, instance_type: str | None) -> None:
         """Raise ``DoesNotFit`` when the plan on ``instance_type`` says the model cannot run there."""
-        plan = self.plan(instance_type)
+        plan = self.plan(instance_type) if instance_type is not None else None  # no instance: nothing to check
         if plan is None:
             return
         (split,) = plan.splits

@@ -61,7 +61,8 @@ class SagelmiPredictor(Predictor):
             **kwargs,
         )
 
-    def predict(
+    # LMI's predictor takes the generation parameters second (the SDK's takes initial_args there)
+    def predict(  # type: ignore[override]
         self,
         data,
         parameters: dict | None = None,
@@ -86,7 +87,7 @@ class SagelmiPredictor(Predictor):
             component_name=component_name,
         )
 
-    def predict_stream(
+    def predict_stream(  # type: ignore[override]  # parameters second, as predict()
         self,
         data,
         parameters: dict | None = None,

@@ -83,9 +83,10 @@ def hub_gb(repo_id: str, revision: str | None = None, token: str | None = None, 
         info = HfApi(token=token).model_info(repo_id, revision=revision, files_metadata=True, timeout=timeout)
         sizes = {s.rfilename: s.size for s in info.siblings or []}
         wanted = selected_files(list(sizes))
-        if not wanted or any(sizes[name] is None for name in wanted):
+        known = [size for name in wanted if (size := sizes[name]) is not None]
+        if not wanted or len(known) != len(wanted):
             raise ValueError("the Hub gave no file sizes")
-        return sum(sizes[name] for name in wanted) / 1e9
+        return sum(known) / 1e9
     except Exception as exc:  # unreachable, private, gated, not installed: the size stays unknown, said once
         log.warning(
             "cannot size Hub model %s (%s); using the timeouts for an unknown size (or pass model_size_gb)",
