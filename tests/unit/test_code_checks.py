@@ -1,5 +1,6 @@
 """The rules a tool checks: the layers (import-linter's contracts in pyproject.toml), lint and
-format (ruff) over the product packages. Each runs as the test command runs it."""
+format (ruff) and types (mypy, its [tool.mypy] files) over the product packages. Each runs as
+the test command runs it."""
 
 import shutil
 import subprocess
@@ -13,9 +14,9 @@ BIN = Path(sys.executable).parent
 PACKAGES = ["container", "handlers", "djl_python", "sagemaker_sdk"]
 
 
-def _run(tool: str, *args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+def _run(tool: str, *args: str, cwd: Path = ROOT, timeout: float = 300) -> subprocess.CompletedProcess:
     env = {"PATH": f"{BIN}:/usr/bin:/bin", "PYTHONPATH": str(cwd), "HOME": str(cwd)}
-    return subprocess.run([str(BIN / tool), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run([str(BIN / tool), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def test_the_layers_hold():
@@ -54,3 +55,11 @@ def test_ruff_lint_and_format_are_clean():
     assert lint.returncode == 0, lint.stdout[-4000:]
     fmt = _run("ruff", "format", "--check", *PACKAGES)
     assert fmt.returncode == 0, fmt.stdout[-4000:] + "\nrun: ruff format " + " ".join(PACKAGES)
+
+
+@pytest.mark.timeout(900)
+def test_mypy_is_clean():
+    """The types of the product packages check (pyproject.toml's [tool.mypy]: its files, the
+    third-party packages followed silently). A first run without mypy's cache takes minutes."""
+    result = _run("mypy", timeout=840)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
