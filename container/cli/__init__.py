@@ -5,6 +5,7 @@ sagelmi config [--model-dir DIR] [--json]     print the resolved settings and th
 sagelmi tiny-model DIR [--arch t5|bert]       write a tiny random Llama (or T5, BERT) to try the engine offline
 sagelmi engine-args [--write]                 vLLM's engine arguments, as the packaged list holds them
 sagelmi openapi [--write]                     the OpenAPI document GET /openapi.json serves (from the installed types)
+sagelmi lmi-options [--write]                 LMI's option names and what sagelmi does with each (docs/lmi_options.md)
 sagelmi plan [--model-dir DIR | --model-id ID] [--instance TYPE | --gpus N --gpu-memory GIB] [--json] [NAME=VALUE ...]
                                               size a deployment before paying for it (container/core/plan.py)
 """
@@ -73,6 +74,12 @@ def _parser() -> argparse.ArgumentParser:
         "(vLLM's included), as container/frontend/openapi.json holds it",
     )
     openapi.add_argument("--write", action="store_true", help="write it to container/frontend/openapi.json")
+    lmi_options = sub.add_parser(
+        "lmi-options",
+        help="print the page of LMI's option names and what sagelmi does with each, from "
+        "container/core/lmi_options.json, as docs/lmi_options.md holds it",
+    )
+    lmi_options.add_argument("--write", action="store_true", help="write it to docs/lmi_options.md")
     plan_cli.add_parser(sub)
     return parser
 
@@ -106,6 +113,22 @@ def _openapi(write: bool) -> int:
     return 0
 
 
+# docs/ is in the source tree only: --write is for a checkout
+LMI_OPTIONS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "lmi_options.md"
+
+
+def _lmi_options(write: bool) -> int:
+    from container.core.lmi_options import reference_page
+
+    text = reference_page()
+    if write:
+        LMI_OPTIONS_PAGE.write_text(text)
+        print(LMI_OPTIONS_PAGE)
+    else:
+        print(text, end="")
+    return 0
+
+
 def _print_config(settings, as_json: bool) -> None:
     rows = describe_settings(settings)
     if as_json:
@@ -133,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         return _engine_args(args.write)
     if args.command == "openapi":
         return _openapi(args.write)
+    if args.command == "lmi-options":
+        return _lmi_options(args.write)
     if args.command == "plan":
         try:
             return plan_cli.run(args)

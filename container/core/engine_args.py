@@ -5,9 +5,11 @@ The typed LMI settings that are engine arguments (``max_rolling_batch_size`` ->
 from the settings schema (``container.core.setting_keys.KEYS``, each with its
 ``engine_arg``). Of the other ``option.x`` values, LMI's names for engine
 arguments are translated (``dtype`` words, ``cpu_offload_gb_per_gpu``, the
-speculative-decoding trio -> ``speculative_config``), and any name that is a vLLM
-engine argument passes through, its text converted to the argument's type. A
-name that is neither stops start-up, naming the nearest valid names.
+speculative-decoding names -> ``speculative_config``), and any name that is a vLLM
+engine argument passes through, its text converted to the argument's type. LMI's
+names that vLLM does not take (``lmi_options.json``: other engines' options, the
+chat front's) are accepted, the ignored ones with one WARNING line. A name that
+is none of these stops start-up, naming the nearest valid names.
 
 Which names are vLLM engine arguments is read from ``vllm_engine_args.json``
 next to this module (name -> a simple kind of value), generated from the
@@ -31,6 +33,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from container.core.dtypes import vllm_dtype
 from container.core.handler_choice import uses_builtin_engine
+from container.core.lmi_options import lmi_options, option_entry
 from container.core.setting_keys import KEYS
 from container.core.settings import Settings
 
@@ -38,19 +41,23 @@ log = logging.getLogger(__name__)
 
 # LMI name -> vLLM engine argument, for LMI options that are not sagelmi settings
 RENAMED = {"cpu_offload_gb_per_gpu": "cpu_offload_gb"}
-# LMI's speculative-decoding options, folded into speculative_config
+# LMI's speculative-decoding options (lmi-dist's and vLLM 0.6's names): name -> (speculative_config field, kind)
 SPECULATIVE = {
-    "speculative_draft_model": "model",
-    "speculative_length": "num_speculative_tokens",
-    "draft_model_tp_size": "draft_tensor_parallel_size",
+    "speculative_draft_model": ("model", "str"),
+    "speculative_model": ("model", "str"),
+    "draft_model_id": ("model", "str"),
+    "speculative_length": ("num_speculative_tokens", "int"),
+    "num_speculative_tokens": ("num_speculative_tokens", "int"),
+    "spec_length": ("num_speculative_tokens", "int"),
+    "draft_model_tp_size": ("draft_tensor_parallel_size", "int"),
+    "speculative_draft_tensor_parallel_size": ("draft_tensor_parallel_size", "int"),
+    "speculative_model_quantization": ("quantization", "str"),
+    "speculative_max_model_len": ("max_model_len", "int"),
+    "ngram_prompt_lookup_max": ("prompt_lookup_max", "int"),
+    "ngram_prompt_lookup_min": ("prompt_lookup_min", "int"),
 }
-# LMI options with no meaning for vLLM: accepted, with a warning saying why.
-IGNORED = {
-    "lora_extra_vocab_size": "vLLM 0.32 has no lora_extra_vocab_size; adapters use the base vocabulary",
-    "record_acceptance_rate": "speculative decoding acceptance is reported in /metrics (vllm:spec_decode_*)",
-    "enable_streaming": 'streaming is chosen per request ("stream": true)',
-    "parallel_loading": "each worker group loads its model on its own",
-}
+# LMI options the worker groups get as environment variables, read by a library vLLM loads
+ENVIRONMENT = {"lmcache_config_file": "LMCACHE_CONFIG_FILE"}
 
 
 class EngineOptionError(ValueError):
@@ -82,7 +89,9 @@ def _unknown(name: str, engine_args: typing.Iterable[str]) -> EngineOptionError:
         set(engine_args)
         | set(RENAMED)
         | set(SPECULATIVE)
+        | set(ENVIRONMENT)
         | {"dtype"}
+        | {e.name[len("option.") :] for e in lmi_options() if e.is_option and e.handling != "warn"}
         | {k.key[len("option.") :] for k in KEYS if k.key.startswith("option.")}
     )
     close = difflib.get_close_matches(name, sorted(valid), n=3, cutoff=0.6)
@@ -125,6 +134,16 @@ def _check_value(name: str, raw: str, target: str, kind: str | list) -> None:
             ) from None
 
 
+def is_engine_argument(name: str) -> bool:
+    """Whether ``option.<name>`` (not a sagelmi setting) becomes one of vLLM's engine
+    arguments: not an LMI name that vLLM's engine never sees (``warn`` and ``front``
+    entries of ``lmi_options.json``, but ``reasoning_parser``, which is both)."""
+    entry = option_entry(name)
+    if entry is None or entry.handling not in ("warn", "front"):
+        return name not in ENVIRONMENT
+    return entry.handling == "front" and name in packaged_engine_args()
+
+
 def check_engine_option(name: str, raw: str | None = None) -> None:
     """Refuse ``option.<name>`` (an option that is not a sagelmi setting) for the
     built-in engine unless it is an LMI option or a vLLM engine argument in the
@@ -134,10 +153,13 @@ def check_engine_option(name: str, raw: str | None = None) -> None:
     The one check the container (``build_engine_kwargs``) and the SDK run.
     Raises ``EngineOptionError``."""
     engine_args = packaged_engine_args()
-    if name in IGNORED:
+    if not is_engine_argument(name):
+        # the chat front's, ignored ones (check_engine_options says so), or a file
+        # engine_environment checks at start-up
         return
     if name in SPECULATIVE:
-        target, kind = SPECULATIVE[name], "str" if name == "speculative_draft_model" else "int"
+        target, kind = SPECULATIVE[name]
+        target = f"speculative_config.{target}"
     elif name == "dtype":
         target, kind = "dtype", engine_args.get("dtype", "any")
         raw = raw if raw is None else vllm_dtype(raw)
@@ -153,9 +175,34 @@ def check_engine_option(name: str, raw: str | None = None) -> None:
 def check_engine_options(settings: Settings, handler_dir: Path | None) -> None:
     """Refuse, before anything starts or downloads, an ``option.*`` the built-in engine would
     refuse: the one check ``sagelmi config``, ``sagelmi serve`` and the SDK run on resolved
-    settings. Nothing is checked when a ``model.py`` or the Accelerate engine serves (their
-    options are theirs). Raises ``EngineOptionError`` naming the option and the nearest names."""
+    settings. An LMI name sagelmi ignores is accepted with one WARNING line saying what
+    sagelmi does instead (here only: the worker skips it silently). Nothing is checked when
+    a ``model.py`` or the Accelerate engine serves (their options are theirs). Raises
+    ``EngineOptionError`` naming the option and the nearest names."""
     if not uses_builtin_engine(settings, handler_dir):
         return
     for name, raw in settings.passthrough_options().items():
+        entry = option_entry(name)
+        if entry is not None and entry.handling == "warn":
+            warning = entry.warning(raw)
+            if warning:
+                log.warning("%s", warning)
+            continue
         check_engine_option(name, raw)
+
+
+def engine_environment(settings: Settings) -> dict[str, str]:
+    """Environment variables the worker groups get from LMI options (``ENVIRONMENT``):
+    ``option.lmcache_config_file`` -> ``LMCACHE_CONFIG_FILE``, a relative path being in
+    the model directory, as LMI resolves it. Raises ``EngineOptionError`` for a file that
+    does not exist (LMI stops too)."""
+    out = {}
+    options = settings.passthrough_options()
+    for name, variable in ENVIRONMENT.items():
+        if name not in options:
+            continue
+        path = Path(settings.model_dir) / options[name]  # an absolute value stays itself
+        if not path.is_file():
+            raise EngineOptionError(f"option.{name}={options[name]!r}: no such file ({path})")
+        out[variable] = str(path.absolute())
+    return out

@@ -119,6 +119,7 @@ KEYS: tuple[Key, ...] = (
         "a whole number >= 1",
         "Worker groups to start when there are no accelerators.",
         ("SAGEMAKER_MODEL_SERVER_WORKERS", "SAGEMAKER_NUM_MODEL_WORKERS"),
+        aliases=("minWorkers",),
     ),
     Key(
         "max_workers",
@@ -127,6 +128,7 @@ KEYS: tuple[Key, ...] = (
         "a whole number >= 1",
         "Upper bound on worker groups (with accelerators: devices / tensor_parallel_degree).",
         ("SAGEMAKER_MODEL_SERVER_WORKERS", "SAGEMAKER_NUM_MODEL_WORKERS"),
+        aliases=("maxWorkers",),
     ),
     Key(
         "sync_handler_threads",

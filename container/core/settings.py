@@ -29,6 +29,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from container.core.lmi_options import server_entry
 from container.core.serving_properties import read_properties
 from container.core.setting_keys import KEY_BY_ALIAS, KEY_BY_FIELD, KEY_BY_NAME, KEYS, option_key
 
@@ -238,6 +239,10 @@ def _read_env(env: Mapping[str, str], layers: _Layers) -> None:
         if name.startswith("OPTION_") and len(name) > len("OPTION_"):
             layers.set(option_key(name[len("OPTION_") :]), value, f"env {name}")
         elif name.startswith("SERVING_") and len(name) > len("SERVING_"):
+            entry = server_entry(name[len("SERVING_") :])  # LMI: <key> -> SERVING_<KEY>
+            if entry is not None and entry.warning(value):
+                log.warning("environment variable %s: %s", name, entry.warning(value))
+                continue
             known = [n for k in KEYS for n in k.env if n.startswith("SERVING_")]
             log.warning(
                 "environment variable %s is not a sagelmi setting and is ignored%s", name, _nearest(name, known)
@@ -249,8 +254,11 @@ def _read_file(model_dir: Path, layers: _Layers) -> None:
         key = _canonical(raw_key)
         key = KEY_BY_ALIAS[key].key if key in KEY_BY_ALIAS else key
         source = f"serving.properties line {line}"
+        entry = server_entry(key)
         if key.startswith("option.") or key in KEY_BY_NAME:
             layers.set(key, value, source)
+        elif entry is not None and entry.handling == "warn":
+            log.warning("%s (%s)", entry.warning(), source)  # LMI's name: say what sagelmi does instead
         else:
             log.warning(
                 "%s=%s (%s) is not a sagelmi setting and is ignored%s",

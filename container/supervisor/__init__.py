@@ -29,6 +29,7 @@ from pathlib import Path
 from container.core import proc
 from container.core.artifacts import ArtifactError, fetch_model
 from container.core.devices import GroupPlan, cpu_binding, discover_devices, plan_groups
+from container.core.engine_args import EngineOptionError, engine_environment
 from container.core.handler_choice import uses_builtin_engine
 from container.core.launch import FrontendLaunch, GroupAddress, ModelInfo, WorkerLaunch, encode_launch
 from container.core.protocol import WorkerState
@@ -96,8 +97,10 @@ class WorkerGroup:
         model_location: str,
         mpirun: str | None,
         cpu_binding: str | None,
+        environment: dict[str, str] | None = None,
     ) -> None:
         self.plan = plan
+        self.environment = environment or {}  # what LMI options set (engine_environment)
         self.settings = settings
         self.mpirun = mpirun
         self.cpu_binding = cpu_binding
@@ -133,7 +136,7 @@ class WorkerGroup:
         self.restart_at: float | None = None
 
     def _env(self) -> dict[str, str]:
-        env = dict(os.environ)
+        env = {**os.environ, **self.environment}
         if self.plan.cuda_visible_devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.plan.cuda_visible_devices
         if self.cpu_binding is not None and "VLLM_CPU_OMP_THREADS_BIND" not in env:
@@ -348,6 +351,10 @@ class Supervisor:
                 ", ".join(f"{p.index}: {p.cuda_visible_devices or 'cpu'}" for p in plans),
             )
             binding = cpu_binding(plans) if not devices else {}
+            try:
+                environment = engine_environment(self.settings)
+            except EngineOptionError as exc:
+                raise StartupError(str(exc)) from None
             self._bind()
             self._start_frontend(plans)
             self._install_requirements()
@@ -368,6 +375,7 @@ class Supervisor:
                     model_location,
                     mpirun,
                     binding.get(plan.index) if plan.world_size > 1 else None,
+                    environment,
                 )
                 for plan in plans
             ]

@@ -124,7 +124,7 @@ def find_mpirun() -> str:
 
 
 # Variables a rank on another machine needs from this one (mpirun -x); local ranks inherit everything.
-_FORWARDED_PREFIXES = ("VLLM_", "HF_", "NCCL_", "GLOO_", "OMP_", "AWS_", "SAGELMI_")
+_FORWARDED_PREFIXES = ("VLLM_", "HF_", "NCCL_", "GLOO_", "OMP_", "AWS_", "SAGELMI_", "LMCACHE_")
 _FORWARDED_NAMES = ("CUDA_VISIBLE_DEVICES", "PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "HOME", "TMPDIR")
 
 

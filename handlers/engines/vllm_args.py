@@ -13,12 +13,12 @@ from typing import Any
 
 from container.core.dtypes import vllm_dtype
 from container.core.engine_args import (
-    IGNORED,
     RENAMED,
     SPECULATIVE,
     EngineOptionError,
     check_engine_option,
     convert_option,
+    is_engine_argument,
     packaged_version,
 )
 from container.core.served_names import served_names
@@ -50,12 +50,13 @@ def build_engine_kwargs(
     kwargs: dict[str, Any] = {"model": model, **settings.engine_settings(tensor_parallel_degree)}
     speculative: dict[str, Any] = {}
     for name, raw in settings.passthrough_options().items():
-        if name in IGNORED:
-            log.warning("option.%s is ignored: %s", name, IGNORED[name])
+        if not is_engine_argument(name):
+            # LMI's names for other engines and the chat front; the settings check warned once
+            log.debug("option.%s is not a vLLM engine argument: not passed to the engine", name)
             continue
         if name in SPECULATIVE:
-            key = SPECULATIVE[name]
-            speculative[key] = raw if key == "model" else convert_option(name, raw, key, int)
+            key, kind = SPECULATIVE[name]
+            speculative[key] = convert_option(name, raw, f"speculative_config.{key}", int if kind == "int" else str)
             continue
         if name == "dtype":
             value = vllm_dtype(raw)
@@ -71,9 +72,8 @@ def build_engine_kwargs(
         kwargs[target] = convert_option(name, raw, target, fields[target].type)
     if speculative:
         if "model" not in speculative:
-            raise EngineOptionError(
-                "option.speculative_length / draft_model_tp_size need option.speculative_draft_model"
-            )
+            given = ", ".join(f"option.{n}" for n in settings.passthrough_options() if n in SPECULATIVE)
+            raise EngineOptionError(f"{given} need option.speculative_draft_model (the draft model, or [ngram])")
         speculative.setdefault("num_speculative_tokens", 5)  # LMI's default speculative_length
         kwargs["speculative_config"] = {**speculative, **(kwargs.get("speculative_config") or {})}
     if cpu:

@@ -168,10 +168,16 @@ def test_a_handler_dir_is_packed_with_its_files_at_the_root(tmp_path):
 
 @pytest.mark.parametrize("kwargs", [{"rolling_batch": "disable"}, {"options": {"task": "text-embedding"}}],
                          ids=["rolling_batch=disable", "task"])
-def test_the_accelerate_engines_options_are_not_vllms(kwargs):
-    """On the Accelerate engine option.device_map is a transformers argument, not a vLLM name to refuse."""
+def test_the_accelerate_engines_options_are_not_vllms(kwargs, caplog):
+    """On the Accelerate engine option.device_map is a transformers argument; when vLLM serves, it is
+    accepted with one warning saying vLLM does not use it (container/core/lmi_options.json)."""
     options = {**kwargs.pop("options", {}), "device_map": "auto"}
-    made = model(model_id="org/model", options=options, **kwargs)
+    with caplog.at_level("WARNING"):
+        made = model(model_id="org/model", options=options, **kwargs)
+    assert made.env["OPTION_DEVICE_MAP"] == "auto" and not caplog.records
+    with caplog.at_level("WARNING"):
+        made = model(model_id="org/model", options={"device_map": "auto"})  # vLLM serves: ignored, said once
     assert made.env["OPTION_DEVICE_MAP"] == "auto"
-    with pytest.raises(EngineOptionError, match="option.device_map is neither an LMI option nor a vLLM engine"):
-        model(model_id="org/model", options={"device_map": "auto"})  # vLLM serves: refused
+    assert [r.getMessage() for r in caplog.records] == [
+        "option.device_map is ignored: it applies to the Hugging Face Accelerate engine (option.rolling_batch="
+        "disable), not to the vLLM engine serving this model"]

@@ -55,6 +55,34 @@ def test_speculative_options_fold_into_speculative_config():
         build(speculative_length=4)
 
 
+def test_lmi_older_speculative_names_fold_into_speculative_config():
+    kwargs = build(speculative_model="org/draft", num_speculative_tokens=3, speculative_model_quantization="fp8",
+                   speculative_draft_tensor_parallel_size=1, speculative_max_model_len=2048)
+    assert kwargs["speculative_config"] == {"model": "org/draft", "num_speculative_tokens": 3, "quantization": "fp8",
+                                            "draft_tensor_parallel_size": 1, "max_model_len": 2048}
+    kwargs = build(speculative_model="[ngram]", ngram_prompt_lookup_max=4, ngram_prompt_lookup_min=1)
+    assert kwargs["speculative_config"] == {"model": "[ngram]", "prompt_lookup_max": 4, "prompt_lookup_min": 1,
+                                            "num_speculative_tokens": 5}
+    kwargs = build(draft_model_id="org/draft", spec_length=2)  # LMI's Properties spelling
+    assert kwargs["speculative_config"] == {"model": "org/draft", "num_speculative_tokens": 2}
+    with pytest.raises(EngineOptionError, match="option.ngram_prompt_lookup_max need option.speculative_draft_model"):
+        build(ngram_prompt_lookup_max=4)
+
+
+def test_lmi_names_vllm_does_not_take_are_skipped_without_a_second_warning(caplog):
+    """The settings check warned once (tests/unit/test_lmi_options.py); the worker says nothing more."""
+    with caplog.at_level("INFO"):
+        kwargs = build(async_mode="false", max_input_len=1024, enable_stateful_sessions="true", device_map="auto",
+                       enable_auto_tool_choice="true", tool_call_parser="hermes", chat_template="t.jinja",
+                       chat_template_content_format="openai", enable_reasoning="true", tool_parser_plugin="p.py",
+                       reasoning_parser="deepseek_r1", lmcache_config_file="lmcache.yaml", mapLocation="cpu")
+    assert not [r for r in caplog.records if r.levelno >= 30]
+    assert kwargs["reasoning_parser"] == "deepseek_r1"  # a vLLM engine argument too
+    assert not {"async_mode", "max_input_len", "enable_stateful_sessions", "device_map", "enable_auto_tool_choice",
+                "tool_call_parser", "chat_template", "chat_template_content_format", "enable_reasoning",
+                "tool_parser_plugin", "lmcache_config_file", "maplocation", "mapLocation"} & set(kwargs)
+
+
 def test_server_options_and_obsolete_ones_are_not_engine_arguments():
     kwargs = build(entryPoint="x", rolling_batch="vllm", output_formatter="sse", lora_extra_vocab_size=256,
                    predict_timeout=5, tgi_compat="true", mpi_extra_args="--oversubscribe", enable_streaming="true")
@@ -112,7 +140,8 @@ def test_the_shared_check_accepts_engine_arguments_and_lmi_names(name, raw):
     ("max_lora_rank", "7", "option.max_lora_rank='7' is not a valid value for vLLM's max_lora_rank"),
     ("dtype", "fp8", "option.dtype='fp8' is not a valid value for vLLM's dtype"),
     ("enforce_eager", "maybe", "option.enforce_eager='maybe' is not a valid value for vLLM's enforce_eager"),
-    ("speculative_length", "x", "option.speculative_length='x' is not a valid value for vLLM's num_speculative"),
+    ("speculative_length", "x", "option.speculative_length='x' is not a valid value for vLLM's "
+                                "speculative_config.num_speculative_tokens"),
     ("cpu_offload_params", "a,b", "expected JSON"),
 ])
 def test_the_shared_check_refuses_unknown_names_and_values_of_the_wrong_kind(name, raw, message):
