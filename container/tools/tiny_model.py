@@ -48,7 +48,7 @@ def _corpus(lines: int = 4000) -> list[str]:
     return out
 
 
-def _tokenizer(directory: Path, max_model_len: int) -> None:
+def _tokenizer(directory: Path, max_model_len: int, extra_tokens: tuple[str, ...] = ()) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -57,7 +57,7 @@ def _tokenizer(directory: Path, max_model_len: int) -> None:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB_SIZE,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=SPECIAL_TOKENS + list(extra_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -73,14 +73,16 @@ def _tokenizer(directory: Path, max_model_len: int) -> None:
     fast.save_pretrained(directory)
 
 
-def write_tiny_model(directory: str | Path, max_model_len: int = 1024) -> Path:
-    """Write the model and tokenizer into ``directory`` (created if needed)."""
+def write_tiny_model(directory: str | Path, max_model_len: int = 1024, extra_tokens: tuple[str, ...] = ()) -> Path:
+    """Write the model and tokenizer into ``directory`` (created if needed). ``extra_tokens``:
+    more special tokens in the vocabulary (``<think>``, ``<tool_call>`` ... for the parsers
+    that need them); another vocabulary, so another model."""
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    _tokenizer(directory, max_model_len)
+    _tokenizer(directory, max_model_len, extra_tokens)
     ids = {name: i for i, name in enumerate(SPECIAL_TOKENS)}
     config = LlamaConfig(  # type: ignore[call-arg]  # transformers' typed config lacks keys its **kwargs take
         vocab_size=VOCAB_SIZE,

@@ -36,6 +36,7 @@ from vllm.platforms import current_platform
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 
+from container.core.chat_options import chat_options
 from container.core.errors import HandlerError, InputError
 from container.core.served_names import served_names
 from handlers.api import Input, Output
@@ -84,7 +85,7 @@ class VllmEngine(Engine):
         self.engine = engine
         self.served_name = served[0] if isinstance(served, list) else served
         self.formatters = formatters
-        self.openai = OpenAIFront(engine, self.served_name)
+        self.openai = OpenAIFront(engine, self.served_name, chat_options(settings), settings.model_dir)
         names = (self.served_name, served_names(settings, context.launch.model_location).management)
         self.adapters = Adapters(engine, self.openai.models, names, bool(kwargs.get("enable_lora")))
         self.lmi = LmiFront(engine, Formatter(settings.output_formatter, settings.tgi_compat), self.adapters)

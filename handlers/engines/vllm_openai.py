@@ -20,8 +20,10 @@ from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 from vllm.exceptions import VLLMClientError
 from vllm.renderers.online_renderer import OnlineRenderer
 
+from container.core.chat_options import ChatOptions
 from container.core.errors import AnswerError, InputError, NotFound, OpenAIError, OpenAIErrorInfo, is_openai_path
 from handlers.api import Output
+from handlers.engines.chat_setup import chat_template, check_parsers
 
 log = logging.getLogger("sagelmi.vllm")
 
@@ -53,27 +55,24 @@ def _openai_error(
 
 
 class OpenAIFront:
-    """vLLM's OpenAI serving classes around one engine."""
+    """vLLM's OpenAI serving classes around one engine, with the chat options (template, tool
+    calling, reasoning) as vLLM's server takes them."""
 
-    def __init__(self, engine: Any, served_name: str) -> None:
+    def __init__(self, engine: Any, served_name: str, options: ChatOptions, model_dir: str) -> None:
         self.engine = engine
         self.models = OpenAIServingModels(engine, [BaseModelPath(name=served_name, model_path=served_name)])
-        renderer = OnlineRenderer(
-            model_config=engine.model_config,
-            renderer=engine.renderer,
-            request_logger=None,
-            chat_template=None,
-            chat_template_content_format="auto",
-        )
-        self.chat = OpenAIServingChat(
-            engine,
-            self.models,
-            "assistant",
-            online_renderer=renderer,
-            request_logger=None,
-            chat_template=None,
-            chat_template_content_format="auto",
-        )
+        template = chat_template(options.chat_template, model_dir)
+        check_parsers(options, engine.tokenizer, model_dir)
+        chat_kwargs: dict[str, Any] = {
+            "request_logger": None,
+            "chat_template": template,
+            "chat_template_content_format": options.chat_template_content_format,
+            "enable_auto_tools": options.enable_auto_tool_choice,
+            "tool_parser": options.tool_call_parser,
+            "reasoning_parser": options.reasoning_parser or "",
+        }
+        renderer = OnlineRenderer(model_config=engine.model_config, renderer=engine.renderer, **chat_kwargs)
+        self.chat = OpenAIServingChat(engine, self.models, "assistant", online_renderer=renderer, **chat_kwargs)
         self.completion = OpenAIServingCompletion(engine, self.models, online_renderer=renderer, request_logger=None)
 
     async def models_listing(self) -> Output:

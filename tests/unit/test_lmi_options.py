@@ -60,10 +60,18 @@ def env_name(option: str) -> str:
     return name
 
 
+# Switches that only work with the parser they switch on (vLLM's server and LMI refuse them alone)
+COMPANIONS = {
+    "option.enable_auto_tool_choice": {"option.tool_call_parser": "hermes"},
+    "option.enable_reasoning": {"option.reasoning_parser": "deepseek_r1"},
+}
+
+
 @pytest.mark.parametrize("entry", ENTRIES, ids=[e.name for e in ENTRIES])
 def test_every_lmi_name_is_accepted_by_sagelmi_config(entry, config, capsys):
     if entry.is_option:
-        code, warnings = config(env={env_name(entry.name): entry.example})
+        companions = {env_name(k): v for k, v in COMPANIONS.get(entry.name, {}).items()}
+        code, warnings = config(env={env_name(entry.name): entry.example, **companions})
     else:
         code, warnings = config(properties={entry.name: entry.example})
     assert code == 0, warnings
@@ -173,3 +181,11 @@ def test_lmcache_config_file_becomes_the_worker_groups_environment(tmp_path):
     with pytest.raises(EngineOptionError, match=r"option.lmcache_config_file='missing.yaml': no such file"):
         engine_environment(resolve_settings({"OPTION_LMCACHE_CONFIG_FILE": "missing.yaml"}, tmp_path))
     check_engine_option("lmcache_config_file", "lmcache.yaml")
+
+
+@pytest.mark.parametrize("switch", sorted(COMPANIONS))
+def test_a_parser_switch_without_its_parser_is_refused_in_one_line(switch, config):
+    code, warnings = config(env={env_name(switch): "true"})
+    assert code == 2
+    (needed,) = COMPANIONS[switch]
+    assert warnings == [f"{switch}=true needs {needed}" + warnings[0].split(needed, 1)[1]]
