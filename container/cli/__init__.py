@@ -62,6 +62,13 @@ def _parser() -> argparse.ArgumentParser:
         help="llama (default: vLLM and text-generation), t5 (text2text-generation) or bert "
         "(classification, fill-mask, embeddings), the last two for the Accelerate engine",
     )
+    tiny.add_argument(
+        "--special-token",
+        action="append",
+        default=[],
+        metavar="TOKEN",
+        help="llama: one more special token in the vocabulary, e.g. <think> for a reasoning parser (repeatable)",
+    )
     engine_args = sub.add_parser(
         "engine-args",
         help="print the list of vLLM engine arguments built from the "
@@ -150,7 +157,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "tiny-model":
         from container.tools.tiny_model import WRITERS
 
-        print(WRITERS[args.arch](args.directory, args.max_model_len))
+        if args.special_token and args.arch != "llama":
+            log.error("--special-token applies to the llama tiny model")
+            return 2
+        extra = {"extra_tokens": tuple(args.special_token)} if args.special_token else {}
+        print(WRITERS[args.arch](args.directory, args.max_model_len, **extra))
         return 0
     if args.command == "engine-args":
         return _engine_args(args.write)

@@ -115,6 +115,43 @@ def _check_numbers(value: Any, where: str) -> None:
             _check_numbers(item, f"{where}.{key}")
 
 
+# vLLM's structured-output request forms in LMI's parameters (LMI hands its parameters to vLLM's
+# CompletionRequest): the older guided_* names, OpenAI's response_format and structured_outputs.
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+STRUCTURED_NAMES = ("structured_outputs", "response_format", *GUIDED)
+
+
+def structured_outputs(extra: dict[str, Any]) -> dict[str, Any] | None:
+    """vLLM's ``StructuredOutputsParams`` fields from LMI parameters: ``structured_outputs``
+    (``json``, ``regex``, ``choice``, ``grammar``, ``json_object`` ...), OpenAI's
+    ``response_format`` (``json_object``, ``json_schema``) or the older ``guided_*`` names.
+    One of them at most; ``InputError`` naming the field for a shape that cannot work."""
+    given = [name for name in STRUCTURED_NAMES if extra.get(name) is not None]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise InputError(f"parameters: {' and '.join(given)} each ask for structured output; give one")
+    name = given[0]
+    value = extra[name]
+    if name in GUIDED:
+        return {GUIDED[name]: value}
+    if not isinstance(value, dict):
+        raise InputError(f"parameters.{name} must be an object")
+    if name == "structured_outputs":
+        return dict(value)
+    kind = value.get("type")
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        schema = (value.get("json_schema") or {}).get("schema") if isinstance(value.get("json_schema"), dict) else None
+        if not isinstance(schema, dict):
+            raise InputError("parameters.response_format.json_schema.schema must be a JSON schema (an object)")
+        return {"json": schema}
+    if kind == "text":
+        return None
+    raise InputError(f"parameters.response_format.type={kind!r} is not one of text, json_object, json_schema")
+
+
 def sampling_arguments(params: LmiParameters, known: set[str]) -> dict[str, Any]:
     """vLLM ``SamplingParams`` keyword arguments for ``params``.
 
@@ -134,7 +171,12 @@ def sampling_arguments(params: LmiParameters, known: set[str]) -> dict[str, Any]
     # Greedy unless sampling was asked for, explicitly or by giving a temperature.
     if params.do_sample is False or (params.do_sample is None and params.temperature is None):
         args["temperature"] = 0.0
+    structured = structured_outputs(params.model_extra or {})
+    if structured is not None:
+        args["structured_outputs"] = structured  # a dict: the engine makes vLLM's StructuredOutputsParams of it
     for name, value in (params.model_extra or {}).items():
+        if name in STRUCTURED_NAMES:
+            continue
         if name in known and name not in ("output_kind", "detokenize"):
             args[name] = value
         else:

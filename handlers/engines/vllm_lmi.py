@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import re
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -12,7 +14,7 @@ from typing import Any
 from vllm import envs as vllm_envs
 from vllm.exceptions import VLLMClientError
 from vllm.lora.request import LoRARequest
-from vllm.sampling_params import RequestOutputKind, SamplingParams
+from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from container.core.errors import InputError, ServiceUnavailable
@@ -35,22 +37,31 @@ class LmiFront:
         request = parse_request(body, self.sampling_fields, vllm_envs.VLLM_MAX_STOP_STRINGS)
         loras = self.adapters.for_lmi(body, header, len(request.prompts))
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
+        arguments = dict(request.sampling)
+        structured = "structured_outputs" in arguments
+        if structured:
+            arguments["structured_outputs"] = _structured_params(arguments["structured_outputs"])
         try:
-            sampling = SamplingParams(**request.sampling, output_kind=kind)
+            sampling = SamplingParams(**arguments, output_kind=kind)
         except (VLLMClientError, ValueError, TypeError) as exc:  # a passed-through name got a wrong value
             raise InputError(f"invalid generation parameters: {exc}") from None
         tag = inference_id or uuid.uuid4().hex
-        if not request.stream:
-            top_n = request.parameters.top_n_tokens
-            generations = await asyncio.gather(
-                *(
-                    self._complete(p, sampling, f"{tag}-{i}", top_n, lora)
-                    for i, (p, lora) in enumerate(zip(request.prompts, loras))
+        try:
+            if not request.stream:
+                top_n = request.parameters.top_n_tokens
+                generations = await asyncio.gather(
+                    *(
+                        self._complete(p, sampling, f"{tag}-{i}", top_n, lora)
+                        for i, (p, lora) in enumerate(zip(request.prompts, loras))
+                    )
                 )
-            )
-            return Output().add_as_json(self.formatter.body(list(generations), request))
-        outputs = self._generate(request.prompts[0], sampling, tag, loras[0])
-        first = await anext(outputs)  # errors before the first token become a 400, not a broken stream
+                return Output().add_as_json(self.formatter.body(list(generations), request))
+            outputs = self._generate(request.prompts[0], sampling, tag, loras[0])
+            first = await anext(outputs)  # errors before the first token become a 400, not a broken stream
+        except InputError as exc:
+            if structured:  # the engine could not make a grammar of it (an invalid schema, regex ...)
+                raise InputError(f"parameters.structured_outputs: {_engine_message(str(exc))}") from None
+            raise
         return (
             Output()
             .add_property("content-type", self.formatter.stream_content_type)
@@ -127,3 +138,23 @@ class LmiFront:
                 yield self.formatter.stream_item(token, gen, params, last=output.finished and i == len(tokens) - 1)
             if output.finished and not tokens:
                 yield self.formatter.stream_item(None, gen, params, last=True)
+
+
+_STRUCTURED_FIELDS = tuple(f.name for f in dataclasses.fields(StructuredOutputsParams) if f.init)
+# "[20:14:51] /project/cpp/json_schema_converter.cc:4944: " before xgrammar's own message
+_NATIVE_PREFIX = re.compile(r"\[[0-9:]+\] \S+:\d+: ")
+
+
+def _structured_params(fields: dict[str, Any]) -> StructuredOutputsParams:
+    """vLLM's structured-output parameters from their fields; ``InputError`` naming a bad one."""
+    unknown = sorted(set(fields) - set(_STRUCTURED_FIELDS))
+    if unknown:
+        raise InputError(f"parameters.structured_outputs.{unknown[0]} is not one of {', '.join(_STRUCTURED_FIELDS)}")
+    try:
+        return StructuredOutputsParams(**fields)
+    except (VLLMClientError, TypeError, ValueError) as exc:
+        raise InputError(f"parameters.structured_outputs: {exc}") from None
+
+
+def _engine_message(text: str) -> str:
+    return _NATIVE_PREFIX.sub("", text).strip()

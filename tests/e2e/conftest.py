@@ -27,6 +27,16 @@ def tiny_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_think_model(tmp_path_factory):
+    """The tiny model with the special tokens vLLM's reasoning and tool parsers look for."""
+    directory = tmp_path_factory.mktemp("tiny-think-model")
+    tokens = [f"--special-token={t}" for t in ("<think>", "</think>", "<tool_call>", "</tool_call>")]
+    subprocess.run([sys.executable, "-m", "container", "tiny-model", str(directory), *tokens], check=True, cwd=REPO,
+                   env=clean_env(), capture_output=True, timeout=300)
+    return directory
+
+
+@pytest.fixture(scope="session")
 def vllm_server(tiny_model):
     with Server(tiny_model, env={**VLLM_CPU_ENV, **EXACT, "OPTION_MAX_ROLLING_BATCH_SIZE": "64"},
                 ready_timeout=ENGINE_READY_TIMEOUT) as server:
