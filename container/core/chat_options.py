@@ -5,13 +5,16 @@ them to vLLM's chat serving classes (``handlers.engines.vllm_openai``), except
 reasoning ends).
 
 Read and checked here, without vLLM, so that ``sagelmi config``, ``sagelmi serve`` (before any
-download) and the SDK refuse a combination that cannot work with the same line; whether a
-parser name exists, and whether a template compiles, the engine checks when it starts.
+download) and the SDK refuse a combination that cannot work, or a template that is missing or
+does not compile, with the same line; whether a parser name exists the engine checks when it
+starts.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal, cast
 
 from container.core.settings import Settings
@@ -28,6 +31,8 @@ NAMES = (
     "enable_reasoning",
 )
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
+
+log = logging.getLogger(__name__)
 
 
 class ChatOptionError(ValueError):
@@ -90,3 +95,35 @@ def chat_options(settings: Settings) -> ChatOptions:
         tool_parser_plugin=text("tool_parser_plugin"),
         reasoning_parser=reasoning_parser,
     )
+
+
+def chat_template(value: str | None, model_dir: str) -> str | None:
+    """``option.chat_template``'s template text: a file in the model directory, an absolute
+    path, or the template itself (text with ``{{`` or ``{%``); None for the tokenizer's own.
+    ``ChatOptionError`` for a missing file or a template that does not compile (checked with
+    Jinja, which renders chat templates; skipped where Jinja is not installed, as in the SDK's
+    light install)."""
+    if value is None:
+        return None
+    if "{{" in value or "{%" in value:
+        text, origin = value, "the template given"
+    else:
+        path = Path(value) if Path(value).is_absolute() else Path(model_dir) / value
+        if not path.is_file():
+            raise ChatOptionError(
+                f"option.chat_template={value}: no such file (a file in the model directory, an absolute path, "
+                f"or the template's text)"
+            )
+        text, origin = path.read_text(encoding="utf-8"), path.name
+    try:
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:
+        return text
+    try:
+        ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).parse(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ChatOptionError(
+            f"option.chat_template ({origin}) does not compile: {exc.message} (line {exc.lineno})"
+        ) from None
+    return text

@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 from pydantic import TypeAdapter, ValidationError
 
-from container.core.chat_options import ChatOptionError, chat_options
+from container.core.chat_options import ChatOptionError, chat_options, chat_template
 from container.core.dtypes import vllm_dtype
 from container.core.handler_choice import uses_builtin_engine
 from container.core.lmi_options import lmi_options, option_entry
@@ -183,7 +183,7 @@ def check_engine_options(settings: Settings, handler_dir: Path | None) -> None:
     if not uses_builtin_engine(settings, handler_dir):
         return
     try:
-        chat_options(settings)
+        chat_template(chat_options(settings).chat_template, settings.model_dir)
     except ChatOptionError as exc:
         raise EngineOptionError(str(exc)) from None
     for name, raw in settings.passthrough_options().items():

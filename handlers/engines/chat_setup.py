@@ -1,7 +1,6 @@
 """The chat options (``container.core.chat_options``) made real for vLLM, at engine start: the
-chat template read and compiled, the tool and reasoning parsers found (a tool parser plugin
-imported first) and tried on the tokenizer. Anything that cannot work stops start-up with one
-line naming the option."""
+tool and reasoning parsers found (a tool parser plugin imported first) and tried on the
+tokenizer. Anything that cannot work stops start-up with one line naming the option."""
 
 from __future__ import annotations
 
@@ -9,37 +8,9 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
-
 from container.core.chat_options import ChatOptionError, ChatOptions
 
 log = logging.getLogger("sagelmi.vllm")
-
-
-def chat_template(value: str | None, model_dir: str) -> str | None:
-    """``option.chat_template``'s template text: a file in the model directory, an absolute
-    path, or the template itself (text with ``{{`` or ``{%``); None for the tokenizer's own."""
-    if value is None:
-        return None
-    if "{{" in value or "{%" in value:
-        text, origin = value, "the template given"
-    else:
-        path = Path(value) if Path(value).is_absolute() else Path(model_dir) / value
-        if not path.is_file():
-            raise ChatOptionError(
-                f"option.chat_template={value}: no such file (a file in the model directory, an absolute path, "
-                f"or the template's text)"
-            )
-        text, origin = path.read_text(encoding="utf-8"), path.name
-    try:
-        ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).parse(text)
-    except jinja2.TemplateSyntaxError as exc:
-        raise ChatOptionError(
-            f"option.chat_template ({origin}) does not compile: {exc.message} (line {exc.lineno})"
-        ) from None
-    log.info("chat template: %s (option.chat_template)", origin)
-    return text
 
 
 def check_parsers(options: ChatOptions, tokenizer: Any, model_dir: str) -> None:

@@ -20,10 +20,10 @@ from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 from vllm.exceptions import VLLMClientError
 from vllm.renderers.online_renderer import OnlineRenderer
 
-from container.core.chat_options import ChatOptions
+from container.core.chat_options import ChatOptions, chat_template
 from container.core.errors import AnswerError, InputError, NotFound, OpenAIError, OpenAIErrorInfo, is_openai_path
 from handlers.api import Output
-from handlers.engines.chat_setup import chat_template, check_parsers
+from handlers.engines.chat_setup import check_parsers
 
 log = logging.getLogger("sagelmi.vllm")
 
@@ -62,6 +62,8 @@ class OpenAIFront:
         self.engine = engine
         self.models = OpenAIServingModels(engine, [BaseModelPath(name=served_name, model_path=served_name)])
         template = chat_template(options.chat_template, model_dir)
+        if template is not None:
+            log.info("chat template: option.chat_template=%s", options.chat_template[:80])
         check_parsers(options, engine.tokenizer, model_dir)
         chat_kwargs: dict[str, Any] = {
             "request_logger": None,
