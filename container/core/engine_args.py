@@ -158,6 +158,7 @@ def check_engine_option(name: str, raw: str | None = None) -> None:
         # the chat front's, ignored ones (check_engine_options says so), or a file
         # engine_environment checks at start-up
         return
+    kind: str | list  # a kind of KIND_TYPES, or the choices
     if name in SPECULATIVE:
         target, kind = SPECULATIVE[name]
         target = f"speculative_config.{target}"

@@ -178,7 +178,7 @@ def make_plan(
 
     shape = ModelShape.from_config(config)
     served = resolved_dtype(dtype, shape)
-    kv_dtype = served if (kv_cache_dtype or "auto") == "auto" else kv_cache_dtype.lower()
+    kv_dtype = served if not kv_cache_dtype or kv_cache_dtype == "auto" else kv_cache_dtype.lower()
     wanted = max_model_len or shape.max_position or 4096
     plan = Plan(
         model,
@@ -206,6 +206,7 @@ def make_plan(
                 )
             budget, block = cpu_kv_cache_gib * GIB, BLOCK_SIZE["cpu"]
         else:
+            assert gpu_memory_gib is not None, "GPUs without their memory"  # hardware_of and plan_check give both
             budget = gpu_memory_gib * GIB * gpu_memory_utilization - per_rank - ACTIVATION_RESERVE_GIB * GIB
             block = BLOCK_SIZE["gpu"]
         tokens = max(0, int(budget // (per_token * block)) * block)
@@ -213,6 +214,9 @@ def make_plan(
         need = min(wanted, shape.sliding_window + block) if shape.sliding_window else wanted
         why = ""
         if budget <= 0:
+            # the GPU build's reason; on the CPU build (a VLLM_CPU_KVCACHE_SPACE of 0 or less) there is no GPU
+            # memory to name: this stops here, as the TypeError of None's format did before
+            assert gpu_memory_gib is not None, "no KV cache on the CPU build (VLLM_CPU_KVCACHE_SPACE <= 0)"
             why = (
                 f"needs {per_rank / GIB:.1f} GiB per GPU for weights at tp={t}, pp={p}, plus "
                 f"{ACTIVATION_RESERVE_GIB:.0f} GiB for activations; {gpu_memory_utilization:g} x "

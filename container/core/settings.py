@@ -57,27 +57,27 @@ class Settings(BaseModel):
     engine: Literal["Python", "MPI"] = "Python"
     mpi_mode: bool = False
     tensor_parallel_degree: Annotated[int, Field(ge=1)] | Literal["max"] = 1
-    pipeline_parallel_degree: int = Field(1, ge=1)
+    pipeline_parallel_degree: int = Field(default=1, ge=1)
     mpi_hostfile: str | None = None
     mpi_extra_args: str = ""
-    min_workers: int | None = Field(None, ge=1)
-    max_workers: int | None = Field(None, ge=1)
-    sync_handler_threads: int = Field(1, ge=1)
+    min_workers: int | None = Field(default=None, ge=1)
+    max_workers: int | None = Field(default=None, ge=1)
+    sync_handler_threads: int = Field(default=1, ge=1)
     rolling_batch: Literal["auto", "vllm", "lmi-dist", "disable"] = "auto"
-    max_rolling_batch_size: int = Field(256, ge=1)
-    max_rolling_batch_prefill_tokens: int | None = Field(None, ge=1)
+    max_rolling_batch_size: int = Field(default=256, ge=1)
+    max_rolling_batch_prefill_tokens: int | None = Field(default=None, ge=1)
     output_formatter: Literal["json", "jsonlines", "sse"] = "jsonlines"
     tgi_compat: bool = False
     adapter_roots: str = ""
-    port: int = Field(8080, ge=1, le=65535)
-    batch_size: int = Field(1, ge=1)
-    max_batch_delay: float = Field(100.0, ge=0)
-    job_queue_size: int = Field(1000, ge=1)
-    max_payload_in_mb: float = Field(6.0, gt=0)
-    body_read_timeout: float = Field(60.0, gt=0)
-    predict_timeout: float = Field(120.0, gt=0)
-    model_loading_timeout: float = Field(1800.0, gt=0)
-    shutdown_grace_period: float = Field(25.0, ge=0)
+    port: int = Field(default=8080, ge=1, le=65535)
+    batch_size: int = Field(default=1, ge=1)
+    max_batch_delay: float = Field(default=100.0, ge=0)
+    job_queue_size: int = Field(default=1000, ge=1)
+    max_payload_in_mb: float = Field(default=6.0, gt=0)
+    body_read_timeout: float = Field(default=60.0, gt=0)
+    predict_timeout: float = Field(default=120.0, gt=0)
+    model_loading_timeout: float = Field(default=1800.0, gt=0)
+    shutdown_grace_period: float = Field(default=25.0, ge=0)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 
     cuda_visible_devices: str | None = None
@@ -222,7 +222,7 @@ class _Layers:
 
 
 def _read_env(env: Mapping[str, str], layers: _Layers) -> None:
-    spelled = set()
+    spelled: set[str] = set()
     for k in KEYS:
         found = [(name, env[name]) for name in k.env if env.get(name, "") != ""]
         spelled.update(k.env)
@@ -305,7 +305,10 @@ def resolve_settings(
     if port is not None:
         layers.set("port", str(port), "command line --port")
 
-    typed = {KEY_BY_NAME[key].field: value for key, (value, _) in layers.values.items() if key in KEY_BY_NAME}
+    # raw text by field name: Settings' validation converts it (a value that does not fit is a SettingsError)
+    typed: dict[str, Any] = {
+        KEY_BY_NAME[key].field: value for key, (value, _) in layers.values.items() if key in KEY_BY_NAME
+    }
     options = {key[len("option.") :]: value for key, (value, _) in layers.values.items() if key.startswith("option.")}
     sources = {k.key: layers.values.get(k.key, (None, "default"))[1] for k in KEYS}
     sources.update({key: source for key, (_, source) in layers.values.items()})
