@@ -126,7 +126,7 @@ class ClientSink:
         thread writes everything)."""
         response = environ.get(WSGI_RESPONSE)
         sock = environ.get("gunicorn.socket")
-        if not getattr(response, "headers_sent", False):
+        if response is None or not getattr(response, "headers_sent", False):
             return None
         if not isinstance(sock, socket.socket) or sock.gettimeout() is not None:
             return None
@@ -163,6 +163,12 @@ class Invocation:
         self.group: GroupClient | None = None
         self.pending: PendingRequest | None = None
         self._released = False
+
+    @property
+    def submitted(self) -> PendingRequest:
+        """The request in its group: ``run`` submits it before anything waits on it."""
+        assert self.pending is not None, "the request is not submitted yet"
+        return self.pending
 
     def release(self) -> None:
         if not self._released:
@@ -210,10 +216,11 @@ class Invocation:
         stream the reader thread writes itself moves on without waking this
         thread."""
         deadline = time.monotonic() + self.launch.predict_timeout
-        progress = self.pending.progress
+        pending = self.submitted
+        progress = pending.progress
         while not wait(min(CLIENT_CHECK_INTERVAL, max(deadline - time.monotonic(), 0))):
-            if self.pending.progress != progress:
-                progress = self.pending.progress
+            if pending.progress != progress:
+                progress = pending.progress
                 deadline = time.monotonic() + self.launch.predict_timeout
             elif time.monotonic() >= deadline:
                 raise GatewayTimeout(f"{what} within {self.launch.predict_timeout:g}s (option.predict_timeout)")
@@ -222,8 +229,8 @@ class Invocation:
 
     def _next(self) -> bytes | None:
         """The next piece of the answer (``None`` at its end), within ``predict_timeout``."""
-        self._await(self.pending.wait_data_for, "the model sent nothing")
-        return self.pending.next_data(0)
+        self._await(self.submitted.wait_data_for, "the model sent nothing")
+        return self.submitted.next_data(0)
 
     def _body(self) -> bytes:
         parts = []
@@ -241,7 +248,7 @@ class Invocation:
                 if first:  # the headers are out: the reader thread can write the rest
                     first = False
                     if (sink := ClientSink.of(self.environ)) is not None:
-                        self.pending.attach(sink)
+                        self.submitted.attach(sink)
             finished = True
         except ClientClosedRequest:
             pass  # cancelled below, as when a write finds the client gone
@@ -251,7 +258,7 @@ class Invocation:
                 self.abandon()
             log.warning("stream ended with an error: %s", exc)
             try:
-                self.pending.take_over()
+                self.submitted.take_over()
             except ClientClosedRequest:
                 return  # the client is gone too
             yield _in_band_error(exc, content_type, self.path)
@@ -304,7 +311,7 @@ def create_app(launch: FrontendLaunch) -> Flask:
 
     @app.errorhandler(HTTPException)
     def _http_error(exc: HTTPException) -> Response:
-        mapped = {
+        by_code: dict[int | None, ServingError] = {
             404: NotFound(
                 f"no route {request.method} {request.path}; the server answers GET /ping, "
                 f"POST /invocations, POST /v1/chat/completions, POST /v1/completions, GET /v1/models, "
@@ -315,7 +322,10 @@ def create_app(launch: FrontendLaunch) -> Flask:
                 f"the request body is {request.content_length or 'more than'} bytes; the limit is "
                 f"{launch.max_payload_bytes} bytes (max_payload_in_mb / SAGEMAKER_MAX_PAYLOAD_IN_MB)"
             ),
-        }.get(exc.code, InputError(exc.description or exc.name) if (exc.code or 500) < 500 else ServingError())
+        }
+        mapped = by_code.get(
+            exc.code, InputError(exc.description or exc.name) if (exc.code or 500) < 500 else ServingError()
+        )
         return _error_response(mapped)
 
     @app.errorhandler(Exception)

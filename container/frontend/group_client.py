@@ -28,7 +28,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, cast
 
 from container.core.errors import ClientClosedRequest, GatewayTimeout, ServiceUnavailable, ServingError
 from container.core.protocol import (
@@ -188,6 +188,7 @@ class PendingRequest:
             if not self._cond.wait_for(self.has_head, timeout):
                 raise GatewayTimeout(f"no answer from the model within {timeout:g}s (option.predict_timeout)")
             if self._head is None:
+                assert self._error is not None  # has_head(): a Head or an error
                 raise self._error
             return self._head
 
@@ -211,6 +212,7 @@ class PendingRequest:
         """Send what the sink did not take, waiting for the client (the caller is the writer)."""
         if not unsent:
             return
+        assert self._sink is not None  # only a sink leaves something unsent (_write_direct)
         try:
             self._sink.send_all(unsent)
         except OSError:
@@ -368,7 +370,7 @@ class GroupClient:
                 queued, self._outbox = self._outbox, []
             sock = self._sock
             frames = [frame for target, frame in queued if target is sock]
-            if not frames:
+            if not frames or sock is None:  # no connection: no frame is queued for it
                 continue
             try:
                 sock.sendall(b"".join(frames))
@@ -423,8 +425,9 @@ class GroupClient:
                 if isinstance(message, Status):
                     self.incarnation = message.incarnation
                     self._set_state(message.state, message.detail)
-                else:
-                    batches.setdefault(message.id, []).append(message)
+                else:  # rank 0 answers with these (its InvokeBatch and Broadcast go to the other ranks)
+                    answer = cast("Head | Chunk | End | Fail", message)
+                    batches.setdefault(answer.id, []).append(answer)
             for request_id, messages in batches.items():
                 pending = self._pending.get(request_id)
                 if pending is None:

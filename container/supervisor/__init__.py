@@ -32,6 +32,7 @@ from container.core.devices import GroupPlan, cpu_binding, discover_devices, pla
 from container.core.engine_args import EngineOptionError, engine_environment
 from container.core.handler_choice import uses_builtin_engine
 from container.core.launch import FrontendLaunch, GroupAddress, ModelInfo, WorkerLaunch, encode_launch
+from container.core.plan import Plan
 from container.core.protocol import WorkerState
 from container.core.served_names import served_names
 from container.core.settings import Settings, SettingsError
@@ -200,7 +201,9 @@ class WorkerGroup:
             if now >= self.restart_at:
                 self.start()
             return
-        code = self.process.poll()
+        process = self.process
+        assert process is not None, "check() before start()"  # the supervisor starts every group before watching
+        code = process.poll()
         if not self.ready and self._ready_incarnation() == self.incarnation:  # even if it died since
             self.ready = self.ever_ready = True
             self.crashes = 0
@@ -210,8 +213,8 @@ class WorkerGroup:
                 raise StartupError(f"{self.name} could not load the model: {self.client.detail}")
             # It served before: whatever broke the reload may pass. Retry, with back-off.
             log.error("%s could not reload the model: %s", self.name, self.client.detail)
-            _terminate(self.process, STOP_TIMEOUT)
-            code = self.process.returncode
+            _terminate(process, STOP_TIMEOUT)
+            code = process.returncode
         if code is None:
             if not self.ready and now - self.started_at > self.settings.model_loading_timeout:
                 raise StartupError(
@@ -219,7 +222,7 @@ class WorkerGroup:
                     f"{self.settings.model_loading_timeout:g}s (option.model_loading_timeout)"
                 )
             return
-        _kill_family(self.process)
+        _kill_family(process)
         if not self.ever_ready:
             reason = self.client.detail if self._reports(WorkerState.FAILED) else "see the log above"
             raise StartupError(f"{self.name} could not load the model ({_exit_text(code)}): {reason}")
@@ -228,7 +231,7 @@ class WorkerGroup:
         log.error(
             "%s (pid %d) died: %s; restarting it%s",
             self.name,
-            self.process.pid,
+            process.pid,
             _exit_text(code),
             f" in {delay:g}s" if delay else "",
         )
@@ -256,9 +259,8 @@ class Supervisor:
         self.frontend_started = 0.0
         self.groups: list[WorkerGroup] = []
         self._stop_signal: int | None = None
-        self.plan = (
-            None  # container.supervisor.plan_check's start-up plan, compared with the engine's KV cache once ready
-        )
+        # container.supervisor.plan_check's start-up plan, compared with the engine's KV cache once ready
+        self.plan: Plan | None = None
 
     # -- signals
     def _on_signal(self, signum, _frame) -> None:
@@ -281,8 +283,10 @@ class Supervisor:
         log.info("listening on port %d", self.settings.port)
 
     def _start_frontend(self, plans: list[GroupPlan]) -> None:
+        listener = self.listener
+        assert listener is not None, "the frontend starts after _bind()"
         launch = FrontendLaunch(
-            listen_fd=self.listener.fileno(),
+            listen_fd=listener.fileno(),
             groups=[
                 GroupAddress(
                     index=p.index,
@@ -302,7 +306,7 @@ class Supervisor:
         path = self.runtime / "frontend.json"
         path.write_bytes(encode_launch(launch))
         self.frontend = _start(
-            [sys.executable, "-m", "container.frontend.server", str(path)], pass_fds=[self.listener.fileno()]
+            [sys.executable, "-m", "container.frontend.server", str(path)], pass_fds=[listener.fileno()]
         )
         self.frontend_started = time.monotonic()
 
@@ -398,12 +402,14 @@ class Supervisor:
             if self.plan is not None and self.groups and self.groups[0].ready:
                 compare_kv(self.plan, self.groups[0].client)
                 self.plan = None  # once
-            if self.frontend.poll() is not None:
-                reason = _exit_text(self.frontend.returncode)
+            frontend = self.frontend
+            assert frontend is not None, "watching before _start_frontend()"  # run() starts it first
+            if frontend.poll() is not None:
+                reason = _exit_text(frontend.returncode)
                 if now - self.frontend_started < FRONTEND_MIN_UPTIME:
                     raise StartupError(f"the HTTP frontend could not start ({reason}); see the log above")
                 log.error("the HTTP frontend stopped (%s); restarting it", reason)
-                _kill_family(self.frontend)  # a gunicorn worker left behind would still take connections
+                _kill_family(frontend)  # a gunicorn worker left behind would still take connections
                 self._start_frontend([group.plan for group in self.groups])
             time.sleep(POLL_INTERVAL)
 
