@@ -63,7 +63,7 @@ class OpenAIFront:
         self.models = OpenAIServingModels(engine, [BaseModelPath(name=served_name, model_path=served_name)])
         template = chat_template(options.chat_template, model_dir)
         if template is not None:
-            log.info("chat template: option.chat_template=%s", options.chat_template[:80])
+            log.info("chat template: option.chat_template=%s", (options.chat_template or "")[:80])
         check_parsers(options, engine.tokenizer, model_dir)
         chat_kwargs: dict[str, Any] = {
             "request_logger": None,

@@ -68,7 +68,9 @@ COMPANIONS = {
 
 
 @pytest.mark.parametrize("entry", ENTRIES, ids=[e.name for e in ENTRIES])
-def test_every_lmi_name_is_accepted_by_sagelmi_config(entry, config, capsys):
+def test_every_lmi_name_is_accepted_by_sagelmi_config(entry, config, capsys, tmp_path):
+    if entry.name == "option.chat_template":  # a file in the model directory (config's tmp_path)
+        (tmp_path / entry.example).write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
     if entry.is_option:
         companions = {env_name(k): v for k, v in COMPANIONS.get(entry.name, {}).items()}
         code, warnings = config(env={env_name(entry.name): entry.example, **companions})
