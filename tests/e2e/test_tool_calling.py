@@ -12,6 +12,8 @@ honours that, where its structural tags would not.
 """
 
 import json
+import subprocess
+import sys
 
 import jsonschema
 import openai
@@ -19,6 +21,7 @@ import pytest
 import requests
 
 from tests.e2e.conftest import ENGINE_READY_TIMEOUT, VLLM_CPU_ENV
+from tests.readme import on_port, python_snippets, run_shell, section, serve_settings, shell_commands
 from tests.server import Server
 
 pytestmark = pytest.mark.slow
@@ -39,12 +42,34 @@ MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 HERMES = r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)"\}\}</tool_call>'
 
 
+README_COMMANDS = shell_commands(section("### Tool calling, reasoning, structured output, chat templates"))
+README_SNIPPET = next(p for p in python_snippets() if "tool_choice=" in p)
+
+
 @pytest.fixture(scope="module")
-def server(tiny_think_model):
-    env = {**VLLM_CPU_ENV, "OPTION_ENABLE_AUTO_TOOL_CHOICE": "true", "OPTION_TOOL_CALL_PARSER": "hermes",
-           "OPTION_STRUCTURED_OUTPUTS_CONFIG": STRUCTURED, "VLLM_ENFORCE_STRICT_TOOL_CALLING": "0"}
-    with Server(tiny_think_model, env=env, ready_timeout=ENGINE_READY_TIMEOUT) as server:
+def server(tmp_path_factory):
+    """The README's server: its tiny model, its settings."""
+    directory = str(tmp_path_factory.mktemp("readme-tiny-think"))
+    write, serve, *_ = (command.replace("/tmp/tiny-think", directory) for command in README_COMMANDS)
+    written = run_shell(write, 0, timeout=300)
+    assert written.returncode == 0, written.stderr
+    env, model_dir = serve_settings(serve)
+    assert env == {**VLLM_CPU_ENV, "OPTION_ENABLE_AUTO_TOOL_CHOICE": "true", "OPTION_TOOL_CALL_PARSER": "hermes",
+                   "OPTION_STRUCTURED_OUTPUTS_CONFIG": STRUCTURED, "VLLM_ENFORCE_STRICT_TOOL_CALLING": "0"}
+    with Server(model_dir, env=env, ready_timeout=ENGINE_READY_TIMEOUT) as server:
         yield server
+
+
+def test_the_readme_examples(server):
+    port = server.port
+    tools, schema = (json.loads(run_shell(c, port).stdout) for c in README_COMMANDS[2:])
+    assert tools["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert json.loads(schema["generated_text"]) in ({"ok": True}, {"ok": False})
+    printed = subprocess.run([sys.executable, "-c", on_port(README_SNIPPET, port)], capture_output=True,
+                             text=True, timeout=120)
+    assert printed.returncode == 0, printed.stderr
+    name, arguments = printed.stdout.split(" ", 1)
+    assert name == "get_weather" and arguments.strip() in ("{'city': 'Paris'}", "{'city': 'Rome'}")
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ def test_every_readme_command_is_covered():
     from tests.integration.test_plan_cli import README_COMMANDS as PLAN_COMMANDS
     from tests.e2e.test_lmi_dist import README_COMMANDS as LMI_DIST_TRY_OUT
     from tests.mpi.test_mpi_mode import TENSOR_PARALLEL_EXAMPLE
+    from tests.e2e.test_tool_calling import README_COMMANDS as TOOL_CALLING_EXAMPLE
     from tests.sdk.test_readme import SNIPPETS as SDK_SNIPPETS
 
     covered = {
@@ -36,10 +37,12 @@ def test_every_readme_command_is_covered():
         "sagelmi config --model-dir examples/echo",  # test_config_command
         *quick_start_curls(),  # tests/e2e/test_readme_run.py
         *STREAMING_EXAMPLE,  # test_streaming_example
+        *TOOL_CALLING_EXAMPLE,  # tests/e2e/test_tool_calling.py (its server fixture, test_the_readme_examples)
     }
     assert sorted(shell_commands()) == sorted(covered)
-    # The handler sketch (shape only) and the OpenAI client (run in e2e); "Deploy to SageMaker" (tests/sdk/test_readme.py).
-    assert len(python_snippets()) == 2 + len(SDK_SNIPPETS)
+    # The handler sketch (shape only), the OpenAI client (run in e2e), the tool call (tests/e2e/test_tool_calling.py);
+    # "Deploy to SageMaker" (tests/sdk/test_readme.py).
+    assert len(python_snippets()) == 3 + len(SDK_SNIPPETS)
 
 
 def test_ci_runs_the_readme_test_command():
