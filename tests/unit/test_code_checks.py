@@ -63,3 +63,16 @@ def test_mypy_is_clean():
     third-party packages followed silently). A first run without mypy's cache takes minutes."""
     result = _run("mypy", timeout=840)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+
+
+MAX_MODULE_LINES = 500
+
+
+def test_every_product_module_does_one_job_in_at_most_500_lines():
+    long = {
+        str(path.relative_to(ROOT)): lines
+        for package in PACKAGES
+        for path in (ROOT / package).rglob("*.py")
+        if (lines := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    assert long == {}, f"split these along their jobs: {long}"
