@@ -184,7 +184,9 @@ def check_engine_options(settings: Settings, handler_dir: Path | None) -> None:
     if not uses_builtin_engine(settings, handler_dir):
         return
     try:
-        chat_template(chat_options(settings).chat_template, settings.model_dir)
+        chosen = chat_options(settings)
+        if handler_dir is not None:  # the SDK without a handler directory cannot see the model's files
+            chat_template(chosen.chat_template, str(handler_dir))
     except ChatOptionError as exc:
         raise EngineOptionError(str(exc)) from None
     for name, raw in settings.passthrough_options().items():
