@@ -56,6 +56,13 @@ def build() -> dict[str, Any]:
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest, ChatCompletionResponse
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest, CompletionResponse
     from vllm.entrypoints.serve.engine.protocol import ModelList
+    from vllm.entrypoints.serve.tokenize.protocol import (
+        DetokenizeRequest,
+        DetokenizeResponse,
+        TokenizeChatRequest,
+        TokenizeCompletionRequest,
+        TokenizeResponse,
+    )
 
     from container.core.errors import LmiError, OpenAIError
     from handlers.engines.lmi_schema import LmiAnswer, LmiBody
@@ -68,6 +75,11 @@ def build() -> dict[str, Any]:
         (ChatCompletionResponse, "serialization"),
         (CompletionResponse, "serialization"),
         (ModelList, "serialization"),
+        (TokenizeCompletionRequest, "validation"),
+        (TokenizeChatRequest, "validation"),
+        (DetokenizeRequest, "validation"),
+        (TokenizeResponse, "serialization"),
+        (DetokenizeResponse, "serialization"),
         (LmiError, "serialization"),
         (OpenAIError, "serialization"),
     ]
@@ -127,6 +139,20 @@ def build() -> dict[str, Any]:
                 "summary": "OpenAI completions (vLLM's semantics)",
                 "requestBody": body(completion),
                 "responses": {"200": _answers(_ref(completion_answer)), **openai_errors},
+            }
+        },
+        "/tokenize": {
+            "post": {
+                "summary": "the prompt's token ids (a prompt, or chat messages rendered by the chat template)",
+                "requestBody": body(names[TokenizeCompletionRequest], names[TokenizeChatRequest]),
+                "responses": {"200": _json(_ref(names[TokenizeResponse])), **openai_errors},
+            }
+        },
+        "/detokenize": {
+            "post": {
+                "summary": "the text of token ids",
+                "requestBody": body(names[DetokenizeRequest]),
+                "responses": {"200": _json(_ref(names[DetokenizeResponse])), **openai_errors},
             }
         },
         "/v1/models": {
@@ -215,11 +241,18 @@ def build() -> dict[str, Any]:
             "title": "sagelmi",
             "version": version("sagelmi"),
             "description": "SageMaker-compatible LLM serving: LMI's and OpenAI's schemas. Errors are "
-            f"{lmi_error} on LMI's routes and {openai_error} on /v1 routes.",
+            f"{lmi_error} on LMI's routes and {openai_error} on /v1 routes, /tokenize and /detokenize.",
         },
         "paths": paths,
         "components": {"schemas": schemas["$defs"]},
-        "x-handler-routes": ["/invocations", "/v1/chat/completions", "/v1/completions", "/v1/models"],
+        "x-handler-routes": [
+            "/invocations",
+            "/v1/chat/completions",
+            "/v1/completions",
+            "/v1/models",
+            "/tokenize",
+            "/detokenize",
+        ],
     }
 
 

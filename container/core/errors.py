@@ -199,8 +199,12 @@ def openai_envelope(status: int, message: str, error: str) -> dict:
     return OpenAIError(error=OpenAIErrorInfo(message=error or message, type=kind, code=status)).model_dump()
 
 
+# vLLM's server routes outside /v1 that answer (and fail) in OpenAI's forms
+OPENAI_FORM_PATHS = ("/tokenize", "/detokenize")
+
+
 def is_openai_path(path: str) -> bool:
-    return path.startswith("/v1/")
+    return path.startswith("/v1/") or path in OPENAI_FORM_PATHS
 
 
 def envelope_for(path: str, status: int, message: str, error: str) -> dict:

@@ -315,6 +315,7 @@ def create_app(launch: FrontendLaunch) -> Flask:
             404: NotFound(
                 f"no route {request.method} {request.path}; the server answers GET /ping, "
                 f"POST /invocations, POST /v1/chat/completions, POST /v1/completions, GET /v1/models, "
+                f"POST /tokenize, POST /detokenize, "
                 f"GET /models, /models/{{model}}/adapters, GET /openapi.json"
             ),
             405: MethodNotAllowed(f"{request.method} is not allowed on {request.path}"),
@@ -372,6 +373,8 @@ def create_app(launch: FrontendLaunch) -> Flask:
     @app.post("/v1/chat/completions")
     @app.post("/v1/completions")
     @app.get("/v1/models")
+    @app.post("/tokenize")
+    @app.post("/detokenize")
     def invocations() -> Response:
         body = read_body(request.environ, request.content_length, launch.max_payload_bytes, launch.body_read_timeout)
         return Invocation(router, launch, g.request_id, request.environ.get("gunicorn.socket")).run(body)

@@ -146,6 +146,8 @@ class VllmEngine(Engine):
             return await self._openai("chat", body, header, path)
         if path == "/v1/completions" or (path == "/invocations" and "prompt" in body and "inputs" not in body):
             return await self._openai("completion", body, header, path)
+        if path in ("/tokenize", "/detokenize"):
+            return await self._openai(path[1:], body, header, path)
         if "inputs" in body:
             return await self.lmi.answer(body, inputs.get_property("requestId"), header)
         raise InputError(

@@ -17,6 +17,8 @@ from vllm.entrypoints.openai.models.protocol import BaseModelPath
 from vllm.entrypoints.openai.models.serving import OpenAIServingModels
 from vllm.entrypoints.serve import create_error_response
 from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
+from vllm.entrypoints.serve.tokenize.serving import ServingTokenization
 from vllm.exceptions import VLLMClientError
 from vllm.renderers.online_renderer import OnlineRenderer
 
@@ -76,6 +78,12 @@ class OpenAIFront:
         renderer = OnlineRenderer(model_config=engine.model_config, renderer=engine.renderer, **chat_kwargs)
         self.chat = OpenAIServingChat(engine, self.models, "assistant", online_renderer=renderer, **chat_kwargs)
         self.completion = OpenAIServingCompletion(engine, self.models, online_renderer=renderer, request_logger=None)
+        self.tokenization = ServingTokenization(
+            self.models,
+            renderer,
+            chat_template=template,
+            chat_template_content_format=options.chat_template_content_format,
+        )
 
     async def models_listing(self) -> Output:
         """``/v1/models``: the served model and its adapters."""
@@ -85,8 +93,16 @@ class OpenAIFront:
         return Output().add_property("content-type", "application/json").add(listing.model_dump_json())
 
     async def answer(self, kind: str, body: dict, path: str) -> Output:
-        """Answer an OpenAI ``chat`` or ``completion`` body (its ``model`` already resolved)."""
-        request_cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
+        """Answer an OpenAI ``chat``, ``completion``, ``tokenize`` or ``detokenize`` body (its
+        ``model`` already resolved), as vLLM's server does."""
+        tokenize: type[BaseModel] = TokenizeChatRequest if "messages" in body else TokenizeCompletionRequest
+        classes: dict[str, type[BaseModel]] = {
+            "chat": ChatCompletionRequest,
+            "completion": CompletionRequest,
+            "tokenize": tokenize,
+            "detokenize": DetokenizeRequest,
+        }
+        request_cls = classes[kind]
         try:
             request = request_cls.model_validate(body)
         except ValidationError as exc:
@@ -100,8 +116,12 @@ class OpenAIFront:
         try:
             if isinstance(request, ChatCompletionRequest):
                 result = await self.chat.create_chat_completion(request, None)
-            else:
+            elif isinstance(request, CompletionRequest):
                 result = await self.completion.create_completion(request, None)
+            elif isinstance(request, DetokenizeRequest):
+                result = await self.tokenization.create_detokenize(request, None)  # type: ignore[arg-type]
+            else:  # vLLM's routes pass the Starlette request, which is only read for X-Request-Id
+                result = await self.tokenization.create_tokenize(request, None)  # type: ignore[arg-type]
         except (VLLMClientError, ValueError) as exc:  # vLLM's request validation
             result = create_error_response(exc)
         except _MALFORMED as exc:  # vLLM's chat renderer tripping over a message of a shape it accepted

@@ -1,8 +1,8 @@
 """Reasoning parsers and chat template overrides, against real vLLM on the tiny model.
 
-The tiny model does not think by itself: the server's template ends the prompt with
-``<think>`` (as DeepSeek R1's does) and a ``structured_outputs`` regex forces the rest of the
-reasoning and the answer; the grammar applies from the first token
+The tiny model does not think by itself: the server (the README's) has a chat template ending
+the prompt with ``<think>`` (as DeepSeek R1's does), and a ``structured_outputs`` regex forces
+the rest of the reasoning and the answer; the grammar applies from the first token
 (``enable_in_reasoning``). vLLM's ``deepseek_r1`` parser must then return the two apart.
 """
 
@@ -13,36 +13,22 @@ import openai
 import pytest
 
 from tests.e2e.conftest import ENGINE_READY_TIMEOUT, VLLM_CPU_ENV
+from tests.readme import run_shell, section, serve_settings, shell_commands
 from tests.server import Server
 
 pytestmark = pytest.mark.slow
 
-TEMPLATE = (
-    "{{ bos_token }}<|system|>\nYou are a careful assistant. Think first, then answer briefly.{{ eos_token }}\n"
-    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n<think>{% endif %}"
-)
-STRUCTURED = json.dumps({"backend": "xgrammar", "disable_any_whitespace": True, "enable_in_reasoning": True})
-# The tiny tokenizer marks <think> and </think> special (a real reasoning model's are plain added tokens,
-# kept in the text the parser reads): keep them in the text here too.
-FORCED = {"structured_outputs": {"regex": r"(red|blue) sky</think>(yes|no)"}, "temperature": 0,
-          "skip_special_tokens": False}
+README_COMMANDS = shell_commands(section("### Reasoning and chat templates"))
+FORCED = {"structured_outputs": {"regex": r"(red|blue) sky</think>(yes|no)"}, "temperature": 0}
 MESSAGES = [{"role": "user", "content": "Is the sky blue?"}]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_think_model, tmp_path_factory):
-    directory = tmp_path_factory.mktemp("reasoning-model")
-    shutil.copytree(tiny_think_model, directory, dirs_exist_ok=True)
-    (directory / "thinking.jinja").write_text(TEMPLATE)
-    return directory
-
-
-@pytest.fixture(scope="module")
-def server(model_dir):
-    env = {**VLLM_CPU_ENV, "OPTION_ENABLE_REASONING": "true", "OPTION_REASONING_PARSER": "deepseek_r1",
-           "OPTION_CHAT_TEMPLATE": "thinking.jinja", "OPTION_STRUCTURED_OUTPUTS_CONFIG": STRUCTURED}
-    with Server(model_dir, env=env, ready_timeout=ENGINE_READY_TIMEOUT) as server:
+def server(tiny_think_model):
+    """The README's reasoning server, on the tiny model with <think> tokens."""
+    env, _ = serve_settings(README_COMMANDS[0])
+    assert env["OPTION_REASONING_PARSER"] == "deepseek_r1" and env["OPTION_CHAT_TEMPLATE"].endswith("<think>")
+    with Server(tiny_think_model, env=env, ready_timeout=ENGINE_READY_TIMEOUT) as server:
         yield server
 
 
@@ -62,8 +48,18 @@ def forced(tiny_think_model):
     return {**FORCED, "logit_bias": {str(end): 100}}
 
 
+def test_the_readme_example_comes_back_apart(server):
+    """The tiny tokenizer marks </think> special (a real reasoning model's is a plain added token,
+    kept in the text the parser reads): the README's request keeps it in the text."""
+    answer = json.loads(run_shell(README_COMMANDS[1], server.port).stdout)
+    message = answer["choices"][0]["message"]
+    assert message["content"] in ("yes", "no")
+    assert message["reasoning"] in ("red sky", "blue sky")
+
+
 def test_reasoning_comes_back_apart_from_the_answer(client, forced):
-    answer = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=40, extra_body=forced)
+    answer = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=40,
+                                            extra_body={**forced, "skip_special_tokens": False})
     message = answer.choices[0].message
     assert message.content in ("yes", "no")
     assert message.model_extra["reasoning"] in ("red sky", "blue sky")
@@ -81,14 +77,15 @@ def test_reasoning_streamed_apart_from_the_answer(client, forced):
 
 
 def test_the_template_override_renders_the_prompt(client, tiny_think_model):
-    """The override's system line makes the same messages a longer prompt than the tokenizer's own
-    template does (counted by the same tokenizer)."""
+    """The prompt is the override's rendering (the contents, then <think>), not the tokenizer's own
+    template's (role tags, end-of-message tokens), counted by the same tokenizer."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_think_model)
     own = len(tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True))
+    override = len(tokenizer("<s>Is the sky blue?<think>", add_special_tokens=False)["input_ids"])
     answer = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1)
-    assert answer.usage.prompt_tokens > own + 10
+    assert answer.usage.prompt_tokens == override != own
 
 
 @pytest.mark.parametrize(("template", "message"), [

@@ -95,3 +95,25 @@ def test_openai_errors_are_400_and_the_client_raises(client, vllm_server):
         client.completions.create(model="tiny", prompt="hi", max_tokens=4, temperature=-1)
     r = requests.post(vllm_server.url("/v1/chat/completions"), json={"model": "x"}, timeout=10)
     assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
+
+
+def test_tokenize_then_detokenize_round_trips_text(vllm_server):
+    text = "Hello world, the quick brown fox."
+    tokens = requests.post(vllm_server.url("/tokenize"), json={"prompt": text, "add_special_tokens": False},
+                           timeout=60).json()
+    assert tokens["count"] == len(tokens["tokens"]) > 0 and tokens["max_model_len"] > 0
+    back = requests.post(vllm_server.url("/detokenize"), json={"tokens": tokens["tokens"]}, timeout=60).json()
+    assert back["prompt"] == text
+
+
+def test_tokenize_messages_counts_the_chat_prompt(vllm_server, client):
+    tokens = requests.post(vllm_server.url("/tokenize"), json={"messages": MESSAGES}, timeout=60).json()
+    chat = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1)
+    assert tokens["count"] == chat.usage.prompt_tokens
+
+
+def test_tokenizer_routes_refuse_bad_bodies_in_openais_envelope(vllm_server):
+    for path, body in (("/tokenize", {"prompt": 3}), ("/detokenize", {"tokens": "abc"}), ("/tokenize", [1])):
+        answer = requests.post(vllm_server.url(path), json=body, timeout=60)
+        assert answer.status_code == 400, (path, answer.text)
+        assert set(answer.json()["error"]) >= {"message", "type", "code"}, answer.text

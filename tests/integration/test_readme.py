@@ -23,6 +23,7 @@ def test_every_readme_command_is_covered():
     from tests.integration.test_plan_cli import README_COMMANDS as PLAN_COMMANDS
     from tests.e2e.test_lmi_dist import README_COMMANDS as LMI_DIST_TRY_OUT
     from tests.mpi.test_mpi_mode import TENSOR_PARALLEL_EXAMPLE
+    from tests.e2e.test_reasoning_and_templates import README_COMMANDS as REASONING_EXAMPLE
     from tests.e2e.test_tool_calling import README_COMMANDS as TOOL_CALLING_EXAMPLE
     from tests.sdk.test_readme import SNIPPETS as SDK_SNIPPETS
 
@@ -38,6 +39,7 @@ def test_every_readme_command_is_covered():
         *quick_start_curls(),  # tests/e2e/test_readme_run.py
         *STREAMING_EXAMPLE,  # test_streaming_example
         *TOOL_CALLING_EXAMPLE,  # tests/e2e/test_tool_calling.py (its server fixture, test_the_readme_examples)
+        *REASONING_EXAMPLE,  # tests/e2e/test_reasoning_and_templates.py (its server, test_the_readme_example...)
     }
     assert sorted(shell_commands()) == sorted(covered)
     # The handler sketch (shape only), the OpenAI client (run in e2e), the tool call (tests/e2e/test_tool_calling.py);
