@@ -95,7 +95,7 @@ def build_container_env(
                 f"{key}={out[name]} is overridden by {source} (value "
                 f"{_resolved_text(resolved, key)!r}); set it in one place"
             )
-    check_engine_options(resolved, handler_dir)
+    check_engine_options(resolved, handler_dir, known_bad=False)  # this machine's vLLM is not the image's
     builtin = uses_builtin_engine(resolved, handler_dir)
     return ContainerEnv(out, resolved, builtin)
 

@@ -34,6 +34,7 @@ from pydantic import TypeAdapter, ValidationError
 from container.core.chat_options import ChatOptionError, chat_options, chat_template
 from container.core.dtypes import vllm_dtype
 from container.core.handler_choice import uses_builtin_engine
+from container.core.known_bad import KnownBadCombination, check_known_bad
 from container.core.lmi_options import lmi_options, option_entry
 from container.core.setting_keys import KEYS
 from container.core.settings import Settings
@@ -174,7 +175,7 @@ def check_engine_option(name: str, raw: str | None = None) -> None:
         _check_value(name, raw, target, kind)
 
 
-def check_engine_options(settings: Settings, handler_dir: Path | None) -> None:
+def check_engine_options(settings: Settings, handler_dir: Path | None, known_bad: bool = True) -> None:
     """Refuse, before anything starts or downloads, an ``option.*`` the built-in engine would
     refuse: the one check ``sagelmi config``, ``sagelmi serve`` and the SDK run on resolved
     settings. An LMI name sagelmi ignores is accepted with one WARNING line saying what
@@ -183,6 +184,11 @@ def check_engine_options(settings: Settings, handler_dir: Path | None) -> None:
     ``EngineOptionError`` naming the option and the nearest names."""
     if not uses_builtin_engine(settings, handler_dir):
         return
+    try:
+        if known_bad:  # the installed vLLM's rows (container.core.known_bad); the SDK cannot know the image's
+            check_known_bad(settings)
+    except KnownBadCombination as exc:
+        raise EngineOptionError(str(exc)) from None
     try:
         chosen = chat_options(settings)
         if handler_dir is not None:  # the SDK without a handler directory cannot see the model's files

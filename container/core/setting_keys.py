@@ -110,7 +110,7 @@ KEYS: tuple[Key, ...] = (
         "option.mpi_extra_args",
         ("OPTION_MPI_EXTRA_ARGS",),
         "mpirun arguments, shell-quoted",
-        "MPI mode: more mpirun arguments, e.g. --oversubscribe or --mca btl_tcp_if_include eth0.",
+        "MPI mode: more mpirun arguments, e.g. --mca btl_tcp_if_include eth0.",
     ),
     Key(
         "min_workers",

