@@ -112,6 +112,12 @@ class OpenAIFront:
             return _openai_error(path, 400, str(exc), param=getattr(exc, "parameter", None))
         except _MALFORMED as exc:  # a vLLM validator tripping over a body of the wrong shape
             return _openai_error(path, 400, _malformed(exc))
+        if isinstance(request, DetokenizeRequest):
+            vocabulary = self.engine.model_config.get_vocab_size()
+            outside = [t for t in request.tokens if not 0 <= t < vocabulary]
+            if outside:
+                message = f"tokens: {outside[0]} is not a token id of this model (0 to {vocabulary - 1})"
+                return _openai_error(path, 400, message, param="tokens")
         result: BaseModel | AsyncGenerator[str, None]  # a response (ErrorResponse too), or SSE lines
         try:
             if isinstance(request, ChatCompletionRequest):

@@ -1,7 +1,8 @@
 """Tool calling and structured output through the official openai client and LMI's schema,
 against real vLLM on the tiny model.
 
-A random-weight model chooses nothing, so the tests make it: ``tool_choice="required"`` or a
+A random-weight model chooses nothing, so the tests make it: ``tool_choice="required"`` (with
+``parallel_tool_calls=False``: one call, or a random model adds calls until ``max_tokens``) or a
 named function constrains the output to a tool call; a ``structured_outputs`` regex forces
 the hermes format (``<tool_call>{...}</tool_call>``), which the configured parser must then
 return as ``tool_calls``. Schemas are small and closed (enums, no extra properties) so that
@@ -97,14 +98,15 @@ def streamed_calls(stream) -> list[dict]:
 
 def test_required_tool_choice_returns_calls_matching_a_tools_schema(client):
     answer = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="required",
-                                            max_tokens=100)
+                                            parallel_tool_calls=False, max_tokens=200)
     assert answer.choices[0].finish_reason == "tool_calls"
     assert_valid_calls(answer.choices[0].message.tool_calls)
 
 
 def test_required_tool_choice_streamed(client):
     calls = streamed_calls(client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS,
-                                                          tool_choice="required", max_tokens=100, stream=True))
+                                                          tool_choice="required", parallel_tool_calls=False,
+                                                          max_tokens=200, stream=True))
     assert calls
     for call in calls:
         assert call["name"] in SCHEMAS
@@ -114,12 +116,12 @@ def test_required_tool_choice_streamed(client):
 def test_a_named_function_is_the_one_called(client):
     choice = {"type": "function", "function": {"name": "get_time"}}
     answer = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice=choice,
-                                            max_tokens=100)
+                                            max_tokens=200)
     calls = answer.choices[0].message.tool_calls
     assert_valid_calls(calls)
     assert {c.function.name for c in calls} == {"get_time"}
     streamed = streamed_calls(client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS,
-                                                             tool_choice=choice, max_tokens=100, stream=True))
+                                                             tool_choice=choice, max_tokens=200, stream=True))
     assert [c["name"] for c in streamed] == ["get_time"]
 
 
@@ -133,13 +135,13 @@ def test_tool_choice_none_answers_in_text(client):
 def test_hermes_output_comes_back_as_tool_calls_not_text(client):
     forced = {"structured_outputs": {"regex": HERMES}}
     answer = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="auto",
-                                            max_tokens=60, extra_body=forced)
+                                            max_tokens=200, extra_body=forced)
     message = answer.choices[0].message
     assert answer.choices[0].finish_reason == "tool_calls"
     assert_valid_calls(message.tool_calls)
     assert not message.content or "<tool_call>" not in message.content
     streamed = streamed_calls(client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS,
-                                                             tool_choice="auto", max_tokens=60, stream=True,
+                                                             tool_choice="auto", max_tokens=200, stream=True,
                                                              extra_body=forced))
     assert [c["name"] for c in streamed] == ["get_weather"]
     jsonschema.validate(json.loads(streamed[0]["arguments"]), WEATHER)
@@ -148,7 +150,8 @@ def test_hermes_output_comes_back_as_tool_calls_not_text(client):
 def test_tools_and_tool_calls_on_invocations(server):
     """LMI's chat schema on /invocations (a messages body) carries tools and returns tool_calls as LMI does
     (vLLM's chat completion, unchanged)."""
-    body = {"messages": MESSAGES, "tools": TOOLS, "tool_choice": "required", "max_tokens": 100}
+    body = {"messages": MESSAGES, "tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False,
+            "max_tokens": 200}
     answer = requests.post(server.url("/invocations"), json=body, timeout=120).json()
     calls = answer["choices"][0]["message"]["tool_calls"]
     assert calls and answer["choices"][0]["finish_reason"] == "tool_calls"

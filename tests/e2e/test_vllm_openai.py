@@ -113,7 +113,8 @@ def test_tokenize_messages_counts_the_chat_prompt(vllm_server, client):
 
 
 def test_tokenizer_routes_refuse_bad_bodies_in_openais_envelope(vllm_server):
-    for path, body in (("/tokenize", {"prompt": 3}), ("/detokenize", {"tokens": "abc"}), ("/tokenize", [1])):
+    for path, body in (("/tokenize", {"prompt": 3}), ("/detokenize", {"tokens": "abc"}), ("/tokenize", [1]),
+                       ("/detokenize", {"tokens": [1, 10**30]}), ("/detokenize", {"tokens": [-1]})):
         answer = requests.post(vllm_server.url(path), json=body, timeout=60)
         assert answer.status_code == 400, (path, answer.text)
         assert set(answer.json()["error"]) >= {"message", "type", "code"}, answer.text
