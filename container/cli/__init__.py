@@ -99,9 +99,14 @@ def _engine_args(write: bool) -> int:
     # One argument a line, so that a vLLM upgrade shows as a readable diff.
     rows = ",\n".join(f"  {json.dumps(name)}: {json.dumps(kind)}" for name, kind in listing["engine_args"].items())
     text = f'{{\n "vllm_version": {json.dumps(listing["vllm_version"])},\n "engine_args": {{\n{rows}\n }}\n}}\n'
+    return _emit(text, ENGINE_ARGS_FILE, write)
+
+
+def _emit(text: str, path: Path, write: bool) -> int:
+    """A generated file: written to ``path`` (its name printed) with --write, else printed."""
     if write:
-        ENGINE_ARGS_FILE.write_text(text)
-        print(ENGINE_ARGS_FILE)
+        path.write_text(text)
+        print(path)
     else:
         print(text, end="")
     return 0
@@ -111,13 +116,7 @@ def _openapi(write: bool) -> int:
     from container.cli import openapi
     from container.frontend.openapi import DOCUMENT_FILE
 
-    text = openapi.render(openapi.build())
-    if write:
-        DOCUMENT_FILE.write_text(text)
-        print(DOCUMENT_FILE)
-    else:
-        print(text, end="")
-    return 0
+    return _emit(openapi.render(openapi.build()), DOCUMENT_FILE, write)
 
 
 # docs/ is in the source tree only: --write is for a checkout
@@ -127,13 +126,7 @@ LMI_OPTIONS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "lmi_options.m
 def _lmi_options(write: bool) -> int:
     from container.core.lmi_options import reference_page
 
-    text = reference_page()
-    if write:
-        LMI_OPTIONS_PAGE.write_text(text)
-        print(LMI_OPTIONS_PAGE)
-    else:
-        print(text, end="")
-    return 0
+    return _emit(reference_page(), LMI_OPTIONS_PAGE, write)
 
 
 def _print_config(settings, as_json: bool) -> None:
