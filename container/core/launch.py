@@ -4,6 +4,7 @@ and each worker group's launch (its settings, handler properties, layout)."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import msgspec
@@ -17,6 +18,32 @@ class GroupAddress(msgspec.Struct, frozen=True):
     index: int
     socket_path: str
     devices: str | None = None  # the group's CUDA_VISIBLE_DEVICES, for /ping
+    note_path: str = ""  # the supervisor's GroupNote of this group, for /ping
+
+
+class GroupNote(msgspec.Struct, frozen=True):
+    """What the supervisor knows of a worker group and the frontend does not, for ``/ping``:
+    why its last start ended, and whether it keeps dying soon after becoming ready."""
+
+    last_exit: str = ""
+    crash_loop: bool = False
+    restarts: int = 0  # deaths in a row, each soon after a start
+
+
+def write_note(path: str, note: GroupNote) -> None:
+    """Replace the note at ``path`` at once (a reader never sees half of it)."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(msgspec.json.encode(note))
+    os.replace(tmp, path)
+
+
+def read_note(path: str) -> GroupNote | None:
+    try:
+        with open(path, "rb") as f:
+            return msgspec.json.decode(f.read(), type=GroupNote)
+    except (OSError, msgspec.DecodeError):
+        return None
 
 
 class FrontendLaunch(msgspec.Struct, frozen=True):

@@ -46,6 +46,7 @@ from container.frontend.body import WSGI_RESPONSE, read_body
 from container.frontend.group_client import GroupClient, PendingRequest
 from container.frontend.management import add_management_routes
 from container.frontend.metrics import FrontendMetrics
+from container.frontend.poison import RequestStoppedEngine, fingerprint
 from container.frontend.router import Router
 
 log = logging.getLogger("sagelmi.frontend")
@@ -180,6 +181,8 @@ class Invocation:
             self.group.cancel(self.wire_id)
 
     def run(self, body: bytes) -> Response:
+        print_ = fingerprint(request.full_path, body)
+        self.router.poison.check(print_)
         self.router.admit()
         streaming = False
         try:
@@ -191,7 +194,8 @@ class Invocation:
                     body=body,
                     path=request.path,
                     query=request.query_string.decode("latin-1"),
-                )
+                ),
+                tag=(print_, self.request_id, request.path),
             )
             try:
                 self._await(self.pending.wait_head_for, "no answer from the model")
@@ -307,6 +311,8 @@ def create_app(launch: FrontendLaunch) -> Flask:
 
     @app.errorhandler(ServingError)
     def _serving_error(exc: ServingError) -> Response:
+        if isinstance(exc, RequestStoppedEngine):
+            metrics.poison_refused.inc()
         return _error_response(exc)
 
     @app.errorhandler(HTTPException)

@@ -88,8 +88,9 @@ class PendingRequest:
     the reader writes again once that backlog is gone. So at load a token
     costs one system call in the reader thread, not a thread switch."""
 
-    def __init__(self, request_id: str) -> None:
+    def __init__(self, request_id: str, tag: tuple[str, str, str] | None = None) -> None:
         self.id = request_id
+        self.tag = tag  # (fingerprint, request id, route): what GroupClient.on_lost is told
         self._cond = threading.Condition()
         self._head: Head | None = None
         self._chunks: list[bytes] = []
@@ -273,6 +274,9 @@ class GroupClient:
         self._thread = threading.Thread(target=self._run, name=f"group-{name}", daemon=True)
         self._sender = threading.Thread(target=self._send_queued, name=f"group-{name}-send", daemon=True)
         self.on_connect: Callable[[], list[Message]] | None = None
+        # Told the tags of the requests in flight when the connection dropped (the group died)
+        self.on_lost: Callable[[str, list[tuple[str, str, str]]], None] | None = None
+        self.last_words = ""  # why the group's current start said it stops (a DOWN Status), if it did
 
     def start(self) -> GroupClient:
         self._thread.start()
@@ -294,11 +298,17 @@ class GroupClient:
     def in_flight(self) -> int:
         return len(self._pending)
 
+    @property
+    def connected(self) -> bool:
+        return self._sock is not None
+
     # -- requests
-    def submit(self, invoke: Invoke, require_ready: bool = True) -> PendingRequest:
+    def submit(
+        self, invoke: Invoke, require_ready: bool = True, tag: tuple[str, str, str] | None = None
+    ) -> PendingRequest:
         """Send ``invoke``; raises ``ServiceUnavailable`` if the group is not
-        ready (or, with ``require_ready=False``, not connected)."""
-        pending = PendingRequest(invoke.id)
+        ready (or, with ``require_ready=False``, not connected). ``tag``: see ``on_lost``."""
+        pending = PendingRequest(invoke.id, tag)
         with self._lock:
             if (require_ready and self.state is not WorkerState.READY) or self._sock is None:
                 raise ServiceUnavailable(f"worker group {self.name} is {self.state.value}")
@@ -425,6 +435,7 @@ class GroupClient:
                 if isinstance(message, Status):
                     self.incarnation = message.incarnation
                     self._set_state(message.state, message.detail)
+                    self.last_words = message.detail if message.state is WorkerState.DOWN else ""
                 else:  # rank 0 answers with these (its InvokeBatch and Broadcast go to the other ranks)
                     answer = cast("Head | Chunk | End | Fail", message)
                     batches.setdefault(answer.id, []).append(answer)
@@ -446,10 +457,13 @@ class GroupClient:
         sock.close()
         if self._stopped.is_set():
             return
-        if self.state is not WorkerState.FAILED:
+        if self.state not in (WorkerState.FAILED, WorkerState.DOWN):  # a DOWN Status said why
             self._set_state(WorkerState.DOWN, "the worker group's process is not running")
         if orphans:
             log.error("worker group %s went away with %d request(s) in flight", self.name, len(orphans))
+            tags = [pending.tag for pending in orphans if pending.tag is not None]
+            if tags and self.on_lost is not None:
+                self.on_lost(self.name, tags)
         for pending in orphans:
             pending.fail(
                 ServiceUnavailable(

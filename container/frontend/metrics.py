@@ -28,6 +28,11 @@ class FrontendMetrics:
         self.in_flight = Gauge(
             "sagelmi_requests_in_flight", "Requests admitted and not yet finished", registry=self.registry
         )
+        self.poison_refused = Counter(
+            "sagelmi_poison_requests_refused",
+            "Copies of requests refused because the same request was in flight at two deaths of worker groups",
+            registry=self.registry,
+        )
         self.worker_ready = Gauge(
             "sagelmi_worker_ready", "1 when the worker group is ready", ["group"], registry=self.registry
         )

@@ -13,20 +13,23 @@ import itertools
 import threading
 
 from container.core.errors import ServiceUnavailable
-from container.core.launch import FrontendLaunch
+from container.core.launch import FrontendLaunch, read_note
 from container.core.protocol import WorkerState
 from container.frontend.group_client import GroupClient
+from container.frontend.poison import PoisonRequests
 
 
 class Router:
     def __init__(self, launch: FrontendLaunch) -> None:
         self.launch = launch
         self.groups = [GroupClient(str(g.index), g.socket_path) for g in launch.groups]
-        self._devices = {id(client): g.devices for client, g in zip(self.groups, launch.groups)}
         self._cond = threading.Condition()
         self._in_flight = 0
         self._turn = itertools.count()
         self.draining = False
+        self.poison = PoisonRequests()
+        for client in self.groups:
+            client.on_lost = self.poison.group_died
 
     def start(self) -> None:
         for client in self.groups:
@@ -74,19 +77,29 @@ class Router:
 
     # -- health
     def health(self) -> tuple[bool, dict]:
-        workers = [
-            {
+        workers = []
+        crash_loop = False
+        for client, address in zip(self.groups, self.launch.groups):
+            worker = {
                 "group": f"group-{client.name}",
                 "state": client.state.value,
-                "devices": self._devices[id(client)],
+                "devices": address.devices,
                 "in_flight": client.in_flight,
                 **({"detail": client.detail} if client.detail else {}),
             }
-            for client in self.groups
-        ]
+            note = read_note(address.note_path) if address.note_path else None
+            if note is not None and note.last_exit and (note.crash_loop or client.state is not WorkerState.READY):
+                worker["last_exit"] = note.last_exit
+            if note is not None and note.crash_loop:
+                worker["crash_loop"] = True
+                worker["restarts"] = note.restarts
+                crash_loop = True
+            workers.append(worker)
         states = {client.state for client in self.groups}
         if self.draining:
             status = "Draining"
+        elif crash_loop:
+            status = "Unhealthy"  # until a start stays up (the supervisor's GroupNote)
         elif states == {WorkerState.READY}:
             status = "Healthy"
         elif states <= {WorkerState.STARTING, WorkerState.LOADING, WorkerState.READY}:

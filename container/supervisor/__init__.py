@@ -31,7 +31,15 @@ from container.core.artifacts import ArtifactError, fetch_model
 from container.core.devices import GroupPlan, cpu_binding, discover_devices, plan_groups
 from container.core.engine_args import EngineOptionError, engine_environment
 from container.core.handler_choice import uses_builtin_engine
-from container.core.launch import FrontendLaunch, GroupAddress, ModelInfo, WorkerLaunch, encode_launch
+from container.core.launch import (
+    FrontendLaunch,
+    GroupAddress,
+    GroupNote,
+    ModelInfo,
+    WorkerLaunch,
+    encode_launch,
+    write_note,
+)
 from container.core.plan import Plan
 from container.core.protocol import WorkerState
 from container.core.served_names import served_names
@@ -39,7 +47,10 @@ from container.core.settings import Settings, SettingsError
 from container.frontend.group_client import GroupClient
 from container.supervisor.plan_check import compare_kv, startup_plan
 from container.supervisor.processes import (
+    CRASH_LOOP_DEATHS,
+    CRASH_WINDOW,
     FRONTEND_MIN_UPTIME,
+    LAST_WORDS_WAIT,
     MAX_RESTART_DELAY,
     POLL_INTERVAL,
     STOP_TIMEOUT,
@@ -109,6 +120,7 @@ class WorkerGroup:
         socket_path = str(runtime / f"group-{plan.index}.sock")
         self.launch_path = runtime / f"group-{plan.index}.json"
         self.ready_path = runtime / f"group-{plan.index}.ready"
+        self.note_path = str(runtime / f"group-{plan.index}.note")
         self.launch_path.write_bytes(
             encode_launch(
                 WorkerLaunch(
@@ -133,7 +145,9 @@ class WorkerGroup:
         self.started_at = 0.0
         self.ready = False  # this incarnation reported ready
         self.ever_ready = False
-        self.crashes = 0
+        self.crashes = 0  # deaths in a row, each within CRASH_WINDOW of its start
+        self.crash_loop = False
+        self.ready_at: float | None = None  # when this start became ready
         self.restart_at: float | None = None
 
     def _env(self) -> dict[str, str]:
@@ -170,6 +184,7 @@ class WorkerGroup:
         self.process = _start(command, env=env, cwd=self.settings.model_dir)
         self.started_at = time.monotonic()
         self.ready = False
+        self.ready_at = None
         self.restart_at = None
         details = [f"pid {self.process.pid}"]
         if self.mpirun is not None:
@@ -206,13 +221,19 @@ class WorkerGroup:
         code = process.poll()
         if not self.ready and self._ready_incarnation() == self.incarnation:  # even if it died since
             self.ready = self.ever_ready = True
-            self.crashes = 0
+            self.ready_at = now
             log.info("%s is ready (%.1fs)", self.name, now - self.started_at)
+        if self.ready_at is not None and self.crashes and now - self.ready_at >= CRASH_WINDOW:
+            if self.crash_loop:
+                log.info("%s has stayed up for %gs: it is no longer crash-looping", self.name, CRASH_WINDOW)
+            self.crashes, self.crash_loop = 0, False
+            write_note(self.note_path, GroupNote())
+        reason = ""
         if code is None and self._reports(WorkerState.FAILED):
             if not self.ever_ready:
                 raise StartupError(f"{self.name} could not load the model: {self.client.detail}")
             # It served before: whatever broke the reload may pass. Retry, with back-off.
-            log.error("%s could not reload the model: %s", self.name, self.client.detail)
+            reason = f"the model could not be loaded again: {self.client.detail}"
             _terminate(process, STOP_TIMEOUT)
             code = process.returncode
         if code is None:
@@ -226,15 +247,43 @@ class WorkerGroup:
         if not self.ever_ready:
             reason = self.client.detail if self._reports(WorkerState.FAILED) else "see the log above"
             raise StartupError(f"{self.name} could not load the model ({_exit_text(code)}): {reason}")
-        self.crashes += 1
-        delay = 0.0 if self.crashes == 1 else min(MAX_RESTART_DELAY, 2.0 ** (self.crashes - 2))
-        log.error(
-            "%s (pid %d) died: %s; restarting it%s",
-            self.name,
-            process.pid,
-            _exit_text(code),
-            f" in {delay:g}s" if delay else "",
+        self._died(now, process.pid, reason or self._exit_reason(code))
+
+    def _exit_reason(self, code: int) -> str:
+        """Why the group's process ended: what its worker said before leaving, or else its exit
+        status, which is then the handler's (or a library's) doing."""
+        deadline = time.monotonic() + LAST_WORDS_WAIT
+        while self.client.connected and time.monotonic() < deadline:  # its last Status may be unread
+            time.sleep(0.01)
+        if self.client.incarnation == self.incarnation and self.client.last_words:
+            return f"{self.client.last_words} ({_exit_text(code)})"
+        if code < 0:
+            return f"its process was {_exit_text(code)} (from outside: the kernel's OOM killer, or a person)"
+        return (
+            f"its process exited with code {code} without a reason from sagelmi's worker: "
+            f"the handler, or a library it called, ended it"
         )
+
+    def _died(self, now: float, pid: int, reason: str) -> None:
+        """Schedule the restart: at once after a death that follows a long run, with growing
+        delays while the group keeps dying soon after its starts (then it is crash-looping)."""
+        soon = self.ready_at is None or now - self.ready_at < CRASH_WINDOW
+        self.crashes = self.crashes + 1 if soon else 1
+        delay = 0.0 if self.crashes == 1 else min(MAX_RESTART_DELAY, 2.0 ** (self.crashes - 2))
+        if self.crashes >= CRASH_LOOP_DEATHS and not self.crash_loop:
+            self.crash_loop = True
+            log.error(
+                "%s is crash-looping: it died %d times in a row within %gs of starting; the last time: %s. "
+                "It is restarted with growing delays (up to %gs); /ping answers 503 until a start stays up %gs",
+                self.name,
+                self.crashes,
+                CRASH_WINDOW,
+                reason,
+                MAX_RESTART_DELAY,
+                CRASH_WINDOW,
+            )
+        log.error("%s (pid %d) died: %s; restarting it%s", self.name, pid, reason, f" in {delay:g}s" if delay else "")
+        write_note(self.note_path, GroupNote(last_exit=reason, crash_loop=self.crash_loop, restarts=self.crashes))
         self.ready = False
         self.restart_at = now + delay
 
@@ -292,6 +341,7 @@ class Supervisor:
                     index=p.index,
                     socket_path=str(self.runtime / f"group-{p.index}.sock"),
                     devices=p.cuda_visible_devices,
+                    note_path=str(self.runtime / f"group-{p.index}.note"),
                 )
                 for p in plans
             ],

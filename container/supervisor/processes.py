@@ -16,7 +16,6 @@ from pathlib import Path
 
 from container.core import proc
 from container.core.devices import GroupPlan
-from container.core.protocol import EXIT_ENGINE_DEAD, EXIT_LOAD_FAILED, EXIT_RANK_LOST
 from container.core.settings import Settings
 
 log = logging.getLogger("sagelmi.serve")
@@ -24,6 +23,11 @@ log = logging.getLogger("sagelmi.serve")
 POLL_INTERVAL = 0.1
 STOP_TIMEOUT = 10.0
 MAX_RESTART_DELAY = 30.0
+# A group that dies within CRASH_WINDOW seconds of a start CRASH_LOOP_DEATHS times in a row is
+# crash-looping: /ping stays 503 naming why it died until a start stays up CRASH_WINDOW seconds.
+CRASH_WINDOW = 30.0
+CRASH_LOOP_DEATHS = 3
+LAST_WORDS_WAIT = 1.0  # how long a dead group's connection may take to deliver its last Status
 FRONTEND_MIN_UPTIME = 10.0  # a frontend that dies sooner is broken, not unlucky
 
 
@@ -31,21 +35,15 @@ class StartupError(Exception):
     """Start-up cannot continue; the message says why."""
 
 
-_EXIT_MEANINGS = {
-    EXIT_LOAD_FAILED: "the model could not be loaded",
-    EXIT_ENGINE_DEAD: "its engine died",
-    EXIT_RANK_LOST: "one of its ranks went away",
-}
-
-
 def _exit_text(code: int) -> str:
+    """An exit status as it is: a number means what the process that exited meant by it (a
+    handler may exit with any), so only a worker's own message over the wire says why."""
     if code < 0:
         try:
             return f"killed by {signal.Signals(-code).name}"
         except ValueError:
             return f"killed by signal {-code}"
-    meaning = _EXIT_MEANINGS.get(code)
-    return f"exit code {code}" + (f": {meaning}" if meaning else "")
+    return f"exit code {code}"
 
 
 # The children this process started and has not reaped: any other child is an orphan

@@ -47,6 +47,15 @@ class Connection:
         if self.writer.is_closing():
             raise PeerGone("the connection to the frontend is closed")
 
+    def send_now(self, message: Message) -> None:
+        """Write ``message`` (after what is queued) at once, for a process about to exit: the
+        transport sends it in this call unless the frontend is behind on reading."""
+        self._frames.append(encode(message))
+        try:
+            self._flush()
+        except (ConnectionError, OSError):
+            pass
+
     def _flush(self) -> None:
         frames, self._frames = self._frames, []
         if frames and not self.writer.is_closing():

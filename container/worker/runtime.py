@@ -308,6 +308,9 @@ class Worker:
         """The group cannot go on: leave at once, so that requests in flight fail
         now (the frontend sees the connection drop) and the supervisor restarts it."""
         log.error("%s: stopping this worker group so that it is restarted", reason)
+        last_words = Status(state=WorkerState.DOWN, detail=reason, incarnation=self.incarnation)
+        for conn in list(self.connections):  # the supervisor and /ping report this, not the exit code
+            conn.send_now(last_words)
         logging.shutdown()
         os._exit(code)
 
@@ -324,7 +327,7 @@ class Worker:
         try:
             self.engine.check_health()
         except Exception as exc:
-            self._fatal(f"the handler can no longer serve ({type(exc).__name__}: {exc})", EXIT_ENGINE_DEAD)
+            self._fatal(f"its engine died ({type(exc).__name__}: {exc})", EXIT_ENGINE_DEAD)
 
     # -- requests
     async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
