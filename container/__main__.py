@@ -1,5 +1,5 @@
 import sys
 
-from container.cli import main
+from container.cli import run
 
-sys.exit(main())
+sys.exit(run())

@@ -13,6 +13,7 @@ sagelmi plan [--model-dir DIR | --model-id ID] [--instance TYPE | --gpus N --gpu
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import logging
 import os
@@ -34,8 +35,16 @@ from container.core.settings import (
 log = logging.getLogger("sagelmi")
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("sagelmi")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sagelmi", description="SageMaker-compatible LLM serving")
+    parser.add_argument("--version", action="version", version=f"sagelmi {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = sub.add_parser("serve", help="run the model server (the container's command)")
@@ -187,5 +196,18 @@ def main(argv: list[str] | None = None) -> int:
     return serve(settings)
 
 
+def run(argv: list[str] | None = None) -> int:
+    """``main``, for a shell: output cut short by a closed pipe (``sagelmi config | head -1``)
+    ends the command quietly, as other command-line tools do."""
+    try:
+        code = main(argv)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # Python's own flush at exit would fail again
+        return 0
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())

@@ -285,3 +285,22 @@ def test_serve_with_a_bad_value_stops_with_the_message(tmp_path):
     assert result.returncode == 2
     assert "invalid setting job_queue_size='many' (from env SERVING_JOB_QUEUE_SIZE)" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_version_is_printed():
+    out = subprocess.run([sys.executable, "-m", "container", "--version"], capture_output=True, text=True,
+                         cwd=REPO, env=clean_env(), timeout=60)
+    assert out.returncode == 0 and out.stdout.startswith("sagelmi ")
+
+
+@pytest.mark.parametrize("command", [["config", "--reference"], ["lmi-options"]])
+def test_output_cut_short_by_a_closed_pipe_ends_without_a_traceback(command):
+    """``sagelmi config | head -1``: the reader closes the pipe before the command is done
+    writing (here before it starts)."""
+    process = subprocess.Popen([sys.executable, "-m", "container", *command], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, cwd=REPO, env=clean_env())
+    process.stdout.close()
+    code = process.wait(timeout=60)
+    stderr = process.stderr.read().decode()
+    assert code == 0, stderr
+    assert "Traceback" not in stderr and "BrokenPipe" not in stderr
