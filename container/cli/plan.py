@@ -17,7 +17,15 @@ import tempfile
 from pathlib import Path
 
 from container.core.devices import resolve_tensor_parallel
-from container.core.plan import PlanError, hardware_of, plan_from_settings, read_model, render
+from container.core.plan import (
+    PlanError,
+    gpu_kind,
+    hardware_of,
+    host_memory_gib,
+    plan_from_settings,
+    read_model,
+    render,
+)
 from container.core.settings import resolve_settings
 
 
@@ -48,6 +56,10 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as empty:
         settings = resolve_settings(env, args.model_dir or empty)
     gpus, memory, hardware = hardware_of(args.instance, args.gpus, args.gpu_memory)
+    if gpus is None and not env.get("VLLM_CPU_KVCACHE_SPACE"):
+        hardware += (
+            f" ({host_memory_gib():.0f} GiB of memory; the KV cache: gpu_memory_utilization of it, less the weights)"
+        )
     model = read_model(args.model_dir, settings.model_id, settings.revision)
     given = {key for key, source in settings.sources.items() if source != "default"}
     tp = settings.tensor_parallel_degree if "option.tensor_parallel_degree" in given else None
@@ -61,6 +73,8 @@ def run(args: argparse.Namespace) -> int:
         pp=pp,
         hardware=hardware,
         cpu_kv_cache_gib=float(env["VLLM_CPU_KVCACHE_SPACE"]) if env.get("VLLM_CPU_KVCACHE_SPACE") else None,
+        gpu=gpu_kind(args.instance),
+        host_memory_gib=host_memory_gib() if gpus is None else None,
     )
     print(json.dumps(plan.as_dict(), indent=2) if args.json else render(plan))
     return 0 if plan.smallest else 1

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -150,6 +151,24 @@ class Plan:
         return out
 
 
+# GPUs without bfloat16 (compute capability below 8.0), with theirs
+PRE_AMPERE = {"T4": "Turing, compute capability 7.5", "V100": "Volta, 7.0", "V100-32GB": "Volta, 7.0"}
+
+
+def _split_problem(shape: ModelShape, tp: int, pp: int, gpus: int | None) -> str:
+    """Why vLLM cannot split the model ``tp`` x ``pp`` ways on ``gpus`` GPUs ("" if it can)."""
+    if gpus is not None and tp * pp > gpus:
+        return f"tp x pp = {tp * pp} needs {tp * pp} GPUs; there are {gpus}"
+    if shape.attention_heads % tp:
+        return f"tp={tp} does not divide the model's {shape.attention_heads} attention heads"
+    kv = shape.kv_heads
+    if (tp >= kv and tp % kv) or (tp < kv and kv % tp):
+        return f"tp={tp} and the model's {kv} KV heads: one must divide the other"
+    if pp > shape.layers:
+        return f"pp={pp} needs at least {pp} layers; the model has {shape.layers}"
+    return ""
+
+
 def _splits(gpus: int) -> list[tuple[int, int]]:
     sizes = [n for n in (1, 2, 4, 8, 16) if n <= gpus]
     return [(tp, pp) for tp in sizes for pp in sizes if tp * pp <= gpus]
@@ -171,13 +190,27 @@ def make_plan(
     tp: int | None = None,
     pp: int | None = None,
     hardware: str = "",
+    gpu: str | None = None,
+    max_sequences: int | None = None,
+    host_memory_gib: float | None = None,
 ) -> Plan:
-    """The plan for ``model`` on ``gpus`` x ``gpu_memory_gib`` (None: vLLM's CPU build with
-    ``cpu_kv_cache_gib``); every split up to the GPU count, or the ``tp`` x ``pp`` asked for."""
+    """The plan for ``model`` on ``gpus`` x ``gpu_memory_gib`` of the ``gpu`` kind (None: vLLM's
+    CPU build with ``cpu_kv_cache_gib``, or without it ``gpu_memory_utilization`` of
+    ``host_memory_gib``); every split up to the GPU count, or the ``tp`` x ``pp`` asked for.
+    ``max_sequences`` (``max_rolling_batch_size``) caps the sequences a split serves at once."""
     from container.core.sizing import download_timeout, startup_timeout
 
     shape = ModelShape.from_config(config)
     served = resolved_dtype(dtype, shape)
+    dtype_problem = ""
+    if gpu in PRE_AMPERE and served == "bfloat16":
+        if not dtype or dtype == "auto":
+            served = "float16"  # vLLM's auto picks what the GPU supports
+        else:
+            dtype_problem = (
+                f"option.dtype=bfloat16 needs an Ampere or newer GPU (compute capability 8.0); the {gpu} is "
+                f"{PRE_AMPERE[gpu]}: use option.dtype=float16"
+            )
     kv_dtype = served if not kv_cache_dtype or kv_cache_dtype == "auto" else kv_cache_dtype.lower()
     wanted = max_model_len or shape.max_position or 4096
     plan = Plan(
@@ -199,12 +232,16 @@ def make_plan(
         per_rank = served_weights / (t * p)
         per_token = kv_bytes_per_token(shape, kv_dtype, t, p)
         if gpus is None:
-            if cpu_kv_cache_gib is None:
+            if cpu_kv_cache_gib is not None:
+                budget = cpu_kv_cache_gib * GIB
+            elif host_memory_gib is not None:  # vLLM's CPU build: utilization x the node's memory, less what it holds
+                budget = gpu_memory_utilization * host_memory_gib * GIB - per_rank
+            else:
                 raise PlanError(
-                    "on the CPU build the KV cache is VLLM_CPU_KVCACHE_SPACE GiB: set it, or give "
-                    "--instance / --gpus and --gpu-memory"
+                    "on the CPU build the KV cache is VLLM_CPU_KVCACHE_SPACE GiB, or gpu_memory_utilization of "
+                    "the machine's memory: set one, or give --instance / --gpus and --gpu-memory"
                 )
-            budget, block = cpu_kv_cache_gib * GIB, BLOCK_SIZE["cpu"]
+            block = BLOCK_SIZE["cpu"]
         else:
             assert gpu_memory_gib is not None, "GPUs without their memory"  # hardware_of and plan_check give both
             budget = gpu_memory_gib * GIB * gpu_memory_utilization - per_rank - ACTIVATION_RESERVE_GIB * GIB
@@ -212,11 +249,17 @@ def make_plan(
         tokens = max(0, int(budget // (per_token * block)) * block)
         longest = min(tokens, shape.max_position or tokens)
         need = min(wanted, shape.sliding_window + block) if shape.sliding_window else wanted
-        why = ""
-        if budget <= 0:
-            # the GPU build's reason; on the CPU build (a VLLM_CPU_KVCACHE_SPACE of 0 or less) there is no GPU
-            # memory to name: this stops here, as the TypeError of None's format did before
-            assert gpu_memory_gib is not None, "no KV cache on the CPU build (VLLM_CPU_KVCACHE_SPACE <= 0)"
+        why = _split_problem(shape, t, p, gpus) or dtype_problem
+        if why:
+            pass  # the split itself cannot run: its memory does not matter
+        elif budget <= 0 and gpu_memory_gib is None:
+            why = (
+                f"VLLM_CPU_KVCACHE_SPACE={cpu_kv_cache_gib:g} leaves no KV cache"
+                if cpu_kv_cache_gib is not None
+                else f"gpu_memory_utilization={gpu_memory_utilization:g} of {host_memory_gib:g} GiB "
+                f"is less than the {per_rank / GIB:.1f} GiB of weights"
+            )
+        elif budget <= 0:
             why = (
                 f"needs {per_rank / GIB:.1f} GiB per GPU for weights at tp={t}, pp={p}, plus "
                 f"{ACTIVATION_RESERVE_GIB:.0f} GiB for activations; {gpu_memory_utilization:g} x "
@@ -236,7 +279,7 @@ def make_plan(
                 round(budget / GIB, 3),
                 tokens,
                 longest,
-                tokens // need if need else 0,
+                min(tokens // need if need else 0, max_sequences or tokens),
                 not why,
                 why,
             )
@@ -255,6 +298,8 @@ def plan_from_settings(
     hardware: str,
     cpu_kv_cache_gib: float | None = None,
     default_utilization: float = 0.9,
+    gpu: str | None = None,
+    host_memory_gib: float | None = None,
 ) -> Plan:
     """``make_plan`` for ``read_model``'s answer with the engine options as the
     settings hold them (``option.dtype``, ``kv_cache_dtype``, ``max_model_len``,
@@ -275,6 +320,9 @@ def plan_from_settings(
         gpu_memory_utilization=float(options.get("gpu_memory_utilization", default_utilization)),
         cpu_kv_cache_gib=cpu_kv_cache_gib,
         hardware=hardware,
+        gpu=gpu,
+        max_sequences=int(options.get("max_rolling_batch_size") or options.get("max_num_seqs") or 256),
+        host_memory_gib=host_memory_gib,
     )
 
 
@@ -308,6 +356,17 @@ def hardware_of(
     if gpus is not None or gpu_memory is not None:
         raise PlanError("give both --gpus and --gpu-memory (or --instance)")
     return None, None, "vLLM's CPU build"
+
+
+def gpu_kind(instance: str | None) -> str | None:
+    """The GPU of a SageMaker instance type (None if unknown or not given)."""
+    spec = INSTANCES.get(instance or "")
+    return spec.gpu if spec else None
+
+
+def host_memory_gib() -> float:
+    """This machine's memory, for the CPU build's plan without ``VLLM_CPU_KVCACHE_SPACE``."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
 
 
 def render(plan: Plan) -> str:

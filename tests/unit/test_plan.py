@@ -130,3 +130,59 @@ def test_every_dtype_word_the_engine_options_take_is_one_plan_sizes():
     assert kv_bytes_per_token(shape, "half") == kv_bytes_per_token(shape, "bf16") == kv_bytes_per_token(shape, "fp8") * 2
     with pytest.raises(PlanError, match="unknown KV-cache dtype 'fp4'.*fp16"):
         kv_bytes_per_token(shape, "fp4")
+
+
+TINY = {"num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "hidden_size": 128,
+        "max_position_embeddings": 1024, "torch_dtype": "bfloat16"}
+GPU = dict(weight=10**9, download=10**9, dtype=None, kv_cache_dtype=None, max_model_len=None, gpus=4,
+           gpu_memory_gib=22.0)
+
+
+@pytest.mark.parametrize("tp, pp, gpus, why", [
+    (8, 1, 4, "tp x pp = 8 needs 8 GPUs; there are 4"),
+    (4, 2, 4, "tp x pp = 8 needs 8 GPUs; there are 4"),
+    (8, 1, 8, "tp=8 does not divide the model's 2 attention heads"),
+    (1, 8, 8, "pp=8 needs at least 8 layers; the model has 2"),
+])
+def test_a_split_vllm_cannot_run_does_not_fit(tp, pp, gpus, why):
+    (split,) = make_plan("m", TINY, **{**GPU, "gpus": gpus}, tp=tp, pp=pp).splits
+    assert not split.fits and split.why_not == why
+
+
+def test_kv_heads_and_tp_must_divide_one_another():
+    config = {**TINY, "num_attention_heads": 12, "num_key_value_heads": 6}
+    assert make_plan("m", config, **GPU, tp=4, pp=1).splits[0].why_not == (
+        "tp=4 and the model's 6 KV heads: one must divide the other")
+    assert make_plan("m", config, **GPU, tp=2, pp=1).splits[0].fits
+    assert make_plan("m", {**config, "num_key_value_heads": 2}, **GPU, tp=4, pp=1).splits[0].fits  # replicated
+
+
+def test_every_split_of_the_gpus_is_checked():
+    plan = make_plan("m", TINY, **{**GPU, "gpus": 8})
+    fits = {(s.tp, s.pp): s.fits for s in plan.splits}
+    assert fits[(2, 2)] and not fits[(4, 1)] and not fits[(1, 4)]
+
+
+def test_sequences_are_capped_by_max_rolling_batch_size():
+    uncapped = make_plan("m", TINY, **GPU, tp=1, pp=1).splits[0]
+    capped = make_plan("m", TINY, **GPU, tp=1, pp=1, max_sequences=8).splits[0]
+    assert uncapped.max_sequences > 8 and capped.max_sequences == 8
+
+
+def test_no_bfloat16_before_ampere():
+    t4 = dict(GPU, gpus=1, gpu_memory_gib=15.0, gpu="T4")
+    assert make_plan("m", TINY, **t4).dtype == "float16"  # auto: what the GPU supports
+    asked = make_plan("m", TINY, **{**t4, "dtype": "bfloat16"})
+    assert not asked.splits[0].fits and "use option.dtype=float16" in asked.splits[0].why_not
+    assert make_plan("m", TINY, **dict(t4, gpu="A10G")).dtype == "bfloat16"
+
+
+def test_the_cpu_plan_needs_no_variable():
+    common = dict(weight=2 * GIB, download=2 * GIB, dtype=None, kv_cache_dtype=None, max_model_len=None, gpus=None,
+                  gpu_memory_gib=None, gpu_memory_utilization=0.5)
+    (split,) = make_plan("m", TINY, **common, host_memory_gib=24.0).splits
+    assert split.fits and split.kv_budget_gib == pytest.approx(0.5 * 24 - 2)
+    (starved,) = make_plan("m", TINY, **common, host_memory_gib=3.0).splits
+    assert not starved.fits and "is less than the 2.0 GiB of weights" in starved.why_not
+    (none,) = make_plan("m", TINY, **common, cpu_kv_cache_gib=0).splits
+    assert not none.fits and none.why_not == "VLLM_CPU_KVCACHE_SPACE=0 leaves no KV cache"
