@@ -56,6 +56,8 @@ class FrontendLaunch(msgspec.Struct, frozen=True):
     body_read_timeout: float = 60.0
     log_level: str = "INFO"
     model: ModelInfo | None = None  # what GET /models and the adapter routes describe
+    stateful_sessions: bool = True  # option.enable_stateful_sessions: sticky routing by X-Amzn-SageMaker-Session-Id
+    sessions_expiration: float = 1200.0  # a session's life when its handler's answer gives no expiry
 
 
 class ModelInfo(msgspec.Struct, frozen=True):

@@ -202,6 +202,30 @@ KEYS: tuple[Key, ...] = (
         "Dynamic batching: how long a batch waits for more requests after its first.",
         aliases=("option.max_batch_delay",),
     ),
+    # -- stateful sessions (SageMaker's sticky sessions)
+    Key(
+        "enable_stateful_sessions",
+        "option.enable_stateful_sessions",
+        ("OPTION_ENABLE_STATEFUL_SESSIONS", "SAGEMAKER_ENABLE_STATEFUL_SESSIONS"),
+        "true or false",
+        "SageMaker's stateful sessions: X-Amzn-SageMaker-Session-Id routes a session's requests to the "
+        "worker group that created it; the built-in engine opens and closes sessions on "
+        '{"requestType": "NEW_SESSION"} / {"requestType": "CLOSE"}. false: the header is refused (400).',
+    ),
+    Key(
+        "sessions_path",
+        "option.sessions_path",
+        ("OPTION_SESSIONS_PATH", "SAGEMAKER_SESSIONS_PATH"),
+        "a directory",
+        "Where sessions keep their files. Unset: /dev/shm/djl_sessions (the temporary directory without /dev/shm).",
+    ),
+    Key(
+        "sessions_expiration",
+        "option.sessions_expiration",
+        ("OPTION_SESSIONS_EXPIRATION", "SAGEMAKER_SESSIONS_EXPIRATION"),
+        "seconds >= 1",
+        "How long a session lives after it is created; then its requests get 400.",
+    ),
     # -- server
     Key("port", "port", ("SERVING_PORT",), "a port number 1-65535", "HTTP port.", ("SAGEMAKER_BIND_TO_PORT",)),
     Key(

@@ -69,6 +69,9 @@ class Settings(BaseModel):
     output_formatter: Literal["json", "jsonlines", "sse"] = "jsonlines"
     tgi_compat: bool = False
     adapter_roots: str = ""
+    enable_stateful_sessions: bool = True
+    sessions_path: str | None = None
+    sessions_expiration: int = Field(default=1200, ge=1)
     port: int = Field(default=8080, ge=1, le=65535)
     batch_size: int = Field(default=1, ge=1)
     max_batch_delay: float = Field(default=100.0, ge=0)

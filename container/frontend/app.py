@@ -40,6 +40,7 @@ from container.core.errors import (
 from container.core.launch import FrontendLaunch, ModelInfo
 from container.core.logs import request_id_var
 from container.core.protocol import Invoke, WorkerState
+from container.core.sessions import SESSION_ID
 from container.frontend import openapi
 from container.frontend.adapters import AdapterRegistry
 from container.frontend.body import WSGI_RESPONSE, read_body
@@ -54,6 +55,7 @@ log = logging.getLogger("sagelmi.frontend")
 INFERENCE_ID = "X-Amzn-SageMaker-Inference-Id"
 CLIENT_CHECK_INTERVAL = 0.5  # how often a request waiting on its group checks that its client is still there
 CUSTOM_ATTRIBUTES = "X-Amzn-SageMaker-Custom-Attributes"
+GROUP_HEADER = "X-Sagelmi-Group"  # which worker group answered (sticky sessions can be checked with it)
 
 
 def _error_response(exc: BaseException) -> Response:
@@ -186,7 +188,9 @@ class Invocation:
         self.router.admit()
         streaming = False
         try:
-            self.group = self.router.pick()
+            session_id = request.headers.get(SESSION_ID)
+            self.group = self.router.pick_for(session_id)
+            incarnation = self.group.incarnation
             self.pending = self.group.submit(
                 Invoke(
                     id=self.wire_id,
@@ -200,12 +204,13 @@ class Invocation:
             try:
                 self._await(self.pending.wait_head_for, "no answer from the model")
                 head = self.pending.wait_head(0)
+                headers = self.router.sessions.observe(session_id, self.group, incarnation, head.code, head.headers)
+                headers[GROUP_HEADER] = self.group.name
                 if head.stream:
                     streaming = True
-                    return Response(
-                        self._relay(head.headers.get("content-type", "")), status=head.code, headers=head.headers
-                    )
-                return Response(self._body(), status=head.code, headers=head.headers)
+                    content_type = head.headers.get("content-type", "")
+                    return Response(self._relay(content_type), status=head.code, headers=headers)
+                return Response(self._body(), status=head.code, headers=headers)
             except ServingError:
                 self.abandon()
                 raise

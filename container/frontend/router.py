@@ -2,7 +2,8 @@
 
 ``Router`` holds one ``GroupClient`` per worker group. It admits at most
 ``job_queue_size`` requests at once (503 beyond), sends each to the ready group
-with the fewest requests in flight (ties go round-robin), reports health for
+with the fewest requests in flight (ties go round-robin) unless it names a
+stateful session, which goes to the group holding it (``SessionRoutes``), reports health for
 ``/ping``, and, once draining, admits nothing and tells when the last request
 has finished.
 """
@@ -17,6 +18,7 @@ from container.core.launch import FrontendLaunch, read_note
 from container.core.protocol import WorkerState
 from container.frontend.group_client import GroupClient
 from container.frontend.poison import PoisonRequests
+from container.frontend.sessions import SessionRoutes
 
 
 class Router:
@@ -30,6 +32,7 @@ class Router:
         self.poison = PoisonRequests()
         for client in self.groups:
             client.on_lost = self.poison.group_died
+        self.sessions = SessionRoutes(launch.stateful_sessions, launch.sessions_expiration)
 
     def start(self) -> None:
         for client in self.groups:
@@ -63,6 +66,10 @@ class Router:
         return self._in_flight
 
     # -- routing
+    def pick_for(self, session_id: str | None) -> GroupClient:
+        """The group holding session ``session_id`` (``SessionRoutes.route``), else ``pick()``."""
+        return self.sessions.route(session_id) or self.pick()
+
     def pick(self) -> GroupClient:
         """The ready worker group with the fewest requests in flight."""
         ready = [client for client in self.groups if client.state is WorkerState.READY]

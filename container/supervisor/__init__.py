@@ -350,6 +350,8 @@ class Supervisor:
             predict_timeout=self.settings.predict_timeout,
             grace_period=self.settings.shutdown_grace_period,
             log_level=self.settings.log_level,
+            stateful_sessions=self.settings.enable_stateful_sessions,
+            sessions_expiration=self.settings.sessions_expiration,
             model=model_info(self.settings),
             body_read_timeout=self.settings.body_read_timeout,
         )

@@ -1,0 +1,103 @@
+"""SageMaker's stateful sessions with two worker groups and a model.py that keeps
+a counter per session with djl_python's SessionManager: a session's requests all
+reach the group that opened it, a closed, unknown or malformed session is refused
+with 400 naming it, and so is one whose group was killed and restarted."""
+
+import os
+import re
+import signal
+import time
+from datetime import datetime, timezone
+
+import pytest
+import requests
+
+from tests.server import MODEL_DIRS, Server
+
+SESSION = "X-Amzn-SageMaker-Session-Id"
+NEW_SESSION = "X-Amzn-SageMaker-New-Session-Id"
+CLOSED = "X-Amzn-SageMaker-Closed-Session-Id"
+GROUP = "X-Sagelmi-Group"
+NEW_SESSION_VALUE = re.compile(r"([0-9a-f-]{36}); Expires=(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ)")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    sessions = tmp_path_factory.mktemp("sessions")
+    env = {"SERVING_MIN_WORKERS": "2", "OPTION_SESSIONS_PATH": str(sessions)}
+    with Server(MODEL_DIRS / "stateful", env=env) as server:
+        server.sessions_path = sessions
+        yield server
+
+
+def open_session(server: Server) -> tuple[str, requests.Response]:
+    r = server.invoke({"requestType": "NEW_SESSION"}, headers={SESSION: "NEW_SESSION"})
+    assert r.status_code == 200, r.text
+    match = NEW_SESSION_VALUE.fullmatch(r.headers[NEW_SESSION])
+    assert match, r.headers
+    return match.group(1), r
+
+
+def add(server: Server, session_id: str, n: int = 1) -> requests.Response:
+    return server.invoke({"add": n}, headers={SESSION: session_id})
+
+
+def refused(response: requests.Response, session_id: str, why: str) -> None:
+    assert response.status_code == 400, response.text
+    body = response.json()  # LMI's envelope on /invocations
+    assert body["code"] == 400 and session_id in body["error"] and why in body["error"], body
+
+
+def test_a_session_sticks_to_its_group_and_keeps_its_state(server):
+    # Requests without a session spread over both groups (least in flight, ties in turn) ...
+    assert {server.invoke({"requestType": "NEW_SESSION"}).headers[GROUP] for _ in range(6)} == {"0", "1"}
+    session_id, created = open_session(server)
+    expires = NEW_SESSION_VALUE.fullmatch(created.headers[NEW_SESSION]).group(2)
+    lives = datetime.strptime(expires, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc).timestamp() - time.time()
+    assert 1200 - 60 < lives <= 1200  # option.sessions_expiration's default
+    assert (server.sessions_path / session_id).is_dir()
+    # ... those of a session all reach the group that opened it, whose handler keeps its state.
+    answers = [add(server, session_id) for _ in range(20)]
+    assert [r.status_code for r in answers] == [200] * 20
+    assert {r.headers[GROUP] for r in answers} == {created.headers[GROUP]}
+    assert [r.json()["count"] for r in answers] == list(range(1, 21))
+    assert len({r.json()["pid"] for r in answers}) == 1
+
+
+def test_a_closed_session_is_refused(server):
+    session_id, _ = open_session(server)
+    assert add(server, session_id, 5).json()["count"] == 5
+    closed = server.invoke({"requestType": "CLOSE"}, headers={SESSION: session_id})
+    assert closed.status_code == 200, closed.text
+    assert closed.headers[CLOSED] == session_id
+    assert not (server.sessions_path / session_id).exists()
+    refused(add(server, session_id), session_id, "was closed")
+    refused(server.invoke({"requestType": "CLOSE"}, headers={SESSION: session_id}), session_id, "was closed")
+
+
+def test_unknown_and_malformed_sessions_are_refused_naming_them(server):
+    unknown = "0b1e5a52-6a43-4c3e-9a4e-7d1c1f0c2b11"
+    refused(add(server, unknown), unknown, "is not open on this server")
+    r = add(server, "no/such session")
+    assert r.status_code == 400 and "'no/such session' is not a session id" in r.json()["error"], r.text
+    # OpenAI's routes answer in OpenAI's envelope
+    r = requests.post(server.url("/v1/completions"), json={"prompt": "x"}, headers={SESSION: unknown}, timeout=30)
+    assert r.status_code == 400 and unknown in r.json()["error"]["message"], r.text
+
+
+def test_a_session_whose_group_restarted_is_refused(server):
+    session_id, created = open_session(server)
+    group = created.headers[GROUP]
+    pid = add(server, session_id).json()["pid"]
+    other_id, other = open_session(server)
+    while other.headers[GROUP] == group:  # a session on the other group lives on
+        other_id, other = open_session(server)
+    os.kill(pid, signal.SIGKILL)
+    server.wait_until(lambda r: r.status_code == 503, timeout=10)
+    server.wait_until(lambda r: r.status_code == 200, timeout=60)
+    refused(add(server, session_id), session_id, f"was held by worker group {group}, which stopped since")
+    refused(add(server, session_id), session_id, "which stopped since")  # and stays refused
+    kept = add(server, other_id)
+    assert kept.status_code == 200 and kept.headers[GROUP] == other.headers[GROUP] and kept.json()["count"] == 1
+    fresh_id, _ = open_session(server)  # new sessions open again, on either group
+    assert add(server, fresh_id).json()["count"] == 1

@@ -1,0 +1,144 @@
+"""Stateful sessions without processes: the header forms (container/core/sessions.py),
+LMI's SessionManager (handlers/api/sessions.py, djl_python.session_manager) and the
+frontend's sticky routes (container/frontend/sessions.py) over small fake groups."""
+
+import time
+
+import pytest
+
+from container.core.errors import InputError, ServiceUnavailable
+from container.core.protocol import WorkerState
+from container.core.sessions import expires_text, new_session_value, parse_new_session, valid_session_id
+from container.core.settings import resolve_settings
+from container.frontend.sessions import SessionRoutes
+from djl_python.session_manager import SessionManager
+
+ID = "3f6c0f4e-8a8e-4d3b-9a57-1d5b2f9e0c11"
+
+
+class FakeGroup:
+    """What SessionRoutes reads of a GroupClient."""
+
+    def __init__(self, name: str, incarnation: int = 1) -> None:
+        self.name = name
+        self.incarnation = incarnation
+        self.state = WorkerState.READY
+
+
+def test_new_session_value_round_trips_in_sagemakers_form():
+    value = new_session_value(ID, 1_800_000_000)
+    assert value == f"{ID}; Expires=2027-01-15T08:00:00Z"
+    assert parse_new_session(value) == (ID, 1_800_000_000)
+    assert parse_new_session(ID) == (ID, None)
+    assert parse_new_session(f"{ID}; Expires=tomorrow") == (ID, None)
+    assert valid_session_id(ID) and not valid_session_id("a/b") and not valid_session_id("-a") and not valid_session_id(
+        "a" * 257
+    )
+
+
+def test_session_manager_keeps_values_until_closed(tmp_path):
+    manager = SessionManager({"sessions_path": str(tmp_path), "sessions_expiration": "60"})
+    session = manager.create_session()
+    assert 59 < session.expiration_ts - time.time() <= 60
+    session.put("state", {"turns": 2})
+    array = session.get_as_numpy("kv", shape=(2, 3), create=True)
+    array[:] = 7
+    again = manager.get_session(session.session_id)
+    assert again.get("state") == {"turns": 2} and again.get_as_numpy("kv", shape=(2, 3)).sum() == 42
+    assert manager.get_session("NEW_SESSION") is None and manager.get_session("") is None
+    # a manager started later (a restarted worker) takes up what is on disk, as LMI's does
+    assert SessionManager({"sessions_path": str(tmp_path)}).get_session(session.session_id).get("state") == {"turns": 2}
+    manager.close_session(session.session_id)
+    assert not (tmp_path / session.session_id).exists()
+    with pytest.raises(ValueError, match="session not found"):
+        manager.get_session(session.session_id)
+    with pytest.raises(ValueError, match="session not found"):
+        manager.close_session(session.session_id)
+    with pytest.raises(ValueError, match="invalid session key"):
+        manager.create_session().put("..", 1)
+
+
+def test_session_manager_expires_sessions(tmp_path):
+    manager = SessionManager({"sessions_path": str(tmp_path), "sessions_expiration": "1"})
+    old = manager.create_session()
+    old.expiration_ts = time.time() - 1
+    assert manager.get_session(old.session_id) is None  # LMI's answer for an expired session
+    manager.create_session()  # creating cleans up the expired ones
+    assert not (tmp_path / old.session_id).exists()
+
+
+def test_session_settings_from_lmi_and_vllm_sagemaker_names(tmp_path):
+    defaults = resolve_settings({}, str(tmp_path))
+    assert (defaults.enable_stateful_sessions, defaults.sessions_path, defaults.sessions_expiration) == (True, None, 1200)
+    env = {"OPTION_ENABLE_STATEFUL_SESSIONS": "false", "SAGEMAKER_SESSIONS_EXPIRATION": "30"}
+    settings = resolve_settings(env, str(tmp_path))
+    assert (settings.enable_stateful_sessions, settings.sessions_expiration) == (False, 30)
+
+
+def routes_with_session(expires_at: float | None = None) -> tuple[SessionRoutes, FakeGroup]:
+    routes, group = SessionRoutes(enabled=True, expiration=600), FakeGroup("1")
+    value = new_session_value(ID, expires_at) if expires_at else ID
+    headers = routes.observe("NEW_SESSION", group, group.incarnation, 200, {"X-Amzn-SageMaker-New-Session-Id": value})
+    assert headers["X-Amzn-SageMaker-New-Session-Id"] == value
+    return routes, group
+
+
+def test_a_session_goes_to_the_group_that_opened_it():
+    routes, group = routes_with_session(time.time() + 60)
+    assert routes.route(ID) is group
+    assert routes.route(None) is None and routes.route("NEW_SESSION") is None
+
+
+def test_lmi_and_djl_answer_forms_are_learned_and_given_sagemakers_headers():
+    routes, group = SessionRoutes(enabled=True, expiration=600), FakeGroup("0")
+    headers = routes.observe(None, group, 1, 200, {"x-amzn-sagemaker-session-id": ID})  # DJL's example: no expiry
+    opened, expires = parse_new_session(headers["X-Amzn-SageMaker-New-Session-Id"])
+    assert opened == ID and 598 < expires - time.time() <= 600  # the option's expiration
+    assert routes.route(ID) is group
+    headers = routes.observe(ID, group, 1, 200, {"X-Amzn-SageMaker-Session-Closed": "true"})  # DJL's close
+    assert headers["X-Amzn-SageMaker-Closed-Session-Id"] == ID
+    with pytest.raises(InputError, match=f"session {ID} was closed"):
+        routes.route(ID)
+
+
+def test_an_echoed_session_header_or_a_failed_answer_opens_nothing():
+    routes, group = SessionRoutes(enabled=True, expiration=600), FakeGroup("0")
+    routes.observe(ID, group, 1, 200, {"X-Amzn-SageMaker-Session-Id": ID})
+    routes.observe(None, group, 1, 424, {"X-Amzn-SageMaker-New-Session-Id": ID})
+    assert routes.open_count == 0
+
+
+def test_refusals_name_the_session_and_why():
+    routes, group = routes_with_session(time.time() + 60)
+    with pytest.raises(InputError, match="session 0b1e is not open on this server"):
+        routes.route("0b1e")
+    with pytest.raises(InputError, match="is not a session id"):
+        routes.route("../etc")
+    group.state = WorkerState.LOADING  # same incarnation, not ready: retry later
+    with pytest.raises(ServiceUnavailable, match=f"worker group 1, which holds session {ID}, is loading"):
+        routes.route(ID)
+    group.state, group.incarnation = WorkerState.READY, 2  # the group restarted
+    for _ in range(2):
+        with pytest.raises(InputError, match=f"session {ID} was held by worker group 1, which stopped since"):
+            routes.route(ID)
+    routes, group = routes_with_session(time.time() + 60)
+    group.state = WorkerState.DOWN  # killed, not back yet
+    with pytest.raises(InputError, match="which stopped since"):
+        routes.route(ID)
+
+
+def test_an_expired_session_is_refused():
+    routes, _ = routes_with_session(time.time() - 1)
+    with pytest.raises(InputError, match=f"session {ID} expired at {expires_text(time.time() - 1)[:13]}"):
+        routes.route(ID)
+
+
+def test_disabled_sessions_refuse_the_header():
+    routes = SessionRoutes(enabled=False, expiration=600)
+    assert routes.route(None) is None
+    with pytest.raises(InputError, match="option.enable_stateful_sessions=false"):
+        routes.route("NEW_SESSION")
+    assert routes.observe(None, FakeGroup("0"), 1, 200, {"X-Amzn-SageMaker-New-Session-Id": ID}) == {
+        "X-Amzn-SageMaker-New-Session-Id": ID
+    }
+    assert routes.open_count == 0
