@@ -6,6 +6,8 @@ Routes, by path and body:
 - ``/v1/chat/completions``, or ``/invocations`` with ``messages``: OpenAI chat;
 - ``/v1/completions``, or ``/invocations`` with ``prompt``: OpenAI completion;
 - ``/invocations`` with ``inputs``: LMI's schema (``handlers.engines.lmi_schema``);
+- ``/invocations`` with ``requestType`` (``NEW_SESSION``, ``CLOSE``): SageMaker's stateful
+  sessions (``handlers.engines.sessions``); a request naming a session must name a live one;
 - ``/v1/models``: the served model and its LoRA adapters.
 
 LoRA adapters (``option.enable_lora=true``): ``add_adapter`` / ``remove_adapter``
@@ -44,6 +46,7 @@ from handlers.api.context import WorkerContext
 from handlers.api.engine import Engine, Formatters
 from handlers.engines.formatters import formatted
 from handlers.engines.lmi_schema import Formatter
+from handlers.engines.sessions import EngineSessions
 from handlers.engines.vllm_adapters import ADAPTER_HEADER, Adapters
 from handlers.engines.vllm_args import build_engine_kwargs
 from handlers.engines.vllm_lmi import LmiFront
@@ -89,6 +92,7 @@ class VllmEngine(Engine):
         names = (self.served_name, served_names(settings, context.launch.model_location).management)
         self.adapters = Adapters(engine, self.openai.models, names, bool(kwargs.get("enable_lora")))
         self.lmi = LmiFront(engine, Formatter(settings.output_formatter, settings.tgi_compat), self.adapters)
+        self.sessions = EngineSessions(settings)
         REGISTRY.register(UnfinishedRequests(engine.get_num_unfinished_requests))
 
     @classmethod
@@ -122,6 +126,7 @@ class VllmEngine(Engine):
         in, a dict or text out, once per stream chunk when streaming)."""
         if inputs.is_empty():
             return None
+        self.sessions.check(inputs)
         output = await self._route(inputs)
         if self.formatters.output is not None and output.code < 300:
             output = formatted(output, self.formatters.output)
@@ -150,6 +155,8 @@ class VllmEngine(Engine):
             return await self._openai(path[1:], body, header, path)
         if "inputs" in body:
             return await self.lmi.answer(body, inputs.get_property("requestId"), header)
+        if path == "/invocations" and "requestType" in body:
+            return self.sessions.answer(inputs, body)
         raise InputError(
             "the body needs 'inputs' (LMI schema), 'messages' (OpenAI chat) or 'prompt' (OpenAI completion)"
         )

@@ -12,6 +12,8 @@ from container.core.sessions import expires_text, new_session_value, parse_new_s
 from container.core.settings import resolve_settings
 from container.frontend.sessions import SessionRoutes
 from djl_python.session_manager import SessionManager
+from handlers.api import Input
+from handlers.engines.sessions import EngineSessions
 
 ID = "3f6c0f4e-8a8e-4d3b-9a57-1d5b2f9e0c11"
 
@@ -142,3 +144,39 @@ def test_disabled_sessions_refuse_the_header():
         "X-Amzn-SageMaker-New-Session-Id": ID
     }
     assert routes.open_count == 0
+
+
+def engine_sessions(tmp_path, **env) -> EngineSessions:
+    return EngineSessions(resolve_settings({"OPTION_SESSIONS_PATH": str(tmp_path / "s"), **env}, str(tmp_path)))
+
+
+def named(session_id: str) -> Input:
+    return Input({"x-amzn-sagemaker-session-id": session_id}, b"{}")
+
+
+def test_the_built_in_engine_opens_checks_and_closes_sessions(tmp_path):
+    sessions = engine_sessions(tmp_path, OPTION_SESSIONS_EXPIRATION="90")
+    opened = sessions.answer(Input({}, b"{}"), {"requestType": "NEW_SESSION"})
+    session_id, expires = parse_new_session(opened.get_property("X-Amzn-SageMaker-New-Session-Id"))
+    assert 88 < expires - time.time() <= 90 and (tmp_path / "s" / session_id).is_dir()
+    sessions.check(named(session_id))
+    sessions.check(Input({}, b"{}"))
+    closed = sessions.answer(named(session_id), {"requestType": "CLOSE"})
+    assert closed.get_property("X-Amzn-SageMaker-Closed-Session-Id") == session_id
+    with pytest.raises(InputError, match=f"session {session_id} is not open on this server"):
+        sessions.check(named(session_id))
+    with pytest.raises(InputError, match="is not open on this server"):
+        sessions.answer(named(session_id), {"requestType": "CLOSE"})
+    late = sessions.manager.create_session()
+    late.expiration_ts = time.time() - 1
+    with pytest.raises(InputError, match=f"session {late.session_id} has expired"):
+        sessions.check(named(late.session_id))
+
+
+def test_the_built_in_engine_without_sessions_refuses_them(tmp_path):
+    sessions = engine_sessions(tmp_path, OPTION_ENABLE_STATEFUL_SESSIONS="false")
+    with pytest.raises(InputError, match="option.enable_stateful_sessions=false"):
+        sessions.check(named(ID))
+    with pytest.raises(InputError, match="option.enable_stateful_sessions=false"):
+        sessions.answer(Input({}, b"{}"), {"requestType": "NEW_SESSION"})
+    assert not (tmp_path / "s").exists()
