@@ -259,7 +259,7 @@ def make_plan(
                 else f"gpu_memory_utilization={gpu_memory_utilization:g} of {host_memory_gib:g} GiB "
                 f"is less than the {per_rank / GIB:.1f} GiB of weights"
             )
-        elif budget <= 0:
+        elif budget <= 0 and gpu_memory_gib is not None:
             why = (
                 f"needs {per_rank / GIB:.1f} GiB per GPU for weights at tp={t}, pp={p}, plus "
                 f"{ACTIVATION_RESERVE_GIB:.0f} GiB for activations; {gpu_memory_utilization:g} x "
