@@ -189,6 +189,7 @@ def check_engine_options(settings: Settings, handler_dir: Path | None, known_bad
             check_known_bad(settings)
     except KnownBadCombination as exc:
         raise EngineOptionError(str(exc)) from None
+    _check_batch_limits(settings)
     try:
         chosen = chat_options(settings)
         if handler_dir is not None:  # the SDK without a handler directory cannot see the model's files
@@ -203,6 +204,21 @@ def check_engine_options(settings: Settings, handler_dir: Path | None, known_bad
                 log.warning("%s", warning)
             continue
         check_engine_option(name, raw)
+
+
+def _check_batch_limits(settings: Settings) -> None:
+    """vLLM's scheduler needs room for every sequence's step in one batch (max_num_batched_tokens
+    >= max_num_seqs); it says so only once the model is loading."""
+    prefill = settings.max_rolling_batch_prefill_tokens
+    options = settings.passthrough_options()
+    if prefill is None and options.get("max_num_batched_tokens", "").isdigit():
+        prefill = int(options["max_num_batched_tokens"])
+    if prefill is not None and prefill < settings.max_rolling_batch_size:
+        raise EngineOptionError(
+            f"option.max_rolling_batch_prefill_tokens={prefill} is less than option.max_rolling_batch_size="
+            f"{settings.max_rolling_batch_size}: vLLM needs a batch of at least one token per sequence "
+            f"(max_num_batched_tokens >= max_num_seqs); raise the first or lower the second"
+        )
 
 
 def engine_environment(settings: Settings) -> dict[str, str]:

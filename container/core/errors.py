@@ -144,6 +144,26 @@ def scrub(text: str) -> str:
     return _PATH.sub(_scrub_one, text)
 
 
+def one_line(exc: BaseException) -> str:
+    """``Type: message`` on one line, for a log line or a status detail. A pydantic
+    ``ValidationError`` (vLLM's config classes raise them) gives its errors' messages, not
+    its multi-line rendering with input values and documentation links."""
+    name = type(exc).__name__
+    errors = getattr(exc, "errors", None)
+    if callable(errors) and hasattr(exc, "title"):
+        try:
+            messages = [str(e.get("msg", "")).removeprefix("Value error, ") for e in errors()]
+            return _joined(f"{name} in {exc.title}: " + "; ".join(messages))
+        except Exception:  # noqa: BLE001 - not pydantic's after all: the generic form below
+            pass
+    text = _joined(str(exc))
+    return f"{name}: {text}" if text else name
+
+
+def _joined(text: str) -> str:
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
 def describe(exc: BaseException) -> tuple[int, str, str]:
     """Map an exception to ``(status, message, error)`` for the client."""
     if isinstance(exc, ServingError):

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, cast
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from container.core import logs, proc
-from container.core.errors import ServiceUnavailable, describe
+from container.core.errors import ServiceUnavailable, describe, one_line
 from container.core.metrics_text import merge
 from container.core.protocol import (
     EXIT_ENGINE_DEAD,
@@ -212,9 +212,7 @@ class Worker:
             log.exception("the handler's initialisation failed")
             origin = self.handler.origin if self.handler else "handler"
             what = "start()" if self.handler and self.handler.engine else "handle() on the initialisation call"
-            return await self._set_own_state(
-                WorkerState.FAILED, f"{origin}: {what} failed: {type(exc).__name__}: {exc}"
-            )
+            return await self._set_own_state(WorkerState.FAILED, f"{origin}: {what} failed: {one_line(exc)}")
         log.info("model ready in %.1fs", time.monotonic() - started)
         engine = proc.descendants([os.getpid()])
         if engine:  # what the handler started (vLLM's EngineCore and workers ...)

@@ -1,7 +1,15 @@
 import json
 
-from container.core.errors import (GatewayTimeout, PayloadTooLarge, ServiceUnavailable, describe, envelope, envelope_for,
-                              scrub)
+from container.core.errors import (
+    GatewayTimeout,
+    PayloadTooLarge,
+    ServiceUnavailable,
+    describe,
+    envelope,
+    envelope_for,
+    one_line,
+    scrub,
+)
 
 
 def test_status_table():
@@ -31,3 +39,23 @@ def test_the_envelope_follows_the_route():
     assert envelope_for("/v1/models", 404, "not found", "no")["error"]["type"] == "NotFoundError"
     assert envelope_for("/v1/chat/completions", 503, "service unavailable", "full")["error"]["type"] == \
         "InternalServerError"
+
+
+def test_one_line_gives_a_validation_errors_messages():
+    import pydantic
+
+    class Config(pydantic.BaseModel):
+        size: int
+
+        @pydantic.field_validator("size")
+        @classmethod
+        def small(cls, value):
+            raise ValueError(f"size {value} is too large\nsecond line")
+
+    try:
+        Config(size=5)
+    except pydantic.ValidationError as exc:
+        text = one_line(exc)
+    assert text == "ValidationError in Config: size 5 is too large second line"
+    assert one_line(RuntimeError("a\n  b\n")) == "RuntimeError: a b"
+    assert one_line(KeyError()) == "KeyError"

@@ -45,3 +45,14 @@ def test_the_settings_check_refuses_them_in_one_line(tmp_path):
     chosen = settings(tmp_path, PIPELINE_PARALLEL_DEGREE=2, OPTION_ENFORCE_EAGER="true")
     with pytest.raises(EngineOptionError, match="drop option.enforce_eager$"):
         check_engine_options(chosen, tmp_path)
+
+
+@pytest.mark.parametrize("env", [
+    {"OPTION_MAX_ROLLING_BATCH_PREFILL_TOKENS": "64"},
+    {"OPTION_MAX_NUM_BATCHED_TOKENS": "100", "OPTION_MAX_ROLLING_BATCH_SIZE": "128"},
+])
+def test_a_prefill_budget_below_the_batch_size_is_refused_before_loading(env, tmp_path):
+    settings = resolve_settings(env, str(tmp_path))
+    with pytest.raises(EngineOptionError, match=r"less than option.max_rolling_batch_size=(256|128)"):
+        check_engine_options(settings, tmp_path)
+    check_engine_options(resolve_settings({**env, "OPTION_MAX_ROLLING_BATCH_SIZE": "8"}, str(tmp_path)), tmp_path)
