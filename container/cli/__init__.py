@@ -22,7 +22,9 @@ from pathlib import Path
 
 from container.cli import plan as plan_cli
 from container.core import logs
+from container.core.devices import discover_devices, plan_groups
 from container.core.engine_args import EngineOptionError, check_engine_options
+from container.core.handler_choice import describe_handler
 from container.core.plan import PlanError
 from container.core.settings import (
     DEFAULT_MODEL_DIR,
@@ -148,6 +150,25 @@ def _print_config(settings, as_json: bool) -> None:
     print(f"{'setting':<{width}}  {'value':<{vwidth}}  source")
     for key, value, source in rows:
         print(f"{key:<{width}}  {value:<{vwidth}}  {source}")
+    print()
+    print(f"handler: {describe_handler(settings, Path(settings.model_dir))}")
+    print(f"worker groups: {_describe_groups(settings)}")
+
+
+def _describe_groups(settings) -> str:
+    """The worker groups ``serve`` would start here; a layout that cannot start is warned about."""
+    devices = discover_devices(settings)
+    try:
+        plans = plan_groups(settings, devices)
+    except SettingsError as exc:
+        log.warning("serve would stop: %s", exc)
+        return f"none ({exc})"
+    first = plans[0]
+    where = "on the CPU" if not devices else f"on {len(devices)} visible device(s) ({','.join(devices)})"
+    per = f"tp {first.tensor_parallel_degree} x pp {first.pipeline_parallel_degree}"
+    kind = "MPI ranks" if settings.use_mpi else "processes" if first.world_size > 1 else "process"
+    groups = "; ".join(f"{p.index}: {p.cuda_visible_devices or 'cpu'}" for p in plans)
+    return f"{len(plans)} {where}, {first.world_size} {kind} each ({per}): {groups}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -65,3 +65,19 @@ def uses_builtin_engine(settings: Settings, handler_dir: Path | None) -> bool:
         return False
     model_py = handler_dir / "model.py" if handler_dir else None
     return not (model_py and model_py.is_file() and _defines_handle(model_py))
+
+
+def describe_handler(settings: Settings, handler_dir: Path | None) -> str:
+    """Which handler will serve, in words (``sagelmi config``): the loader's decision, read
+    without importing anything."""
+    mode = " in MPI mode (mpirun)" if settings.use_mpi else ""
+    if settings.entry_point is not None and settings.entry_point not in LMI_BUILTIN_NAMES:
+        return f"option.entryPoint={settings.entry_point} (its handle function){mode}"
+    model_py = handler_dir / "model.py" if handler_dir else None
+    if settings.entry_point is None and model_py is not None and model_py.is_file() and _defines_handle(model_py):
+        return f"model.py in the model directory (its handle function){mode}"
+    reason = accelerate_reason(settings)
+    if reason is not None:
+        return f"the built-in Hugging Face Accelerate handler, because {reason}"
+    formatters = " with model.py's formatters" if model_py is not None and model_py.is_file() else ""
+    return f"the built-in {settings.builtin_engine} handler (option.rolling_batch={settings.rolling_batch}){formatters}"

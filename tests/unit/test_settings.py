@@ -274,7 +274,7 @@ def test_config_command_prints_values_and_sources(tmp_path):
     result = _cli("config", "--model-dir", str(tmp_path),
                   env={"HF_MODEL_ID": "org/m", "SM_NUM_GPUS": "2", "SAGEMAKER_BIND_TO_PORT": "9001"})
     assert result.returncode == 0, result.stderr
-    lines = {line.split()[0]: line for line in result.stdout.splitlines()[1:]}
+    lines = {line.split()[0]: line for line in result.stdout.splitlines()[1:] if line.strip()}
     assert "org/m" in lines["option.model_id"] and "env HF_MODEL_ID" in lines["option.model_id"]
     assert "env SM_NUM_GPUS" in lines["option.tensor_parallel_degree"]
     assert "serving.properties line 1" in lines["option.rolling_batch"]
@@ -310,3 +310,31 @@ def test_output_cut_short_by_a_closed_pipe_ends_without_a_traceback(command):
     stderr = process.stderr.read().decode()
     assert code == 0, stderr
     assert "Traceback" not in stderr and "BrokenPipe" not in stderr
+
+
+@pytest.mark.parametrize("env, model_dir, handler, groups", [
+    ({}, "lmi_echo", "model.py in the model directory (its handle function)", "1 on the CPU, 1 process each"),
+    ({}, None, "the built-in vllm handler (option.rolling_batch=auto)", "1 on the CPU, 1 process each"),
+    ({"OPTION_ROLLING_BATCH": "lmi-dist", "TENSOR_PARALLEL_DEGREE": "2"}, None,
+     "the built-in lmi-dist handler (option.rolling_batch=lmi-dist)", "1 on the CPU, 2 MPI ranks each (tp 2 x pp 1)"),
+    ({"OPTION_TASK": "fill-mask"}, None,
+     "the built-in Hugging Face Accelerate handler, because option.task=fill-mask", "1 on the CPU"),
+    ({"CUDA_VISIBLE_DEVICES": "0,1,2,3", "TENSOR_PARALLEL_DEGREE": "2"}, None, "the built-in vllm handler",
+     "2 on 4 visible device(s) (0,1,2,3), 2 processes each (tp 2 x pp 1): 0: 0,1; 1: 2,3"),
+])
+def test_config_shows_the_handler_and_the_worker_groups(env, model_dir, handler, groups, tmp_path):
+    from tests.server import MODEL_DIRS
+
+    directory = MODEL_DIRS / model_dir if model_dir else tmp_path
+    out = _cli("config", "--model-dir", str(directory), env=env)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[-2].startswith(f"handler: {handler}")
+    assert lines[-1].startswith(f"worker groups: {groups}")
+
+
+def test_config_warns_when_the_groups_need_more_devices_than_are_visible(tmp_path):
+    out = _cli("config", "--model-dir", str(tmp_path), env={"CUDA_VISIBLE_DEVICES": "0,1", "TENSOR_PARALLEL_DEGREE": "4"})
+    assert out.returncode == 0
+    assert "WARNING" in out.stderr and "needs 4 accelerators, but only 2 are visible" in out.stderr
+    assert out.stdout.splitlines()[-1].startswith("worker groups: none (")
