@@ -19,7 +19,9 @@ def test_make_bench_compares_both_servers(tmp_path):
     stamp = venv / ".sagelmi-installed"
     result = subprocess.run(["make", "-o", str(stamp), "bench", f"VENV={venv}",
                              f"BENCH_ARGS=--levels 2 --trials 2 --out {tmp_path}",
-                             f"RELAY_ARGS=--levels 1,8 --trials 2 --tokens 64 --out {tmp_path}"], cwd=REPO, env=clean_env(),
+                             f"RELAY_ARGS=--levels 1,8 --trials 2 --tokens 64 --out {tmp_path}",
+                             f"S3_ARGS=--shards 8 --shard-mib 2 --mib-per-s 8 --trials 1 --out {tmp_path}"],
+                            cwd=REPO, env=clean_env(),
                             capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     data = json.loads((tmp_path / "results.json").read_text())
@@ -69,6 +71,12 @@ def test_make_bench_compares_both_servers(tmp_path):
             ratio, low, high = level["ratios"][f"items_per_s vs {other}"]
             assert low <= ratio <= high
     assert "| 8 |" in (tmp_path / "relay.md").read_text()
+    s3 = json.loads((tmp_path / "s3_load.json").read_text())
+    by = {r["strategy"]: r for r in s3["results"]}
+    assert all(r["same_bytes_on_disk"] for r in by.values())  # every file compared with what was uploaded
+    assert by["one after another"]["most_connections_sending"] == 1
+    assert by["sagelmi"]["most_connections_sending"] >= 4  # the shards came at once
+    assert (tmp_path / "s3_load.png").stat().st_size > 0
     worktrees = subprocess.run(["git", "worktree", "list"], cwd=REPO, capture_output=True, text=True).stdout
     assert "sagelmi-relay-" not in worktrees  # the baseline's checkout is removed
     assert (tmp_path / "relay.png").stat().st_size > 10_000

@@ -155,3 +155,25 @@ def test_an_s3_model_that_cannot_be_fetched_says_which_part_is_missing(s3_endpoi
     with pytest.raises(ArtifactError) as caught:
         fetch_s3(uri)
     assert message in str(caught.value)
+
+
+def test_a_large_s3_object_comes_in_ranged_parts_with_the_same_bytes(s3_endpoint, tmp_path, monkeypatch):
+    for name, value in {**AWS, "AWS_ENDPOINT_URL_S3": s3_endpoint, "TMPDIR": str(tmp_path)}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr("tempfile.tempdir", None)
+    monkeypatch.setattr("container.core.artifacts.S3_PART_BYTES", 5 * 2**20)  # 20 MiB: four parts
+    ranges = []
+    original = boto3.session.Session.client
+
+    def client(self, *args, **kwargs):
+        made = original(self, *args, **kwargs)
+        made.meta.events.register("provide-client-params.s3.GetObject", lambda params, **_: ranges.append(params.get("Range")))
+        return made
+
+    monkeypatch.setattr(boto3.session.Session, "client", client)
+    local = fetch_s3("s3://models/big", interval=3600)
+    s3 = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1")
+    expected = s3.get_object(Bucket="models", Key="big/model.safetensors")["Body"].read()
+    assert (local / "model.safetensors").read_bytes() == expected
+    starts = sorted(int(r.removeprefix("bytes=").split("-")[0]) for r in ranges if r)
+    assert starts == [i * 5 * 2**20 for i in range(4)]  # four parts of 5 MiB (the last one's end left open)
