@@ -38,6 +38,13 @@ CONTAINER_MODEL_DIR = "/opt/ml/model"
 # vLLM's worker processes need more /dev/shm than Docker's 64 MB and many open files. Anything
 # a machine needs beyond these (a GPU, an OCI runtime) goes in run_args or the runtime's own config.
 CONTAINER_RUN_OPTIONS = ("--ulimit", "nofile=20000:20000", "--ulimit", "nproc=32768:32768", "--shm-size=1g")
+# invoke_endpoint's arguments that reach the container as headers
+_HEADERS = {
+    "CustomAttributes": "X-Amzn-SageMaker-Custom-Attributes",
+    "TargetModel": "X-Amzn-SageMaker-Target-Model",
+    "TargetVariant": "X-Amzn-SageMaker-Target-Variant",
+    "InferenceId": "X-Amzn-SageMaker-Inference-Id",
+}
 _SETTING_NAMES = {name for k in KEYS for name in (*k.env, *k.sagemaker)}
 
 
@@ -106,8 +113,9 @@ class LocalRuntimeClient:
             "Content-Type": args.get("ContentType", "application/json"),
             "Accept": args.get("Accept", "application/json"),
         }
-        if args.get("CustomAttributes"):
-            headers["X-Amzn-SageMaker-Custom-Attributes"] = args["CustomAttributes"]
+        for arg, header in _HEADERS.items():  # as SageMaker passes them to the container
+            if args.get(arg):
+                headers[header] = args[arg]
         body = args["Body"]
         conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
         conn.request("POST", "/invocations", body=body.encode() if isinstance(body, str) else body, headers=headers)

@@ -6,7 +6,7 @@ LMI text generation (``{"inputs", "parameters", "stream"}``) and OpenAI chat
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from sagemaker.deserializers import JSONDeserializer
@@ -41,14 +41,32 @@ def request_body(data: Any, parameters: dict | None = None, stream: bool = False
     return body
 
 
+def check_request_args(initial_args: Any) -> None:
+    """``initial_args`` are ``invoke_endpoint``'s arguments (``ContentType``,
+    ``Accept``, ``CustomAttributes`` ...: capitalised, as boto3 spells them); a dict
+    of generation parameters in their place is refused with a ``TypeError`` naming them."""
+    if initial_args is None:
+        return
+    if not isinstance(initial_args, Mapping):
+        raise TypeError(f"initial_args must be a dict of invoke_endpoint arguments, not {type(initial_args).__name__}")
+    lower = sorted(k for k in initial_args if not str(k)[:1].isupper())
+    if lower:
+        raise TypeError(
+            f"initial_args are invoke_endpoint's arguments (ContentType, Accept, CustomAttributes ...), not "
+            f"{', '.join(lower)}: give generation parameters as parameters={{...}} or as keywords"
+        )
+
+
 class SagelmiPredictor(Predictor):
     """``predict("text", max_new_tokens=64)`` -> LMI's answer
     (``{"generated_text": ...}``); ``predict_stream`` -> the text as it is
     generated; ``chat(messages)`` -> an OpenAI chat completion.
 
-    Generation parameters are keyword arguments (or a ``parameters`` dict); the
-    other keywords are the ``sagemaker`` ``Predictor``'s (``initial_args``,
-    ``target_variant``, ``inference_id``, ``custom_attributes``, ``component_name``)."""
+    ``predict`` and ``predict_stream`` take the ``sagemaker`` ``Predictor``'s
+    arguments in its order (``initial_args`` second: ``{"ContentType": ...,
+    "CustomAttributes": ...}``, then ``target_model``, ``target_variant``,
+    ``inference_id``, ``custom_attributes``, ``component_name``); generation
+    parameters are keywords only: ``parameters={...}`` and/or one keyword each."""
 
     def __init__(
         self, endpoint_name: str, sagemaker_session=None, serializer=None, deserializer=None, **kwargs
@@ -61,57 +79,58 @@ class SagelmiPredictor(Predictor):
             **kwargs,
         )
 
-    # LMI's predictor takes the generation parameters second (the SDK's takes initial_args there)
-    def predict(  # type: ignore[override]
+    def predict(
         self,
         data,
-        parameters: dict | None = None,
-        *,
         initial_args=None,
         target_model=None,
         target_variant=None,
         inference_id=None,
         custom_attributes=None,
         component_name=None,
+        *,
+        parameters: dict | None = None,
         **generation,
     ) -> Any:
         """The answer to ``data`` (see ``request_body``), as JSON."""
+        check_request_args(initial_args)
         body = request_body(data, {**(parameters or {}), **generation})
         return super().predict(
-            body,
-            initial_args=initial_args,
-            target_model=target_model,
-            target_variant=target_variant,
-            inference_id=inference_id,
-            custom_attributes=custom_attributes,
-            component_name=component_name,
+            body, initial_args, target_model, target_variant, inference_id, custom_attributes, component_name
         )
 
-    def predict_stream(  # type: ignore[override]  # parameters second, as predict()
+    def predict_stream(
         self,
         data,
-        parameters: dict | None = None,
-        *,
-        raw: bool = False,
         initial_args=None,
         target_variant=None,
         inference_id=None,
         custom_attributes=None,
         component_name=None,
+        target_container_hostname=None,
+        iterator=ByteIterator,
+        *,
+        parameters: dict | None = None,
+        raw: bool = False,
         **generation,
     ) -> Iterator:
         """Stream the answer to ``data``: an iterator over the text pieces as they
         are generated, or with ``raw=True`` over the JSON items themselves (LMI's
         ``{"token": ...}`` lines, OpenAI chunks). An error the server sends after
-        the stream began raises ``StreamError``."""
+        the stream began raises ``StreamError``. ``iterator`` stays ``ByteIterator``:
+        the stream parser reads the bytes."""
+        check_request_args(initial_args)
+        if iterator is not ByteIterator:
+            raise TypeError("SagelmiPredictor.predict_stream parses the stream itself: use raw=True for its JSON items")
         body = request_body(data, {**(parameters or {}), **generation}, stream=True)
         pieces = super().predict_stream(
             body,
-            initial_args=initial_args,
-            target_variant=target_variant,
-            inference_id=inference_id,
-            custom_attributes=custom_attributes,
-            component_name=component_name,
+            initial_args,
+            target_variant,
+            inference_id,
+            custom_attributes,
+            component_name,
+            target_container_hostname,
             iterator=ByteIterator,
         )
         items = parse_stream(pieces)

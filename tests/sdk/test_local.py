@@ -29,12 +29,31 @@ def local_session(monkeypatch, textgen_server):
 def test_predictor_on_a_sagemaker_local_session(local_session):
     predictor = SagelmiPredictor("local-endpoint", local_session)
     assert predictor.predict("hello world", max_new_tokens=4) == {"generated_text": "hello world größer ☃"}
-    assert predictor.predict(["a", "b c"], {"max_new_tokens": 2}) == [{"generated_text": "a größer"},
-                                                                     {"generated_text": "b c"}]
+    assert predictor.predict(["a", "b c"], parameters={"max_new_tokens": 2}) == [{"generated_text": "a größer"},
+                                                                                {"generated_text": "b c"}]
     assert predictor.predict({"inputs": "x", "parameters": {"max_new_tokens": 1}}, max_new_tokens=3) == \
         {"generated_text": "x größer ☃"}
     reply = predictor.chat(MESSAGES, max_tokens=3)
     assert reply["choices"][0]["message"] == {"role": "assistant", "content": "hi there größer"}
+
+
+def request_options_reach_the_handler(predictor):
+    """predict(body, initial_args, ...) in the sagemaker Predictor's order: the request options
+    reach the endpoint as SageMaker passes them (headers the handler reads), not as parameters."""
+    body = {"inputs": "x", "echo_request": True}
+    seen = predictor.predict(body, {"ContentType": "application/json; charset=utf-8", "Accept": "application/json"},
+                             None, None, "inference-7", "trace=abc")
+    assert seen["content-type"] == "application/json; charset=utf-8"
+    assert seen["trace"] == "abc"  # custom attributes: k=v pairs become properties, as DJL Serving does
+    assert seen["x-amzn-sagemaker-inference-id"] == "inference-7"
+    assert "parameters" not in seen and "echo_request" not in seen
+    default = predictor.predict(body)
+    assert default["content-type"] == "application/json" and "trace" not in default
+    assert predictor.predict(body, custom_attributes="a=1")["a"] == "1"
+
+
+def test_request_options_reach_the_endpoint_through_a_sagemaker_local_session(local_session):
+    request_options_reach_the_handler(SagelmiPredictor("local-endpoint", local_session))
 
 
 def test_local_endpoint_in_process_mode():
@@ -46,6 +65,7 @@ def test_local_endpoint_in_process_mode():
         assert list(predictor.predict_stream("hello world", max_new_tokens=6)) == \
             ["hello", " world", " größer", " ☃", " 日本語", " 🙂"]  # server-sent events, as the model asked
         assert "".join(predictor.chat_stream(MESSAGES, max_tokens=4)) == "hi there größer ☃"
+        request_options_reach_the_handler(predictor)  # through LocalEndpoint's own runtime client
         with pytest.raises(StreamError, match="generation failed on purpose"):
             list(predictor.predict_stream({"inputs": "hello", "fail_after": 1}))
         with pytest.raises(InvocationError) as refused:

@@ -125,8 +125,17 @@ def test_predict_stream_through_boto3(runtime, textgen_server):
     assert request["headers"]["Content-Type"] == "application/json"
 
     runtime.respond([raw[:inside], raw[inside:]])
-    items = list(runtime.predictor.predict_stream(PROMPT, {"max_new_tokens": 8}, raw=True))
+    items = list(runtime.predictor.predict_stream(PROMPT, parameters={"max_new_tokens": 8}, raw=True))
     assert items == json_lines(raw)
+
+    # The second argument is the sagemaker Predictor's initial_args: it reaches SageMaker's runtime API.
+    runtime.respond([raw])
+    options = {"ContentType": "application/json; charset=utf-8", "CustomAttributes": "trace=1"}
+    assert list(runtime.predictor.predict_stream(PROMPT, options, parameters={"max_new_tokens": 8})) == expected
+    request = runtime.requests[-1]
+    assert request["headers"]["Content-Type"] == "application/json; charset=utf-8"
+    assert request["headers"]["X-Amzn-SageMaker-Custom-Attributes"] == "trace=1"
+    assert json.loads(request["body"]) == {"inputs": PROMPT, "parameters": {"max_new_tokens": 8}, "stream": True}
 
 
 def test_chat_stream_through_boto3(runtime, textgen_server):

@@ -6,7 +6,8 @@ It "generates" the prompt's words back, then a fixed tail of multi-byte text
 chat). Streams are LMI JSON lines ({"token": ...}, the last one with
 "generated_text"), or server-sent events with option.output_formatter=sse; chat
 streams are OpenAI's SSE chunks ending with data: [DONE]. {"fail_after": n}
-ends a stream with an error after n tokens.
+ends a stream with an error after n tokens. {"echo_request": true} answers with
+the request's headers as the handler got them (what reached the endpoint).
 """
 
 import json
@@ -50,6 +51,8 @@ def handle(inputs: Input):
         properties = inputs.get_properties()
         return None
     body = inputs.get_as_json()
+    if body.get("echo_request"):
+        return Output().add_as_json({name.lower(): value for name, value in inputs.get_properties().items()})
     sse = properties.get("output_formatter") == "sse"
     if "messages" in body:
         tokens = _tokens(body["messages"][-1]["content"], int(body.get("max_tokens", 16)))
