@@ -25,19 +25,37 @@ from sagemaker_sdk.predictor import SagelmiPredictor
 
 log = logging.getLogger(__name__)
 
-# SagelmiModel keyword -> the serving.properties key it sets
+# SagelmiModel keyword -> the serving.properties key it sets. The names DJLModel shares
+# (sagemaker.djl_inference) mean what they mean there; docs/sdk.md compares the two.
 TYPED_SETTINGS = {
     "model_id": "option.model_id",
+    "task": "option.task",
+    "engine": "engine",
     "tensor_parallel_degree": "option.tensor_parallel_degree",
     "pipeline_parallel_degree": "option.pipeline_parallel_degree",
     "max_rolling_batch_size": "option.max_rolling_batch_size",
     "dtype": "option.dtype",
     "mpi_mode": "option.mpi_mode",
     "rolling_batch": "option.rolling_batch",
+    "min_workers": "min_workers",
+    "max_workers": "max_workers",
+    "job_queue_size": "job_queue_size",
+    "parallel_loading": "option.parallel_loading",
+    "model_loading_timeout": "option.model_loading_timeout",
+    "prediction_timeout": "option.predict_timeout",
 }
-# sagemaker Model arguments for its script mode (code in /opt/ml/code, SAGEMAKER_PROGRAM): the
-# container reads its handler from the model directory instead.
-_SCRIPT_MODE = ("entry_point", "source_dir", "dependencies", "git_config")
+# Arguments of sagemaker's Model or DJLModel that have no meaning for the sagelmi image, and why.
+_REFUSED = {
+    **dict.fromkeys(
+        ("entry_point", "source_dir", "dependencies", "git_config"),
+        "the container reads its handler from the model directory; pass handler_dir= (a directory with model.py)",
+    ),
+    **dict.fromkeys(
+        ("djl_version", "djl_framework"),
+        "they pick one of AWS's DJL images; the sagelmi image is image_uri= (your ECR repository)",
+    ),
+}
+_LOCAL = ("local", "local_gpu")
 
 
 def _model_data_source(model_data: Any) -> Any:
@@ -72,6 +90,15 @@ def pack_directory(directory: Path) -> bytes:
     return gzip.compress(raw.getvalue(), mtime=0)
 
 
+def _with_token(env: dict[str, Any], token: str | None) -> dict[str, Any]:
+    """``env`` with ``HF_TOKEN`` set to ``token`` (refused when ``env`` has another)."""
+    if token is None:
+        return env
+    if env.get("HF_TOKEN") not in (None, token):
+        raise ValueError("HF_TOKEN is given twice: huggingface_hub_token= and env['HF_TOKEN'] differ; give it once")
+    return {**env, "HF_TOKEN": token}
+
+
 class DoesNotFit(ValueError):
     """The model cannot run on the instance type with these settings; the message gives the numbers."""
 
@@ -79,42 +106,60 @@ class DoesNotFit(ValueError):
 class SagelmiModel(Model):
     """The sagelmi image on SageMaker, with the container's settings as arguments.
 
-    The model: ``model_id`` (a Hub id, or an ``s3://`` prefix the container
-    downloads), ``model_data`` (S3 data SageMaker puts in /opt/ml/model: a
-    ``model.tar.gz``, or a prefix ending in ``/`` copied as it is), and/or
-    ``handler_dir`` (a local directory with ``model.py``, ``serving.properties``,
-    ``requirements.txt`` ..., packed and uploaded to the session's default bucket
-    as the model data).
+    The model: ``model_id`` (the first positional argument, as DJLModel's: a Hub
+    id, or an ``s3://`` prefix the container downloads), ``model_data`` (S3 data
+    SageMaker puts in /opt/ml/model: a ``model.tar.gz``, or a prefix ending in
+    ``/`` copied as it is), and/or ``handler_dir`` (a local directory with
+    ``model.py``, ``serving.properties``, ``requirements.txt`` ..., packed and
+    uploaded to the session's default bucket as the model data).
 
-    Settings: ``tensor_parallel_degree`` (a number or ``"max"``),
-    ``pipeline_parallel_degree``, ``max_rolling_batch_size``, ``dtype``,
+    Settings, named as ``sagemaker.djl_inference.DJLModel`` names them where it has
+    them: ``task``, ``engine`` (``"Python"`` / ``"MPI"``), ``dtype``,
+    ``tensor_parallel_degree`` (a number or ``"max"``), ``min_workers``,
+    ``max_workers``, ``job_queue_size``, ``parallel_loading``,
+    ``model_loading_timeout``, ``prediction_timeout`` (seconds),
+    ``huggingface_hub_token`` (``HF_TOKEN``: the container downloads a gated or
+    private Hub model with it, and ``deploy()`` reads the model's config with it);
+    sagelmi's own: ``pipeline_parallel_degree``, ``max_rolling_batch_size``,
     ``mpi_mode``, ``rolling_batch`` (``"vllm"`` / ``"lmi-dist"``), ``options``
     (any other ``option.<name>``: engine arguments such as ``max_model_len``, or
     your handler's properties) and ``env`` (more variables, passed as they are).
     They become the variables the container reads (``OPTION_*``, ``SERVING_*``)
     and are checked here as the container checks them: a value it would refuse
     raises ``SettingsError``, an engine option it does not know
-    ``EngineOptionError``, with the container's message, before any AWS call.
-    Engine options are checked when the built-in engine serves (no ``model.py``
-    with ``handle`` in ``handler_dir``, no ``option.entryPoint``; a ``model_data``
-    that holds a ``model.py`` should say ``options={"entryPoint": "model.py"}``).
+    ``EngineOptionError``, with the container's message, before any AWS call; a
+    setting given twice (an argument and ``env``) is refused too, where DJLModel
+    keeps ``env``'s. Engine options are checked when the built-in engine serves
+    (no ``model.py`` with ``handle`` in ``handler_dir``, no ``option.entryPoint``; a
+    ``model_data`` that holds a ``model.py`` should say ``options={"entryPoint": "model.py"}``).
 
     ``model_size_gb`` sizes the deploy timeouts (``sagemaker_sdk.sizing``); the
     other keyword arguments are ``sagemaker.model.Model``'s (``image_uri``,
-    ``role``, ``name``, ``sagemaker_session``, ``vpc_config`` ...)."""
+    ``role``, ``name``, ``sagemaker_session``, ``vpc_config`` ...). Script mode
+    (``entry_point``, ``source_dir`` ...) and DJLModel's image choice
+    (``djl_version``, ``djl_framework``) are refused with a ``TypeError`` saying what to use."""
 
     def __init__(
         self,
-        *,
         model_id: str | None = None,
+        *,
         model_data: Any = None,
         handler_dir: str | Path | None = None,
+        task: str | None = None,
+        engine: str | None = None,
         tensor_parallel_degree: int | str | None = None,
         pipeline_parallel_degree: int | None = None,
         max_rolling_batch_size: int | None = None,
         dtype: str | None = None,
         mpi_mode: bool | None = None,
         rolling_batch: str | None = None,
+        min_workers: int | None = None,
+        max_workers: int | None = None,
+        job_queue_size: int | None = None,
+        parallel_loading: bool = False,
+        model_loading_timeout: int | None = None,
+        prediction_timeout: int | None = None,
+        huggingface_hub_token: str | None = None,
         options: dict[str, Any] | None = None,
         env: dict[str, Any] | None = None,
         model_size_gb: float | None = None,
@@ -123,12 +168,9 @@ class SagelmiModel(Model):
         predictor_cls=SagelmiPredictor,
         **kwargs,
     ) -> None:
-        for name in _SCRIPT_MODE:
+        for name, why in _REFUSED.items():
             if kwargs.get(name) is not None:
-                raise TypeError(
-                    f"SagelmiModel takes no {name}=: the container reads its handler from the model "
-                    f"directory; pass handler_dir= (a directory with model.py)"
-                )
+                raise TypeError(f"SagelmiModel takes no {name}=: {why}")
         if handler_dir is not None and model_data is not None:
             raise ValueError(
                 "give handler_dir or model_data, not both: both become /opt/ml/model. Put the handler "
@@ -141,19 +183,24 @@ class SagelmiModel(Model):
             )
         self.handler_dir = Path(handler_dir).absolute() if handler_dir is not None else None
         self.model_size_gb = model_size_gb
-        self.container = self._container_env(
-            dict(
-                model_id=model_id,
-                tensor_parallel_degree=tensor_parallel_degree,
-                pipeline_parallel_degree=pipeline_parallel_degree,
-                max_rolling_batch_size=max_rolling_batch_size,
-                dtype=dtype,
-                mpi_mode=mpi_mode,
-                rolling_batch=rolling_batch,
-            ),
-            options or {},
-            env or {},
+        typed = dict(
+            model_id=model_id,
+            task=task,
+            engine=engine,
+            tensor_parallel_degree=tensor_parallel_degree,
+            pipeline_parallel_degree=pipeline_parallel_degree,
+            max_rolling_batch_size=max_rolling_batch_size,
+            dtype=dtype,
+            mpi_mode=mpi_mode,
+            rolling_batch=rolling_batch,
+            min_workers=min_workers,
+            max_workers=max_workers,
+            job_queue_size=job_queue_size,
+            parallel_loading=parallel_loading or None,  # False is LMI's default: not set, as DJLModel
+            model_loading_timeout=model_loading_timeout,
+            prediction_timeout=prediction_timeout,
         )
+        self.container = self._container_env(typed, options or {}, _with_token(env or {}, huggingface_hub_token))
         if not self.container.settings.model_id and model_data is None and self.handler_dir is None:
             raise ValueError("nothing to serve: give model_id (a Hub id or s3:// prefix), model_data or handler_dir")
         # Checked before this: the sagemaker Model may read config files and sessions.
@@ -201,8 +248,6 @@ class SagelmiModel(Model):
         ``code_location``); the S3 URI of the ``model.tar.gz``."""
         assert self.handler_dir is not None  # prepare_container_def uploads a handler_dir only
         session = self._session()
-        if session.local_mode:
-            return f"file://{self.handler_dir}"
         packed = pack_directory(self.handler_dir)
         digest = hashlib.sha256(packed).hexdigest()[:12]
         bucket, key_prefix = s3.determine_bucket_and_prefix(
@@ -233,7 +278,7 @@ class SagelmiModel(Model):
     def model_size(self) -> float | None:
         """The model's size in GB (None: unknown): ``model_size_gb``, else the S3
         objects of an ``s3://`` ``model_id``, else a Hub model's files (the Hub API,
-        with ``HF_TOKEN`` from ``env``), else the model data when the model is in it."""
+        with the model's ``HF_TOKEN``), else the model data when the model is in it."""
         model_id = self.settings.model_id
         if self.model_size_gb is not None:
             return float(self.model_size_gb)
@@ -243,7 +288,13 @@ class SagelmiModel(Model):
             return sizing.s3_gb(self._session().s3_client, model_id)
         if Path(model_id).is_absolute():  # a path inside the container (the model data's)
             return self.model_data_size()
-        return sizing.hub_gb(model_id, self.settings.revision, self.env.get("HF_TOKEN"))
+        return sizing.hub_gb(model_id, self.settings.revision, self.hub_token)
+
+    @property
+    def hub_token(self) -> str | bool:
+        """The token the Hub is asked with: the model's ``HF_TOKEN``, which the container
+        will download with; without one, False (no token: the container has none either)."""
+        return self.env.get("HF_TOKEN") or False
 
     def deploy(
         self,
@@ -264,7 +315,16 @@ class SagelmiModel(Model):
         With ``check_fit`` (the default), a model whose ``config.json`` can be read
         (``handler_dir``, or a Hub ``model_id``) is planned on ``instance_type`` as
         ``sagelmi plan`` does, and a configuration that cannot fit raises
-        ``DoesNotFit`` before anything is created in AWS; ``check_fit=False`` goes ahead."""
+        ``DoesNotFit`` before anything is created in AWS; ``check_fit=False`` goes ahead.
+
+        ``instance_type="local"`` (SageMaker's local mode) is refused: run the model on
+        this machine with ``sagemaker_sdk.local.LocalEndpoint`` (docs/sdk.md says why)."""
+        if instance_type in _LOCAL:
+            raise ValueError(
+                f"deploy(instance_type={instance_type!r}) is not supported: SageMaker's local mode runs the "
+                "image without the shared memory and limits vLLM needs and cannot stream. Use "
+                "sagemaker_sdk.local.LocalEndpoint(model, mode='docker' | 'podman' | 'process') instead"
+            )
         if not self.image_uri:
             raise ValueError(
                 "image_uri is required: the sagelmi image in your ECR registry "
@@ -273,7 +333,7 @@ class SagelmiModel(Model):
         if check_fit:
             self.check_fit(instance_type)
         self._init_sagemaker_session_if_does_not_exist(instance_type)
-        if instance_type not in ("local", "local_gpu") and kwargs.get("serverless_inference_config") is None:
+        if kwargs.get("serverless_inference_config") is None:
             model_gb = data_gb = None
             if container_startup_health_check_timeout is None:
                 model_gb = self.model_size()
@@ -298,13 +358,23 @@ class SagelmiModel(Model):
         """``container.core.plan``'s plan of this model on ``instance_type`` with its settings
         (one split: the tensor and pipeline parallel degrees asked for); None when the
         instance is not a known GPU instance or the model's config cannot be read."""
+        from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
         from container.core.plan import INSTANCES, PlanError, hardware_of, plan_from_settings, read_model
 
         if instance_type not in INSTANCES:
             return None
         settings = self.settings
         try:
-            model = read_model(self.handler_dir, settings.model_id, settings.revision)
+            model = read_model(self.handler_dir, settings.model_id, settings.revision, self.hub_token)
+        except (GatedRepoError, RepositoryNotFoundError) as exc:  # the container cannot download it either
+            log.warning(
+                "cannot read Hub model %s (%s): %s; deploying unchecked",
+                settings.model_id,
+                type(exc).__name__,
+                "HF_TOKEN was refused" if self.hub_token else "a gated or private model needs huggingface_hub_token=",
+            )
+            return None
         except Exception as exc:  # S3 model data, an unreachable Hub, a custom model: nothing to check with
             log.info(
                 "no plan for %s on %s (%s); deploying unchecked",

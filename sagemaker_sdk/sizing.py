@@ -72,7 +72,9 @@ def s3_gb(s3_client: Any, uri: str) -> float | None:
         return None
 
 
-def hub_gb(repo_id: str, revision: str | None = None, token: str | None = None, timeout: float = 10) -> float | None:
+def hub_gb(
+    repo_id: str, revision: str | None = None, token: str | bool | None = None, timeout: float = 10
+) -> float | None:
     """The size in GB of what the container downloads for a Hub model (its
     ``container.core.artifacts.selected_files``); None when the Hub cannot tell (logged)."""
     from container.core.artifacts import selected_files

@@ -20,7 +20,7 @@ class Repo:
     files: dict[str, bytes]
     sha: str = "0123456789abcdef0123456789abcdef01234567"
     token: str | None = None         # private: this bearer token is needed
-    gated: bool = False
+    gated: bool = False              # gated: refused (403) but to ``token``, when it is set
     seconds_per_file: float = 0.0    # how long each file's body takes to send
     downloads: list[str] = field(default_factory=list)   # files sent whole
     partial: list[str] = field(default_factory=list)     # files of which a byte range was sent
@@ -43,12 +43,13 @@ class FakeHub:
 
     def _repo(self, org: str, name: str, revision: str | None = None) -> Repo | Response:
         repo = self.repos.get(f"{org}/{name}")
-        authorized = repo is not None and (repo.token is None or
-                                           request.headers.get("Authorization") == f"Bearer {repo.token}")
-        if repo is None or not authorized:
-            return _error(401 if repo else 404, "RepoNotFound", "Repository not found")
-        if repo.gated:
+        if repo is None:
+            return _error(404, "RepoNotFound", "Repository not found")
+        granted = repo.token is not None and request.headers.get("Authorization") == f"Bearer {repo.token}"
+        if repo.gated and not granted:  # gated: only the token of an account granted access (Repo.token) gets in
             return _error(403, "GatedRepo", "Access to this model is restricted")
+        if repo.token is not None and not granted:
+            return _error(401, "RepoNotFound", "Repository not found")
         if revision not in (None, "main", repo.sha):
             return _error(404, "RevisionNotFound", "Invalid rev id")
         return repo

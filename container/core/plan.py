@@ -100,11 +100,12 @@ def weight_bytes(model_dir: Path) -> tuple[int, int]:
     return sum(safetensors_bytes(f) for f in files), sum(f.stat().st_size for f in files)
 
 
-def hub_weight_bytes(repo_id: str, revision: str | None = None) -> int:
-    """A Hub model's tensor bytes, from its safetensors headers (HTTP range reads)."""
+def hub_weight_bytes(repo_id: str, revision: str | None = None, token: str | bool | None = None) -> int:
+    """A Hub model's tensor bytes, from its safetensors headers (HTTP range reads);
+    ``token`` as huggingface_hub takes it (None: the environment's or the login's)."""
     from huggingface_hub import HfApi
 
-    metadata = HfApi().get_safetensors_metadata(repo_id, revision=revision)
+    metadata = HfApi(token=token).get_safetensors_metadata(repo_id, revision=revision)
     return sum(
         t.parameter_count[dtype] * SAFETENSORS_BYTES.get(dtype, 2)
         for t in metadata.files_metadata.values()
@@ -327,18 +328,19 @@ def plan_from_settings(
 
 
 def read_model(
-    model_dir: Path | None, model_id: str | None, revision: str | None = None
+    model_dir: Path | None, model_id: str | None, revision: str | None = None, token: str | bool | None = None
 ) -> tuple[str, dict[str, Any], int, int]:
     """(name, config, tensor bytes, download bytes) of a local directory or a Hub id
-    (only ``config.json`` and the safetensors headers are fetched)."""
+    (only ``config.json`` and the safetensors headers are fetched, with ``token``:
+    a gated or private model needs one)."""
     if model_dir is not None and (model_dir / "config.json").is_file():
         weight, disk = weight_bytes(model_dir)
         return str(model_id or model_dir.name), json.loads((model_dir / "config.json").read_text()), weight, disk
     if model_id and not Path(model_id).exists():
         from huggingface_hub import hf_hub_download
 
-        config = json.loads(Path(hf_hub_download(model_id, "config.json", revision=revision)).read_text())
-        weight = hub_weight_bytes(model_id, revision)
+        config = json.loads(Path(hf_hub_download(model_id, "config.json", revision=revision, token=token)).read_text())
+        weight = hub_weight_bytes(model_id, revision, token)
         return model_id, config, weight, weight
     raise PlanError(f"no config.json in {model_dir or model_id}: give --model-dir with the model or --model-id")
 

@@ -49,6 +49,9 @@ def hub_api(fake_hub, monkeypatch):
     """The Hub the SDK sizes models with is tests/fake_hub.py (these machines cannot reach
     the real one): a model it does not have is unknown, at once."""
     monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", fake_hub.url)
+    # file downloads (hf_hub_download: the fit check's config.json) use a template made at import
+    monkeypatch.setattr("huggingface_hub.constants.HUGGINGFACE_CO_URL_TEMPLATE",
+                        fake_hub.url + "/{repo_id}/resolve/{revision}/{filename}")
     return fake_hub
 
 

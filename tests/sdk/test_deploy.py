@@ -14,6 +14,7 @@ from container.core.settings import SettingsError, resolve_settings
 from container.core.engine_args import EngineOptionError
 from sagemaker_sdk import SagelmiModel, SagelmiPredictor
 from sagemaker_sdk import sizing
+from tests.fake_hub import Repo
 from tests.sdk.conftest import IMAGE, INSTANCE_TYPE, ROLE, TEXTGEN
 
 
@@ -145,18 +146,24 @@ def test_deploy_without_an_image_is_refused_before_aws(session):
     assert session.counter.calls == []
 
 
-def _model_dir(path, layers: int, weight_bytes: int):
-    """A model directory with a Llama-like config.json and a safetensors file whose header
-    says ``weight_bytes`` (the data itself is not there: plan reads headers only)."""
+def _model_files(layers: int, weight_bytes: int) -> dict[str, bytes]:
+    """A Llama-like config.json and a safetensors file whose header says ``weight_bytes``
+    (the data itself is not there: plan reads headers only)."""
     import json
     import struct
 
-    path.mkdir()
-    (path / "config.json").write_text(json.dumps({
+    config = json.dumps({
         "num_hidden_layers": layers, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096,
-        "max_position_embeddings": 8192, "torch_dtype": "bfloat16"}))
+        "max_position_embeddings": 8192, "torch_dtype": "bfloat16"}).encode()
     header = json.dumps({"w": {"dtype": "BF16", "shape": [weight_bytes // 2], "data_offsets": [0, weight_bytes]}})
-    (path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header.encode())
+    return {"config.json": config, "model.safetensors": struct.pack("<Q", len(header)) + header.encode()}
+
+
+def _model_dir(path, layers: int, weight_bytes: int):
+    """A model directory with ``_model_files``."""
+    path.mkdir()
+    for name, body in _model_files(layers, weight_bytes).items():
+        (path / name).write_bytes(body)
     return path
 
 
@@ -208,3 +215,38 @@ def test_tensor_parallel_max_is_resolved_alike_by_the_container_the_planner_and_
     sdk = SagelmiModel(handler_dir=model, tensor_parallel_degree="max", pipeline_parallel_degree=2, image_uri=IMAGE,
                        role=ROLE, sagemaker_session=session)
     assert [(s.tp, s.pp) for s in sdk.plan("ml.g5.12xlarge").splits] == [(2, 2)]  # 4 x A10G 24 GiB
+
+
+def test_the_fit_check_reads_a_gated_hub_model_with_the_models_token(session, hub_api, tmp_path, monkeypatch,
+                                                                     caplog):
+    """A gated Hub model (tests/fake_hub.py: only the granted token gets in) is planned with the
+    model's HF_TOKEN (huggingface_hub_token= or env), the token the container downloads with."""
+    from sagemaker_sdk import DoesNotFit
+
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+    monkeypatch.setenv("HF_TOKEN", "hf_granted")  # this machine's token is not the container's: not used
+    hub_api.repos["org/gated-70b"] = Repo(_model_files(80, 140 * 10 ** 9), token="hf_granted", gated=True)
+    instance = "ml.g4dn.12xlarge"
+    for arguments in ({"huggingface_hub_token": "hf_granted"}, {"env": {"HF_TOKEN": "hf_granted"}}):
+        model = SagelmiModel("org/gated-70b", image_uri=IMAGE, role=ROLE, sagemaker_session=session, **arguments)
+        with pytest.raises(DoesNotFit, match=f"org/gated-70b does not fit on {instance} .*: needs 130.4 GiB per GPU"):
+            model.deploy(instance_type=instance, wait=False)
+    assert not [c for c in session.counter.calls if c.startswith("sagemaker.Create")]
+
+    caplog.set_level("WARNING", logger="sagemaker_sdk.model")
+    for arguments, why in (({}, "a gated or private model needs huggingface_hub_token="),
+                           ({"huggingface_hub_token": "hf_other"}, "HF_TOKEN was refused")):
+        caplog.clear()
+        unchecked = SagelmiModel("org/gated-70b", image_uri=IMAGE, role=ROLE, sagemaker_session=session, **arguments)
+        assert unchecked.plan(instance) is None
+        assert [r.getMessage() for r in caplog.records if r.name == "sagemaker_sdk.model"] == [
+            f"cannot read Hub model org/gated-70b (GatedRepoError): {why}; deploying unchecked"]
+
+
+@pytest.mark.parametrize("instance_type", ["local", "local_gpu"])
+def test_sagemakers_local_mode_is_refused_for_local_endpoint(session, instance_type):
+    model = SagelmiModel(handler_dir=TEXTGEN, image_uri=IMAGE, role=ROLE, sagemaker_session=session)
+    with pytest.raises(ValueError, match=f"deploy.instance_type='{instance_type}'. is not supported: .* cannot "
+                                         "stream. Use sagemaker_sdk.local.LocalEndpoint"):
+        model.deploy(instance_type=instance_type)
+    assert session.counter.calls == []
