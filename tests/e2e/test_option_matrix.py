@@ -1,0 +1,159 @@
+"""The LMI options users set most, in the pairs that matter, each started on the tiny model
+(``sagelmi serve``, vLLM's CPU build): every cell either serves the greedy tokens of the plain
+engine (float32, tests/e2e/conftest.py's ``vllm_server``) and reproducible seeded samples, or is
+refused at start-up with one line naming what cannot work. No cell may start and then fail its
+requests (a crash loop behind a healthy /ping: issue 30)."""
+
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+
+from tests.e2e.conftest import ENGINE_READY_TIMEOUT, EXACT, VLLM_CPU_ENV
+from tests.reliability import record
+from tests.server import REPO, Server, clean_env
+
+pytestmark = pytest.mark.slow
+
+# Long enough to be prefilled in several chunks of 64 tokens.
+PROMPTS = ["The quick brown fox " * 12, "Prompt number 2 about the sea", "Prompt number 3 about the sky " * 6]
+SERVES = "serves"
+SPEC = '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}'
+CELLS = {
+    "eager + prefix caching + chunked prefill (64-token prefill budget)": (
+        {
+            "OPTION_ENFORCE_EAGER": "true",
+            "OPTION_ENABLE_PREFIX_CACHING": "true",
+            "OPTION_ENABLE_CHUNKED_PREFILL": "true",
+            "OPTION_MAX_ROLLING_BATCH_PREFILL_TOKENS": "64",
+            "OPTION_MAX_ROLLING_BATCH_SIZE": "32",
+        },
+        SERVES,
+    ),
+    "a prefill budget below the batch size": (
+        {"OPTION_MAX_ROLLING_BATCH_PREFILL_TOKENS": "64"},
+        "is less than option.max_rolling_batch_size=256",
+    ),
+    "tensor parallel 2 (Python mode) + eager": (
+        {"TENSOR_PARALLEL_DEGREE": "2", "OPTION_ENFORCE_EAGER": "true"},
+        SERVES,
+    ),
+    "lmi-dist tp 2 + prefix caching + max_model_len": (
+        {
+            "OPTION_ROLLING_BATCH": "lmi-dist",
+            "TENSOR_PARALLEL_DEGREE": "2",
+            "OPTION_ENABLE_PREFIX_CACHING": "true",
+            "OPTION_MAX_MODEL_LEN": "1024",
+        },
+        SERVES,
+    ),
+    "LoRA + chunked prefill + max_rolling_batch_size": (
+        {
+            "OPTION_ENABLE_LORA": "true",
+            "OPTION_MAX_LORA_RANK": "8",
+            "OPTION_ENABLE_CHUNKED_PREFILL": "true",
+            "OPTION_MAX_ROLLING_BATCH_SIZE": "8",
+        },
+        SERVES,
+    ),
+    "speculative decoding (ngram) + eager": (
+        {"OPTION_SPECULATIVE_CONFIG": SPEC, "OPTION_ENFORCE_EAGER": "true"},
+        SERVES,
+    ),
+    "pipeline parallel 2 + eager": (
+        {"PIPELINE_PARALLEL_DEGREE": "2", "OPTION_ENFORCE_EAGER": "true"},
+        "option.pipeline_parallel_degree=2 with option.enforce_eager=true",
+    ),
+    "lmi-dist tp 2 + --oversubscribe": (
+        {"OPTION_ROLLING_BATCH": "lmi-dist", "TENSOR_PARALLEL_DEGREE": "2", "OPTION_MPI_EXTRA_ARGS": "--oversubscribe"},
+        "option.mpi_extra_args=--oversubscribe",
+    ),
+    "quantization fp8 in float32": ({"OPTION_QUANTIZATION": "fp8"}, "not supported for quantization method fp8"),
+    "max_model_len beyond the model's context": (
+        {"OPTION_MAX_MODEL_LEN": "100000"},
+        "max_model_len (100000) is greater than the derived max_model_len",
+    ),
+}
+RESULTS: dict[str, str] = {}
+
+
+def _ids(server, prompt):
+    body = {"inputs": prompt, "parameters": {"max_new_tokens": 12, "ignore_eos": True, "details": True}}
+    r = server.invoke(body, timeout=120)
+    assert r.status_code == 200, r.text
+    return [t["id"] for t in r.json()["details"]["tokens"]]
+
+
+def _sampled(server, prompt):
+    body = {"prompt": prompt, "max_tokens": 12, "temperature": 0.9, "seed": 11, "ignore_eos": True}
+    r = requests.post(server.url("/v1/completions"), json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def _start_up_failure(server: Server, timeout: float) -> tuple[int, str]:
+    """Wait for a server that must not get ready: its exit code and its log."""
+    deadline = time.monotonic() + timeout
+    while server.process.poll() is None:
+        assert time.monotonic() < deadline, f"still running after {timeout}s:\n{server.log()}"
+        try:
+            assert requests.get(server.url("/ping"), timeout=2).status_code != 200, "it got ready"
+        except requests.ConnectionError:
+            pass
+        time.sleep(0.5)
+    return server.process.returncode, server.log()
+
+
+@pytest.mark.parametrize("cell", list(CELLS))
+def test_a_cell_serves_exact_tokens_or_is_refused_in_one_line(cell, tiny_model, vllm_server):
+    env, expected = CELLS[cell]
+    env = {**VLLM_CPU_ENV, **EXACT, **env}
+    started = time.monotonic()
+    if expected == SERVES:
+        with Server(tiny_model, env=env, ready_timeout=ENGINE_READY_TIMEOUT) as server:
+            for prompt in PROMPTS:
+                assert _ids(server, prompt) == _ids(vllm_server, prompt), prompt
+            assert _sampled(server, PROMPTS[1]) == _sampled(server, PROMPTS[1])
+            assert "Traceback" not in server.log()
+        RESULTS[cell] = f"serves the plain engine's greedy tokens ({time.monotonic() - started:.0f} s)"
+        return
+    config = subprocess.run(
+        [sys.executable, "-m", "container", "config", "--model-dir", str(tiny_model)],
+        env=clean_env(env),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    server = Server(tiny_model, env=env).start(wait_ready=False)
+    try:
+        code, log = _start_up_failure(server, ENGINE_READY_TIMEOUT)
+    finally:
+        server.stop()
+    assert code != 0
+    # the one line: the supervisor's (a failed load) or the command's own (refused settings)
+    failures = [line for line in log.splitlines() if re.search(r" ERROR .*(start-up failed: |\] sagelmi: )", line)]
+    assert len(failures) == 1, log
+    assert re.search(re.escape(expected), failures[0]), failures[0]
+    assert "Traceback" not in failures[0] and "/tmp/" not in failures[0]
+    refused_by = "sagelmi config and serve" if config.returncode != 0 else "serve, when the engine loads"
+    if config.returncode != 0:
+        assert expected in config.stderr
+    reason = re.split(r"start-up failed: |\] sagelmi: ", failures[0])[1]
+    RESULTS[cell] = f"refused by {refused_by}: {reason[:200]}"
+
+
+def test_record_the_matrix():
+    """Last: the table of the cells above, in docs/reliability.md."""
+    if len(RESULTS) < len(CELLS):
+        pytest.skip("not every cell ran")
+    record(
+        "option-matrix",
+        "The option matrix on the tiny model",
+        RESULTS,
+        note="tests/e2e/test_option_matrix.py; greedy tokens compared with the plain engine (float32), "
+        "seeded samples repeated.",
+    )
