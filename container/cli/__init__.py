@@ -2,7 +2,7 @@
 
 sagelmi serve  [--model-dir DIR] [--port N]   run the server (what the image runs)
 sagelmi config [--model-dir DIR] [--json]     print the resolved settings and their sources
-sagelmi tiny-model DIR [--arch t5|bert]       write a tiny random Llama (or T5, BERT) to try the engine offline
+sagelmi tiny-model DIR [--arch ...]           a tiny random Llama (or T5, BERT, Idefics3) to try the engine offline
 sagelmi engine-args [--write]                 vLLM's engine arguments, as the packaged list holds them
 sagelmi openapi [--write]                     the OpenAPI document GET /openapi.json serves (from the installed types)
 sagelmi lmi-options [--write]                 LMI's option names and what sagelmi does with each (docs/lmi_options.md)
@@ -68,10 +68,11 @@ def _parser() -> argparse.ArgumentParser:
     tiny.add_argument("--max-model-len", type=int, default=1024, help="context length (default 1024)")
     tiny.add_argument(
         "--arch",
-        choices=("llama", "t5", "bert"),
+        choices=("llama", "t5", "bert", "idefics3"),
         default="llama",
         help="llama (default: vLLM and text-generation), t5 (text2text-generation) or bert "
-        "(classification, fill-mask, embeddings), the last two for the Accelerate engine",
+        "(classification, fill-mask, embeddings), the two for the Accelerate engine, or idefics3 "
+        "(vision-language, for vLLM: images in chat messages)",
     )
     tiny.add_argument(
         "--special-token",

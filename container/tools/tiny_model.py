@@ -1,5 +1,6 @@
 """``sagelmi tiny-model DIR``: write a tiny random-weight Llama with its own
-tokenizer and chat template, without any download.
+tokenizer and chat template, without any download (``--arch``: a T5, a BERT, or an
+Idefics3 vision-language model instead).
 
 It exists to run the real engine anywhere (a laptop CPU, CI): two layers,
 hidden size 128, two attention heads of size 64 (the CPU attention kernels need
@@ -225,4 +226,83 @@ def write_tiny_bert(directory: str | Path, max_model_len: int = 512) -> Path:
     return directory
 
 
-WRITERS = {"llama": write_tiny_model, "t5": write_tiny_t5, "bert": write_tiny_bert}
+# -- a vision-language model: Idefics3 (a SigLIP-like vision tower, pixel shuffle, the Llama) --
+# Idefics3 because vLLM 0.32's CPU build imports it without torchvision, which does not fit the
+# CPU torch (LLaVA, Qwen2-VL, Gemma 3 ... import it); the image processor has a PIL backend.
+
+IMAGE_TOKENS = ("<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>")
+VISION_IMAGE_SIZE = 56  # pixels a side: 4 x 4 patches of 14, shuffled into 4 image tokens
+# The Llama's template, with OpenAI-style content parts: an image part becomes <image>.
+VISION_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}<|{{ message['role'] }}|>\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<image>{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}{{ eos_token }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def write_tiny_idefics3(directory: str | Path, max_model_len: int = 1024) -> Path:
+    """A tiny random-weight Idefics3 (``Idefics3ForConditionalGeneration``): the tiny Llama as
+    its text model, a two-layer vision tower (head size 64) on 56-pixel images, each image
+    4 tokens (no tiling), and its processor (PIL image processor, tokenizer, chat template)."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, PreTrainedTokenizerFast
+    from transformers.models.idefics3 import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor
+    from transformers.models.idefics3.configuration_idefics3 import Idefics3VisionConfig
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    _tokenizer(directory, max_model_len, IMAGE_TOKENS)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(directory)
+    ids = {name: i for i, name in enumerate(SPECIAL_TOKENS)}
+    text = LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=max_model_len,
+        bos_token_id=ids["<s>"],
+        eos_token_id=ids["</s>"],
+        pad_token_id=ids["<pad>"],
+        initializer_range=0.1,
+        tie_word_embeddings=False,
+    )
+    vision = Idefics3VisionConfig(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=VISION_IMAGE_SIZE,
+        patch_size=14,
+        initializer_range=0.1,
+    )
+    config = Idefics3Config(  # type: ignore[call-arg]  # transformers' typed config lacks keys its **kwargs take
+        vision_config=vision.to_dict(),
+        text_config=text.to_dict(),
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        scale_factor=2,
+        pad_token_id=ids["<pad>"],
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(SEED)
+    Idefics3ForConditionalGeneration(config).eval().save_pretrained(directory, safe_serialization=True)
+    size = {"longest_edge": VISION_IMAGE_SIZE}
+    images = Idefics3ImageProcessorPil(do_image_splitting=False, size=size, max_image_size=size)
+    processor = Idefics3Processor(images, tokenizer, image_seq_len=4, chat_template=VISION_CHAT_TEMPLATE)
+    processor.save_pretrained(directory)
+    GenerationConfig(bos_token_id=ids["<s>"], eos_token_id=ids["</s>"], pad_token_id=ids["<pad>"]).save_pretrained(
+        directory
+    )
+    (directory / "sagelmi-tiny-model.json").write_text(json.dumps({"seed": SEED, "arch": "idefics3"}))
+    return directory
+
+
+WRITERS = {"llama": write_tiny_model, "t5": write_tiny_t5, "bert": write_tiny_bert, "idefics3": write_tiny_idefics3}
