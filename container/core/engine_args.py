@@ -60,6 +60,8 @@ SPECULATIVE = {
 }
 # LMI options the worker groups get as environment variables, read by a library vLLM loads
 ENVIRONMENT = {"lmcache_config_file": "LMCACHE_CONFIG_FILE"}
+# Engine arguments taking a mapping that LMI documents as "key=value,key=value" (vLLM 0.32 takes JSON only)
+KEY_VALUE_LISTS = {"limit_mm_per_prompt"}
 
 
 class EngineOptionError(ValueError):
@@ -84,6 +86,24 @@ def convert_option(name: str, raw: str, target: str, tp: Any) -> Any:
         except ValidationError as exc:
             errors.append(exc.errors()[0]["msg"])
     raise EngineOptionError(f"option.{name}={raw!r} is not a valid value for vLLM's {target}: {errors[-1]}")
+
+
+def lmi_value(name: str, raw: str) -> str:
+    """The text vLLM takes for ``option.<name>``: LMI's ``image=2,video=1`` for the options of
+    ``KEY_VALUE_LISTS`` becomes ``{"image": 2, "video": 1}``; anything else (JSON) is unchanged.
+    Raises ``EngineOptionError`` for a pair without a whole number."""
+    if name not in KEY_VALUE_LISTS or raw.lstrip().startswith("{"):
+        return raw
+    pairs = {}
+    for item in raw.split(","):
+        key, _, value = (part.strip() for part in item.partition("="))
+        if not key or not value.isdigit():
+            raise EngineOptionError(
+                f'option.{name}={raw!r}: expected JSON ({{"image": 2}}) or LMI\'s form image=2,video=1, '
+                f"a whole number for each kind of media"
+            )
+        pairs[key] = int(value)
+    return json.dumps(pairs)
 
 
 def _unknown(name: str, engine_args: typing.Iterable[str]) -> EngineOptionError:
@@ -172,7 +192,7 @@ def check_engine_option(name: str, raw: str | None = None) -> None:
             raise _unknown(name, engine_args)
         kind = engine_args[target]
     if raw is not None:
-        _check_value(name, raw, target, kind)
+        _check_value(name, lmi_value(name, raw), target, kind)
 
 
 def check_engine_options(settings: Settings, handler_dir: Path | None, known_bad: bool = True) -> None:

@@ -19,6 +19,7 @@ from container.core.engine_args import (
     check_engine_option,
     convert_option,
     is_engine_argument,
+    lmi_value,
     packaged_version,
 )
 from container.core.served_names import served_names
@@ -69,7 +70,7 @@ def build_engine_kwargs(
                 f"option.{name}: the installed vLLM has no engine argument {target} (sagelmi's list of "
                 f"engine arguments is for vLLM {packaged_version()}; regenerate it: sagelmi engine-args --write)"
             )
-        kwargs[target] = convert_option(name, raw, target, fields[target].type)
+        kwargs[target] = convert_option(name, lmi_value(name, raw), target, fields[target].type)
     if speculative:
         if "model" not in speculative:
             given = ", ".join(f"option.{n}" for n in settings.passthrough_options() if n in SPECULATIVE)

@@ -47,6 +47,21 @@ def test_other_vllm_arguments_pass_through():
     assert kwargs["hf_overrides"] == {"rope_theta": 10000}
 
 
+@pytest.mark.parametrize("raw, limits", [("image=2", {"image": 2}), ("image=16, video=2", {"image": 16, "video": 2}),
+                                         ('{"image": 3}', {"image": 3})])
+def test_media_limits_take_lmis_form_and_json(raw, limits):
+    """LMI documents option.limit_mm_per_prompt as image=16,video=2; vLLM 0.32 parses JSON only."""
+    assert build(limit_mm_per_prompt=raw)["limit_mm_per_prompt"] == limits
+    check_engine_option("limit_mm_per_prompt", raw)
+
+
+@pytest.mark.parametrize("raw", ["image", "image=two", "image=2,=1", "image=-1"])
+def test_media_limits_that_are_neither_form_are_refused(raw):
+    for check in (lambda: build(limit_mm_per_prompt=raw), lambda: check_engine_option("limit_mm_per_prompt", raw)):
+        with pytest.raises(EngineOptionError, match="or LMI's form image=2,video=1"):
+            check()
+
+
 def test_speculative_options_fold_into_speculative_config():
     kwargs = build(speculative_draft_model="org/draft", speculative_length=4, draft_model_tp_size=1)
     assert kwargs["speculative_config"] == {"model": "org/draft", "num_speculative_tokens": 4,
