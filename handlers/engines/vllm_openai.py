@@ -8,7 +8,9 @@ import logging
 from collections.abc import AsyncGenerator
 from typing import Any
 
+import aiohttp
 from pydantic import BaseModel, ValidationError
+from vllm import envs as vllm_envs
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
@@ -37,6 +39,20 @@ _MALFORMED = (TypeError, KeyError, AttributeError, IndexError)
 def _malformed(exc: Exception) -> str:
     log.info("vLLM could not take the request: %s: %s", type(exc).__name__, exc)
     return f"the request could not be read ({type(exc).__name__}: {exc}); check the types of its fields"
+
+
+def _media_error(exc: Exception) -> str | None:
+    """What to tell the client when vLLM could not load a message's media (an ``image_url``):
+    None for an exception that is not about media. vLLM answers the body's own faults (an
+    undecodable image, more images than ``limit_mm_per_prompt``, a 404 from the image's host)
+    itself; what it raises instead are these, the fetch's failures after its retries."""
+    if isinstance(exc, (aiohttp.ClientError, TimeoutError)):  # asyncio's TimeoutError is this one
+        timeout = vllm_envs.VLLM_IMAGE_FETCH_TIMEOUT
+        reason = str(exc) or f"its host did not answer (VLLM_IMAGE_FETCH_TIMEOUT={timeout} s, then longer retries)"
+        return f"could not fetch a media URL of the messages: {reason}"
+    if isinstance(exc, RuntimeError) and "allowed-local-media-path" in str(exc):
+        return "file:// media URLs are refused unless option.allowed_local_media_path names a directory to read"
+    return None
 
 
 def _openai_error(
@@ -132,6 +148,12 @@ class OpenAIFront:
             result = create_error_response(exc)
         except _MALFORMED as exc:  # vLLM's chat renderer tripping over a message of a shape it accepted
             return _openai_error(path, 400, _malformed(exc))
+        except (aiohttp.ClientError, TimeoutError, RuntimeError) as exc:
+            media = _media_error(exc)
+            if media is None:
+                raise
+            log.info("%s", media)
+            return _openai_error(path, 400, media)
         if isinstance(result, ErrorResponse):
             return _openai_error(path, result.error.code, result.error.message, result.error.type, result.error.param)
         if hasattr(result, "model_dump_json"):
