@@ -45,13 +45,17 @@ def _media_error(exc: Exception) -> str | None:
     """What to tell the client when vLLM could not load a message's media (an ``image_url``):
     None for an exception that is not about media. vLLM answers the body's own faults (an
     undecodable image, more images than ``limit_mm_per_prompt``, a 404 from the image's host)
-    itself; what it raises instead are these, the fetch's failures after its retries."""
+    itself; what it raises instead are the fetch's failures (after its retries) and its refusals
+    of ``file://`` URLs, worded for its command line."""
     if isinstance(exc, (aiohttp.ClientError, TimeoutError)):  # asyncio's TimeoutError is this one
         timeout = vllm_envs.VLLM_IMAGE_FETCH_TIMEOUT
         reason = str(exc) or f"its host did not answer (VLLM_IMAGE_FETCH_TIMEOUT={timeout} s, then longer retries)"
         return f"could not fetch a media URL of the messages: {reason}"
-    if isinstance(exc, RuntimeError) and "allowed-local-media-path" in str(exc):
-        return "file:// media URLs are refused unless option.allowed_local_media_path names a directory to read"
+    if isinstance(exc, (RuntimeError, ValueError)) and "allowed-local-media-path" in str(exc):
+        # vLLM's text names its CLI flag and, for a file outside the directory, both local paths
+        if "Cannot load local files" in str(exc):
+            return "file:// media URLs are refused unless option.allowed_local_media_path names a directory to read"
+        return "a file:// media URL must name a file inside the directory option.allowed_local_media_path names"
     return None
 
 
@@ -144,16 +148,16 @@ class OpenAIFront:
                 result = await self.tokenization.create_detokenize(request, None)  # type: ignore[arg-type]
             else:  # vLLM's routes pass the Starlette request, which is only read for X-Request-Id
                 result = await self.tokenization.create_tokenize(request, None)  # type: ignore[arg-type]
-        except (VLLMClientError, ValueError) as exc:  # vLLM's request validation
-            result = create_error_response(exc)
+        except (VLLMClientError, ValueError, aiohttp.ClientError, TimeoutError, RuntimeError) as exc:
+            media = _media_error(exc)
+            if media is not None:
+                log.info("%s", media)
+                return _openai_error(path, 400, media)
+            if not isinstance(exc, (VLLMClientError, ValueError)):
+                raise
+            result = create_error_response(exc)  # vLLM's request validation
         except _MALFORMED as exc:  # vLLM's chat renderer tripping over a message of a shape it accepted
             return _openai_error(path, 400, _malformed(exc))
-        except (aiohttp.ClientError, TimeoutError, RuntimeError) as exc:
-            media = _media_error(exc)
-            if media is None:
-                raise
-            log.info("%s", media)
-            return _openai_error(path, 400, media)
         if isinstance(result, ErrorResponse):
             return _openai_error(path, result.error.code, result.error.message, result.error.type, result.error.param)
         if hasattr(result, "model_dump_json"):
