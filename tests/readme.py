@@ -30,8 +30,8 @@ def shell_commands(text: str = README) -> list[str]:
     return commands
 
 
-def python_snippets() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", README, re.S)
+def python_snippets(text: str = README) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", text, re.S)
 
 
 def quick_start_curls() -> list[str]:
