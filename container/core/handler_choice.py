@@ -13,8 +13,19 @@ from pathlib import Path
 
 from container.core.settings import Settings
 
+# option.task values vLLM serves with its pooling runner, and the conversion (vLLM's ``convert``)
+# each asks for: LMI's names (djl_python's vllm_rb_properties maps text-embedding and
+# feature-extraction to embed, classify to classify) and vLLM's own task names.
+POOLING_TASKS = {
+    "text-embedding": "embed",
+    "feature-extraction": "embed",
+    "embed": "embed",
+    "embedding": "embed",
+    "classify": "classify",
+    "score": "classify",
+}
 # The tasks vLLM serves; any other option.task goes to the Accelerate engine.
-VLLM_TASKS = {"text-generation"}
+VLLM_TASKS = {"text-generation", "generate", *POOLING_TASKS}
 # LMI's names for its built-in handlers, served here by the built-in vLLM handler.
 LMI_BUILTIN_NAMES = {
     "djl_python.huggingface",
@@ -33,6 +44,11 @@ def accelerate_reason(settings: Settings) -> str | None:
     if settings.task and settings.task not in VLLM_TASKS and settings.rolling_batch == "auto":
         return f"option.task={settings.task}, which vLLM does not serve"
     return None
+
+
+def pooling_convert(settings: Settings) -> str | None:
+    """vLLM's ``convert`` for the pooling task ``option.task`` names (None: not a pooling task)."""
+    return POOLING_TASKS.get(settings.task or "")
 
 
 def _defines_handle(model_py: Path) -> bool:

@@ -45,6 +45,14 @@ KEYS: tuple[Key, ...] = (
     ),
     Key("task", "option.task", ("OPTION_TASK", "HF_TASK"), "a task name such as text-generation", "The model's task."),
     Key(
+        "normalize",
+        "option.normalize",
+        ("OPTION_NORMALIZE",),
+        "true or false",
+        "Embedding models: whether vectors are L2-normalised (vLLM's use_activation) when a request does not say. "
+        "Unset: LMI's /invocations form normalises, /v1/embeddings follows the model's pooler.",
+    ),
+    Key(
         "entry_point",
         "option.entryPoint",
         ("OPTION_ENTRYPOINT",),

@@ -51,6 +51,7 @@ class Settings(BaseModel):
     model_id: str | None = None
     revision: str | None = None
     task: str | None = None
+    normalize: bool | None = None
     entry_point: str | None = None
     trust_remote_code: bool = False
     quantize: str | None = None

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from container.core.handler_choice import LMI_BUILTIN_NAMES, accelerate_reason
+from container.core.handler_choice import LMI_BUILTIN_NAMES, accelerate_reason, pooling_convert
 from container.core.settings import Settings
 from handlers.api.engine import Engine, Formatters
 
@@ -98,8 +98,10 @@ def _builtin(settings: Settings) -> tuple[str, None, str]:
         )
     reason = accelerate_reason(settings)
     if reason is None:
+        convert = pooling_convert(settings)
+        pooling = f", option.task={settings.task}: vLLM's pooling runner, convert={convert}" if convert else ""
         return (
-            f"the built-in {engine} handler (option.rolling_batch={settings.rolling_batch})",
+            f"the built-in {engine} handler (option.rolling_batch={settings.rolling_batch}{pooling})",
             None,
             BUILTIN[engine][0],
         )

@@ -10,7 +10,7 @@ Tasks (``option.task``, else inferred from the model's architecture):
   ``feature-extraction``: ``{"inputs", "parameters"}`` in, the ``transformers``
   pipeline's answer out (as LMI answers them);
 - ``text-embedding``: ``{"inputs"}`` in, one vector per input (mean pooled over
-  the tokens, L2-normalised) out: ``[[...], ...]``.
+  the tokens, L2-normalised unless ``option.normalize=false``) out: ``[[...], ...]``.
 
 Requests reach the model in batches: the worker's dynamic batching
 (``batch_size``, ``max_batch_delay``) hands one ``Input`` with several items,
@@ -134,6 +134,7 @@ class AccelerateEngine(Engine):
         self.model = model
         self.tokenizer = tokenizer
         self.formatter = formatter
+        self.normalize = True  # text-embedding: L2-normalised vectors unless option.normalize=false
         self.known_generation = set(transformers.GenerationConfig().to_dict())
         self.pipeline: Callable[..., Any] | None = None
         if task in PIPELINE_TASKS:
@@ -174,7 +175,9 @@ class AccelerateEngine(Engine):
             type(model).__name__,
             getattr(model, "hf_device_map", None) or model.device,
         )
-        return cls(task, model, tokenizer, Formatter(settings.output_formatter, settings.tgi_compat))
+        engine = cls(task, model, tokenizer, Formatter(settings.output_formatter, settings.tgi_compat))
+        engine.normalize = settings.normalize is not False
+        return engine
 
     @classmethod
     async def start(cls, context: WorkerContext, formatters: Formatters) -> AccelerateEngine:
@@ -289,7 +292,8 @@ class AccelerateEngine(Engine):
             hidden = self.model(**encoded).last_hidden_state
         mask = encoded["attention_mask"].unsqueeze(-1).to(hidden.dtype)
         pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1)
-        return torch.nn.functional.normalize(pooled.float(), dim=-1).tolist()
+        pooled = pooled.float()
+        return (torch.nn.functional.normalize(pooled, dim=-1) if self.normalize else pooled).tolist()
 
     # -- generation
     def generate_kwargs(self, request: LmiRequest) -> dict[str, Any]:

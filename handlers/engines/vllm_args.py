@@ -22,6 +22,7 @@ from container.core.engine_args import (
     lmi_value,
     packaged_version,
 )
+from container.core.handler_choice import pooling_convert
 from container.core.served_names import served_names
 from container.core.settings import Settings
 
@@ -77,6 +78,7 @@ def build_engine_kwargs(
             raise EngineOptionError(f"{given} need option.speculative_draft_model (the draft model, or [ngram])")
         speculative.setdefault("num_speculative_tokens", 5)  # LMI's default speculative_length
         kwargs["speculative_config"] = {**speculative, **(kwargs.get("speculative_config") or {})}
+    _pooling_runner(settings, kwargs)
     if cpu:
         for name, default in CPU_DEFAULTS.items():
             if name not in kwargs:
@@ -84,3 +86,16 @@ def build_engine_kwargs(
                 kwargs[name] = default
     kwargs.setdefault("served_model_name", served_names(settings, model).engine)
     return kwargs
+
+
+def _pooling_runner(settings: Settings, kwargs: dict[str, Any]) -> None:
+    """A pooling ``option.task`` (text-embedding, classify ...) starts vLLM's pooling runner with
+    the model converted as the task asks, as LMI maps its tasks; ``option.runner`` /
+    ``option.convert`` given as well win, with a warning when they differ."""
+    convert = pooling_convert(settings)
+    if convert is None:
+        return
+    for name, value in (("runner", "pooling"), ("convert", convert)):
+        given = kwargs.setdefault(name, value)
+        if given != value:
+            log.warning("option.%s=%s overrides %s from option.task=%s", name, given, value, settings.task)

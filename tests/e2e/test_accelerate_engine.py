@@ -42,7 +42,8 @@ def t5(tmp_path_factory):
 @pytest.fixture(scope="module")
 def bert(tmp_path_factory):
     directory = _write(tmp_path_factory, "bert")
-    with Server(directory, env={"OPTION_TASK": "text-embedding"}, ready_timeout=120) as server:
+    with Server(directory, env={"OPTION_TASK": "text-embedding", "OPTION_ROLLING_BATCH": "disable"},
+                ready_timeout=120) as server:
         yield server
 
 

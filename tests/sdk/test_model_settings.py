@@ -166,7 +166,7 @@ def test_a_handler_dir_is_packed_with_its_files_at_the_root(tmp_path):
         assert tar.extractfile("model.py").read() == (tmp_path / "model.py").read_bytes()
 
 
-@pytest.mark.parametrize("kwargs", [{"rolling_batch": "disable"}, {"options": {"task": "text-embedding"}}],
+@pytest.mark.parametrize("kwargs", [{"rolling_batch": "disable"}, {"options": {"task": "fill-mask"}}],
                          ids=["rolling_batch=disable", "task"])
 def test_the_accelerate_engines_options_are_not_vllms(kwargs, caplog):
     """On the Accelerate engine option.device_map is a transformers argument; when vLLM serves, it is

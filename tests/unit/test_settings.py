@@ -53,6 +53,7 @@ ALIASES = [
     ("OPTION_MAX_ROLLING_BATCH_SIZE", "8", "max_rolling_batch_size", 8),
     ("OPTION_SYNC_HANDLER_THREADS", "4", "sync_handler_threads", 4),
     ("OPTION_TASK", "fill-mask", "task", "fill-mask"),
+    ("OPTION_NORMALIZE", "false", "normalize", False),
     ("OPTION_REVISION", "main", "revision", "main"),
     ("OPTION_TRUST_REMOTE_CODE", "yes", "trust_remote_code", True),
     ("OPTION_QUANTIZE", "fp8", "quantize", "fp8"),

@@ -187,3 +187,35 @@ def test_the_container_and_the_shared_check_say_the_same():
 ])
 def test_the_served_name_is_never_a_local_path(model, options, served):
     assert build(model=model, **options)["served_model_name"] == served
+
+
+@pytest.mark.parametrize("task, convert", [("text-embedding", "embed"), ("feature-extraction", "embed"),
+                                           ("embed", "embed"), ("classify", "classify"), ("score", "classify")])
+def test_a_pooling_task_starts_vllms_pooling_runner(task, convert):
+    kwargs = build(task=task)
+    assert (kwargs["runner"], kwargs["convert"]) == ("pooling", convert)
+
+
+def test_text_generation_leaves_the_runner_to_vllm():
+    for options in ({}, {"task": "text-generation"}):
+        kwargs = build(**options)
+        assert "runner" not in kwargs and "convert" not in kwargs
+
+
+def test_runner_and_convert_given_win_over_the_task_with_a_warning(caplog):
+    with caplog.at_level("WARNING"):
+        kwargs = build(task="text-embedding", convert="classify")
+    assert (kwargs["runner"], kwargs["convert"]) == ("pooling", "classify")
+    assert "option.convert=classify overrides embed from option.task=text-embedding" in caplog.text
+    assert build(runner="pooling", convert="embed")["runner"] == "pooling"  # without a task: as given
+
+
+@pytest.mark.parametrize("options, reason", [
+    ({"OPTION_TASK": "text-embedding"}, None),
+    ({"OPTION_TASK": "classify"}, None),
+    ({"OPTION_TASK": "text-embedding", "OPTION_ROLLING_BATCH": "disable"}, "option.rolling_batch=disable"),
+    ({"OPTION_TASK": "text-classification"}, "option.task=text-classification, which vLLM does not serve"),
+])
+def test_pooling_tasks_go_to_vllm_unless_rolling_batch_is_disabled(options, reason):
+    from container.core.handler_choice import accelerate_reason
+    assert accelerate_reason(resolve_settings(options, "/nonexistent")) == reason
