@@ -55,6 +55,20 @@ def build() -> dict[str, Any]:
     from pydantic.json_schema import JsonSchemaMode, models_json_schema
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest, ChatCompletionResponse
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest, CompletionResponse
+    from vllm.entrypoints.pooling.embed.protocol import (
+        EmbeddingChatRequest,
+        EmbeddingCompletionRequest,
+        EmbeddingResponse,
+    )
+    from vllm.entrypoints.pooling.scoring.protocol import (
+        RerankRequest,
+        RerankResponse,
+        ScoreDataRequest,
+        ScoreQueriesDocumentsRequest,
+        ScoreQueriesItemsRequest,
+        ScoreResponse,
+        ScoreTextRequest,
+    )
     from vllm.entrypoints.serve.engine.protocol import ModelList
     from vllm.entrypoints.serve.tokenize.protocol import (
         DetokenizeRequest,
@@ -80,6 +94,16 @@ def build() -> dict[str, Any]:
         (DetokenizeRequest, "validation"),
         (TokenizeResponse, "serialization"),
         (DetokenizeResponse, "serialization"),
+        (EmbeddingCompletionRequest, "validation"),
+        (EmbeddingChatRequest, "validation"),
+        (EmbeddingResponse, "serialization"),
+        (ScoreQueriesDocumentsRequest, "validation"),
+        (ScoreQueriesItemsRequest, "validation"),
+        (ScoreDataRequest, "validation"),
+        (ScoreTextRequest, "validation"),
+        (ScoreResponse, "serialization"),
+        (RerankRequest, "validation"),
+        (RerankResponse, "serialization"),
         (LmiError, "serialization"),
         (OpenAIError, "serialization"),
     ]
@@ -109,8 +133,19 @@ def build() -> dict[str, Any]:
     model_name = {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}
     adapter_name = {"name": "adapter", "in": "path", "required": True, "schema": {"type": "string"}}
     status = {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}}
+    embeddings, scores = names[EmbeddingResponse], names[ScoreResponse]
+    score_bodies = [names[m] for m in (ScoreQueriesDocumentsRequest, ScoreQueriesItemsRequest)]
+    score_bodies += [names[m] for m in (ScoreDataRequest, ScoreTextRequest)]
+    embedding_bodies = [names[EmbeddingCompletionRequest], names[EmbeddingChatRequest]]
+    vectors = {"type": "array", "items": {"type": "array", "items": {"type": "number"}}}
     lmi_answer = {
         "anyOf": [_ref(answer), {"type": "array", "items": _ref(answer)}, _ref(chat_answer), _ref(completion_answer)]
+        + [vectors, _ref(embeddings), _ref(scores), _ref(names[RerankResponse])]
+    }
+    lmi_embedding = {
+        "type": "object",
+        "required": ["inputs"],
+        "properties": {"inputs": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}},
     }
     paths = {
         "/ping": {
@@ -122,8 +157,20 @@ def build() -> dict[str, Any]:
         "/invocations": {
             "post": {
                 "summary": "SageMaker's inference route: LMI's schema (inputs), or an OpenAI chat (messages) or "
-                "completion (prompt) body",
-                "requestBody": body(lmi, chat, completion),
+                "completion (prompt) body; on a pooling model (option.task=text-embedding ...) LMI's embedding form "
+                "(inputs: vectors out), or the bodies of /v1/embeddings, /v1/score, /v1/rerank",
+                "requestBody": {
+                    "required": True,
+                    "content": {
+                        "application/json": {
+                            "schema": {
+                                "anyOf": [_ref(n) for n in (lmi, chat, completion)]
+                                + [lmi_embedding]
+                                + [_ref(n) for n in (*embedding_bodies, names[RerankRequest], *score_bodies)]
+                            }
+                        }
+                    },
+                },
                 "responses": {"200": _answers(lmi_answer), **lmi_errors},
             }
         },
@@ -139,6 +186,27 @@ def build() -> dict[str, Any]:
                 "summary": "OpenAI completions (vLLM's semantics)",
                 "requestBody": body(completion),
                 "responses": {"200": _answers(_ref(completion_answer)), **openai_errors},
+            }
+        },
+        "/v1/embeddings": {
+            "post": {
+                "summary": "OpenAI embeddings on a pooling model (vLLM's semantics; a 400 on a generation model)",
+                "requestBody": body(*embedding_bodies),
+                "responses": {"200": _json(_ref(embeddings)), **openai_errors},
+            }
+        },
+        "/v1/score": {
+            "post": {
+                "summary": "vLLM's scores of text pairs on a pooling model (a 400 on a generation model)",
+                "requestBody": body(*score_bodies),
+                "responses": {"200": _json(_ref(scores)), **openai_errors},
+            }
+        },
+        "/v1/rerank": {
+            "post": {
+                "summary": "vLLM's (Jina's) rerank of documents for a query on a pooling model",
+                "requestBody": body(names[RerankRequest]),
+                "responses": {"200": _json(_ref(names[RerankResponse])), **openai_errors},
             }
         },
         "/tokenize": {
@@ -252,6 +320,9 @@ def build() -> dict[str, Any]:
             "/v1/models",
             "/tokenize",
             "/detokenize",
+            "/v1/embeddings",
+            "/v1/score",
+            "/v1/rerank",
         ],
     }
 

@@ -326,7 +326,7 @@ def create_app(launch: FrontendLaunch) -> Flask:
             404: NotFound(
                 f"no route {request.method} {request.path}; the server answers GET /ping, "
                 f"POST /invocations, POST /v1/chat/completions, POST /v1/completions, GET /v1/models, "
-                f"POST /tokenize, POST /detokenize, "
+                f"POST /tokenize, POST /detokenize, POST /v1/embeddings, POST /v1/score, POST /v1/rerank, "
                 f"GET /models, /models/{{model}}/adapters, GET /openapi.json"
             ),
             405: MethodNotAllowed(f"{request.method} is not allowed on {request.path}"),
@@ -386,6 +386,9 @@ def create_app(launch: FrontendLaunch) -> Flask:
     @app.get("/v1/models")
     @app.post("/tokenize")
     @app.post("/detokenize")
+    @app.post("/v1/embeddings")
+    @app.post("/v1/score")
+    @app.post("/v1/rerank")
     def invocations() -> Response:
         body = read_body(request.environ, request.content_length, launch.max_payload_bytes, launch.body_read_timeout)
         return Invocation(router, launch, g.request_id, request.environ.get("gunicorn.socket")).run(body)

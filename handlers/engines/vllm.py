@@ -8,7 +8,11 @@ Routes, by path and body:
 - ``/invocations`` with ``inputs``: LMI's schema (``handlers.engines.lmi_schema``);
 - ``/invocations`` with ``requestType`` (``NEW_SESSION``, ``CLOSE``): SageMaker's stateful
   sessions (``handlers.engines.sessions``); a request naming a session must name a live one;
-- ``/v1/models``: the served model and its LoRA adapters.
+- ``/v1/models``: the served model and its LoRA adapters;
+- on a pooling model (vLLM's pooling runner: ``option.task=text-embedding`` ...):
+  ``/v1/embeddings``, ``/v1/score``, ``/v1/rerank`` and their forms on ``/invocations``
+  (``handlers.engines.vllm_pooling``); generation routes are refused there, and pooling
+  routes on a generation model, with a 400 naming the task.
 
 LoRA adapters (``option.enable_lora=true``): ``add_adapter`` / ``remove_adapter``
 are called by the worker for what the frontend registered. A request picks one
@@ -50,7 +54,8 @@ from handlers.engines.sessions import EngineSessions
 from handlers.engines.vllm_adapters import ADAPTER_HEADER, Adapters
 from handlers.engines.vllm_args import build_engine_kwargs
 from handlers.engines.vllm_lmi import LmiFront
-from handlers.engines.vllm_openai import OpenAIFront
+from handlers.engines.vllm_openai import OpenAIFront, _openai_error
+from handlers.engines.vllm_pooling import POOLING_PATHS, PoolingFront, invocation_kind
 
 log = logging.getLogger("sagelmi.vllm")
 
@@ -93,6 +98,11 @@ class VllmEngine(Engine):
         self.adapters = Adapters(engine, self.openai.models, names, bool(kwargs.get("enable_lora")))
         self.lmi = LmiFront(engine, Formatter(settings.output_formatter, settings.tgi_compat), self.adapters)
         self.sessions = EngineSessions(settings)
+        self.task = f"option.task={settings.task}" if settings.task else "option.task unset"
+        self.pooling: PoolingFront | None = None
+        if engine.model_config.runner_type == "pooling":
+            task = self.task if settings.task else "option.runner=pooling"
+            self.pooling = PoolingFront(engine, self.openai.models, task, settings.normalize)
         REGISTRY.register(UnfinishedRequests(engine.get_num_unfinished_requests))
 
     @classmethod
@@ -147,12 +157,20 @@ class VllmEngine(Engine):
         if not isinstance(body, dict):
             raise InputError("the request body must be a JSON object")
         header = inputs.get_property(ADAPTER_HEADER)
+        if path in ("/tokenize", "/detokenize"):
+            return await self._openai(path[1:], body, header, path)
+        kind = POOLING_PATHS.get(path) or (invocation_kind(body) if path == "/invocations" and self.pooling else None)
+        if self.pooling is not None:
+            if kind is None:
+                return self._wrong_task(path, f"{self.pooling.task}, a pooling model (vLLM's pooling runner)")
+            model = self.adapters.for_openai(body.get("model"), header)
+            return await self.pooling.answer(kind, {**body, "model": model}, path)
+        if kind is not None:
+            return self._wrong_task(path, f"text generation ({self.task})")
         if path == "/v1/chat/completions" or (path == "/invocations" and "messages" in body):
             return await self._openai("chat", body, header, path)
         if path == "/v1/completions" or (path == "/invocations" and "prompt" in body and "inputs" not in body):
             return await self._openai("completion", body, header, path)
-        if path in ("/tokenize", "/detokenize"):
-            return await self._openai(path[1:], body, header, path)
         if "inputs" in body:
             return await self.lmi.answer(body, inputs.get_property("requestId"), header)
         if path == "/invocations" and "requestType" in body:
@@ -160,6 +178,18 @@ class VllmEngine(Engine):
         raise InputError(
             "the body needs 'inputs' (LMI schema), 'messages' (OpenAI chat) or 'prompt' (OpenAI completion)"
         )
+
+    def _wrong_task(self, path: str, served: str) -> Output:
+        """A 400 for a route the model's task does not serve (generation on a pooling model, or
+        pooling on a generation model)."""
+        routes = (
+            "/v1/embeddings, /v1/score, /v1/rerank, /invocations with 'inputs' (LMI's embedding form), "
+            "'input', 'query' or 'queries'"
+            if self.pooling is not None
+            else "/v1/chat/completions, /v1/completions, /invocations"
+        )
+        message = f"{path} does not serve this model: it is served for {served}; its routes are {routes}"
+        return _openai_error(path, 400, message)
 
     async def _openai(self, kind: str, body: dict, header: str | None, path: str) -> Output:
         body = {**body, "model": self.adapters.for_openai(body.get("model"), header)}

@@ -118,3 +118,14 @@ def test_tokenizer_routes_refuse_bad_bodies_in_openais_envelope(vllm_server):
         answer = requests.post(vllm_server.url(path), json=body, timeout=60)
         assert answer.status_code == 400, (path, answer.text)
         assert set(answer.json()["error"]) >= {"message", "type", "code"}, answer.text
+
+
+def test_pooling_routes_on_a_generation_model_are_400_naming_the_task(vllm_server, client):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.embeddings.create(model="tiny", input="hello")
+    assert "served for text generation" in refused.value.message and "/v1/chat/completions" in refused.value.message
+    for path, body in (("/v1/score", {"queries": "a", "documents": ["b"]}),
+                       ("/v1/rerank", {"query": "a", "documents": ["b"]})):
+        answer = requests.post(vllm_server.url(path), json=body, timeout=60)
+        assert answer.status_code == 400, answer.text
+        assert "served for text generation" in answer.json()["error"]["message"], answer.text
