@@ -124,7 +124,8 @@ class PoolingFront:
         serving = self.serving.get("embeddings" if kind == "lmi" else kind)
         if serving is None:
             served = ", ".join(p for p, k in POOLING_PATHS.items() if k in self.serving) or "nothing"
-            message = f"this model ({self.task}, vLLM pooling task {self.pooling_task}) has no {kind} API"
+            api = "embeddings API (LMI's 'inputs' form)" if kind == "lmi" else f"{kind} API"
+            message = f"this model ({self.task}, vLLM pooling task {self.pooling_task}) has no {api}"
             return _openai_error(path, 400, f"{message}; it serves {served}")
         if kind == "lmi":
             normalize = True if self.normalize is None else self.normalize

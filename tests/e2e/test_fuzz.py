@@ -108,14 +108,16 @@ def _check_after(server: Server, tally: Tally, name: str, title: str) -> None:
             "schemathesis leaves out the route it reads the schema from (/openapi.json).")
 
 
-def run_fuzzing(server: Server, tally: Tally) -> list[str]:
-    """Fuzz every operation of ``server``'s /openapi.json, with valid and invalid requests;
-    returns the failures (an operation stops at its first). schemathesis's pytest plugin
-    does not run on pytest 9, so its strategies are driven by hypothesis here."""
+def run_fuzzing(server: Server, tally: Tally, paths: tuple[str, ...] | None = None) -> list[str]:
+    """Fuzz every operation of ``server``'s /openapi.json (those on ``paths`` if given), with valid
+    and invalid requests; returns the failures (an operation stops at its first). schemathesis's
+    pytest plugin does not run on pytest 9, so its strategies are driven by hypothesis here."""
     schema = schemathesis.openapi.from_url(server.url("/openapi.json"))
     failures = []
     for result in schema.get_all_operations():
         operation = result.ok()
+        if paths is not None and operation.path not in paths:
+            continue
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
             @SETTINGS
             @given(case=operation.as_strategy(generation_mode=mode))

@@ -25,6 +25,7 @@ def test_every_readme_command_is_covered():
     from tests.mpi.test_mpi_mode import TENSOR_PARALLEL_EXAMPLE
     from tests.e2e.test_reasoning_and_templates import README_COMMANDS as REASONING_EXAMPLE
     from tests.e2e.test_tool_calling import README_COMMANDS as TOOL_CALLING_EXAMPLE
+    from tests.e2e.test_pooling import README_COMMANDS as POOLING_EXAMPLE
     from tests.sdk.test_readme import SNIPPETS as SDK_SNIPPETS
 
     covered = {
@@ -40,11 +41,12 @@ def test_every_readme_command_is_covered():
         *STREAMING_EXAMPLE,  # test_streaming_example
         *TOOL_CALLING_EXAMPLE,  # tests/e2e/test_tool_calling.py (its server fixture, test_the_readme_examples)
         *REASONING_EXAMPLE,  # tests/e2e/test_reasoning_and_templates.py (its server, test_the_readme_example...)
+        *POOLING_EXAMPLE,  # tests/e2e/test_pooling.py (its server fixture, test_the_readme_examples)
     }
     assert sorted(shell_commands()) == sorted(covered)
-    # The handler sketch (shape only), the OpenAI client (run in e2e), the tool call (tests/e2e/test_tool_calling.py);
-    # "Deploy to SageMaker" (tests/sdk/test_readme.py).
-    assert len(python_snippets()) == 3 + len(SDK_SNIPPETS)
+    # The handler sketch (shape only), the OpenAI client (run in e2e), the tool call (tests/e2e/test_tool_calling.py),
+    # the embeddings (tests/e2e/test_pooling.py); "Deploy to SageMaker" (tests/sdk/test_readme.py).
+    assert len(python_snippets()) == 4 + len(SDK_SNIPPETS)
 
 
 def test_ci_runs_the_readme_test_command():
