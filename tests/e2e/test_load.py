@@ -22,6 +22,7 @@ import psutil
 import pytest
 import requests
 
+from container.core.errors import is_openai_path
 from tests.reliability import record
 from tests.server import RawStream, Server, metric, wait_idle
 
@@ -45,6 +46,7 @@ WORDS = ("the model server request stream token batch engine queue prompt answer
          "lazy dog sea sky river mountain city one two three hello world please thank you red green blue "
          "light dark warm cold read write run serve send open close start stop begin end wait").split()
 
+SESSION = "X-Amzn-SageMaker-Session-Id"
 TITLE = "64 streams for 3 minutes, with clients that leave and clients that send garbage"
 
 
@@ -89,6 +91,9 @@ WELL_FORMED = {  # kind -> (path, make(rng, tokens) -> body, streamed, answers p
     "completions-stream": ("/v1/completions", lambda rng, n: _openai(rng, False, True, n), True, 1),
     "chat": ("/v1/chat/completions", lambda rng, n: _openai(rng, True, False, n), False, 1),
     "chat-stream": ("/v1/chat/completions", lambda rng, n: _openai(rng, True, True, n), True, 1),
+    # no tokens generated (0 answers to count): the tokenizer route, and a stateful session's life
+    "tokenize": ("/tokenize", lambda rng, n: {"prompt": _prompt(rng)}, False, 0),
+    "session": ("/invocations", lambda rng, n: _lmi(rng, False, n), False, 0),
 }
 
 DROPPED = {  # streams long enough to be running when their client leaves
@@ -118,6 +123,8 @@ MALFORMED = {  # kind -> (path, raw body)
     "chat-negative-temperature": ("/v1/chat/completions", {"messages": _CHAT, "max_tokens": 4, "temperature": -1}),
     "chat-top-p-5-stream": ("/v1/chat/completions", {"messages": _CHAT, "max_tokens": 4, "top_p": 5,
                                                      "stream": True}),
+    "tokenize-prompt-number": ("/tokenize", {"prompt": 5}),
+    "embeddings-on-a-generation-model": ("/v1/embeddings", {"input": "hello"}),
 }
 
 
@@ -164,6 +171,10 @@ def check_answer(kind: str, response: requests.Response, tokens: int) -> str | N
     path, _, streamed, answers = WELL_FORMED[kind]
     if response.status_code != 200:
         return f"status {response.status_code}: {response.text[:300]}"
+    if kind == "tokenize":
+        body = response.json()
+        ok = body.get("count") == len(body.get("tokens", [])) > 0
+        return None if ok else f"not a tokenization: {response.text[:300]}"
     text = response.content.decode("utf-8")  # (requests would read a text/event-stream without charset as latin-1)
     if path == "/invocations" and streamed:
         lines = [json.loads(line) for line in text.split("\n") if line.strip()]
@@ -205,7 +216,7 @@ def check_error(path: str, response: requests.Response) -> str | None:
         body = response.json()
     except ValueError:
         return f"{response.status_code} not JSON: {response.text[:300]}"
-    if path.startswith("/v1/"):
+    if is_openai_path(path):
         error = body.get("error") if isinstance(body, dict) else None
         if not isinstance(error, dict) or not isinstance(error.get("message"), str) or \
                 error.get("code") != response.status_code:
@@ -223,8 +234,11 @@ def well_formed(server: Server, rng: random.Random, tally: Tally) -> None:
     tally.sent[f"well-formed/{kind}"] += 1
     started = time.monotonic()
     try:
-        response = requests.post(server.url(path), json=make(rng, tokens), timeout=(30, REQUEST_TIMEOUT))
-        wrong = check_answer(kind, response, tokens)
+        if kind == "session":
+            wrong = _session(server, make(rng, tokens), tokens)
+        else:
+            response = requests.post(server.url(path), json=make(rng, tokens), timeout=(30, REQUEST_TIMEOUT))
+            wrong = check_answer(kind, response, tokens)
     except Exception as exc:  # a broken answer (bad JSON, missing field) or a failed connection
         wrong = f"{type(exc).__name__}: {exc}"
     if wrong:
@@ -232,6 +246,24 @@ def well_formed(server: Server, rng: random.Random, tally: Tally) -> None:
         return
     tally.ok("well-formed ok", tokens=tokens * answers,
              **({} if streamed else {"latency": time.monotonic() - started}))
+
+
+def _session(server: Server, body: dict, tokens: int) -> str | None:
+    """A stateful session's life: open it, one request in it, close it, a request in the closed one."""
+    url, timeout = server.url("/invocations"), (30, REQUEST_TIMEOUT)
+    opened = requests.post(url, json={"requestType": "NEW_SESSION"}, headers={SESSION: "NEW_SESSION"}, timeout=timeout)
+    session = opened.headers.get("X-Amzn-SageMaker-New-Session-Id", "").split(";")[0].strip()
+    if opened.status_code != 200 or not session:
+        return f"NEW_SESSION: {opened.status_code} {dict(opened.headers)} {opened.text[:200]}"
+    inside = requests.post(url, json=body, headers={SESSION: session}, timeout=timeout)
+    wrong = check_answer("lmi", inside, tokens)
+    if wrong:
+        return f"in the session: {wrong}"
+    closed = requests.post(url, json={"requestType": "CLOSE"}, headers={SESSION: session}, timeout=timeout)
+    if closed.status_code != 200 or closed.headers.get("X-Amzn-SageMaker-Closed-Session-Id") != session:
+        return f"CLOSE: {closed.status_code} {closed.text[:200]}"
+    after = requests.post(url, json=body, headers={SESSION: session}, timeout=timeout)
+    return None if after.status_code == 400 and session in after.text else f"closed session: {after.status_code}"
 
 
 def malformed(server: Server, rng: random.Random, tally: Tally) -> None:
