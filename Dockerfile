@@ -25,14 +25,14 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates tini \
  && rm -rf /var/lib/apt/lists/*
 
-# ---- requirements: sagelmi's, the device's extra's and `mpi`'s, read from pyproject.toml (a
+# ---- requirements: sagelmi's, the device's extra's, `mpi`'s and `otel`'s, read from pyproject.toml (a
 # stage of its own so that only a change of these lines reinstalls the dependencies)
 FROM python AS requirements
 ARG DEVICE
 COPY pyproject.toml /tmp/pyproject.toml
 RUN python3 -c 'import sys, tomllib; p = tomllib.load(open(sys.argv[1], "rb"))["project"]; \
 print("\n".join(p["dependencies"] + [r for extra in sys.argv[2:] for r in p["optional-dependencies"][extra]]))' \
-        /tmp/pyproject.toml "$DEVICE" mpi > /requirements.txt \
+        /tmp/pyproject.toml "$DEVICE" mpi otel > /requirements.txt \
  && cat /requirements.txt
 
 # ---- deps: a virtual environment with every dependency, nothing of sagelmi's source

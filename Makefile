@@ -21,7 +21,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --retries 1 --timeout 20 --no-deps "$(TORCH)" --extra-index-url $(TORCH_INDEX)
-	$(BIN)/pip install -e ".[cpu,mpi,sdk,test,bench]"
+	$(BIN)/pip install -e ".[cpu,mpi,otel,sdk,test,bench]"
 	@# vLLM pulls torchvision/torchaudio/torchcodec builds that do not match the CPU
 	@# torch ("operator torchvision::nms does not exist"); nothing here uses them.
 	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec

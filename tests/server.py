@@ -206,9 +206,10 @@ class RawStream:
     """A streaming POST whose connection the test can really close (``requests``
     keeps the socket open until garbage collection, which hides disconnects)."""
 
-    def __init__(self, port: int, path: str, body: dict, timeout: float = 30) -> None:
+    def __init__(self, port: int, path: str, body: dict, timeout: float = 30, headers: dict | None = None) -> None:
         self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-        self.conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+        self.conn.request("POST", path, body=json.dumps(body),
+                          headers={"Content-Type": "application/json", **(headers or {})})
         self.response = self.conn.getresponse()
         self._buffer = b""
 

@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "config":
         _print_config(settings, args.json)
         return 0
-    logs.configure("serve", settings.log_level)
+    logs.configure("serve", settings.log_level, settings.log_format)
     for key, value, source in describe_settings(settings):
         if source != "default":
             log.info("setting %s=%s (%s)", key, value, source)

@@ -111,6 +111,10 @@ class ServiceUnavailable(ServingError):
     message = "service unavailable"
 
 
+class QueueFull(ServiceUnavailable):
+    """``job_queue_size`` requests are in flight already (counted on ``/metrics``)."""
+
+
 class GatewayTimeout(ServingError):
     status = 504
     message = "prediction timed out"

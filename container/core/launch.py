@@ -55,6 +55,8 @@ class FrontendLaunch(msgspec.Struct, frozen=True):
     grace_period: float
     body_read_timeout: float = 60.0
     log_level: str = "INFO"
+    log_format: str = "text"  # text or json (container.core.logs)
+    traces_exporter: str = "none"  # container.core.tracing: none (off), otlp-http, otlp-grpc, console
     model: ModelInfo | None = None  # what GET /models and the adapter routes describe
     stateful_sessions: bool = True  # option.enable_stateful_sessions: sticky routing by X-Amzn-SageMaker-Session-Id
     sessions_expiration: float = 1200.0  # a session's life when its handler's answer gives no expiry

@@ -80,11 +80,14 @@ class Cancel(msgspec.Struct, tag="cancel", frozen=True):
     id: str
 
 
-class Head(msgspec.Struct, tag="head", frozen=True):
+class Head(msgspec.Struct, tag="head", frozen=True, omit_defaults=True):
     id: str
     code: int
     headers: dict[str, str]
     stream: bool
+    started: float = 0.0
+    """``time.monotonic()`` (one clock for every process of the machine) when the handler
+    call began, for the frontend's queue-wait metric; 0: not a handler call."""
 
 
 class Chunk(msgspec.Struct, tag="chunk", frozen=True):
@@ -92,8 +95,10 @@ class Chunk(msgspec.Struct, tag="chunk", frozen=True):
     data: bytes
 
 
-class End(msgspec.Struct, tag="end", frozen=True):
+class End(msgspec.Struct, tag="end", frozen=True, omit_defaults=True):
     id: str
+    prompt_tokens: int | None = None  # what the engine counted, when it did (the frontend logs them)
+    completion_tokens: int | None = None
 
 
 class Fail(msgspec.Struct, tag="fail", frozen=True):

@@ -283,6 +283,13 @@ KEYS: tuple[Key, ...] = (
         "On SIGTERM, how long in-flight requests may take to finish.",
     ),
     Key("log_level", "log_level", ("SERVING_LOG_LEVEL",), "DEBUG, INFO, WARNING or ERROR", "Log level."),
+    Key(
+        "log_format",
+        "log_format",
+        ("SAGELMI_LOG_FORMAT",),
+        "text or json",
+        "Log lines as text, or one JSON object per line (docs/observability.md).",
+    ),
 )
 
 KEY_BY_NAME = {k.key: k for k in KEYS}

@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from container.core.lmi_options import server_entry
 from container.core.serving_properties import read_properties
 from container.core.setting_keys import KEY_BY_ALIAS, KEY_BY_FIELD, KEY_BY_NAME, KEYS, option_key
+from container.core.tracing import EXPORTERS, exporter_from
 
 log = logging.getLogger(__name__)
 
@@ -83,9 +84,12 @@ class Settings(BaseModel):
     model_loading_timeout: float = Field(default=1800.0, gt=0)
     shutdown_grace_period: float = Field(default=25.0, ge=0)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    log_format: Literal["text", "json"] = "text"
 
     cuda_visible_devices: str | None = None
     """``CUDA_VISIBLE_DEVICES`` as the server found it (None: unset)."""
+    traces_exporter: Literal["none", "otlp-http", "otlp-grpc", "console"] = "none"
+    """Where spans go, from OpenTelemetry's ``OTEL_*`` variables (``container.core.tracing``); none: off."""
     options: dict[str, str] = Field(default_factory=dict)
     """Every ``option.*`` as given (name without the prefix), for the handler."""
     sources: dict[str, str] = Field(default_factory=dict)
@@ -106,7 +110,7 @@ class Settings(BaseModel):
             return word.lower() if word.lower() == "max" else word.upper() if word.isalpha() else word
         return value
 
-    @field_validator("rolling_batch", "output_formatter", mode="before")
+    @field_validator("rolling_batch", "output_formatter", "log_format", mode="before")
     @classmethod
     def _lower_case(cls, value):
         return value.strip().lower() if isinstance(value, str) else value
@@ -316,6 +320,12 @@ def resolve_settings(
     options = {key[len("option.") :]: value for key, (value, _) in layers.values.items() if key.startswith("option.")}
     sources = {k.key: layers.values.get(k.key, (None, "default"))[1] for k in KEYS}
     sources.update({key: source for key, (_, source) in layers.values.items()})
+    typed["traces_exporter"] = traces_exporter = exporter_from(env)
+    if traces_exporter not in EXPORTERS:
+        raise SettingsError(
+            f"OTEL_TRACES_EXPORTER / OTEL_EXPORTER_OTLP_*PROTOCOL ask for the span exporter {traces_exporter!r}; "
+            f"sagelmi exports spans with otlp (http/protobuf or grpc), console or none"
+        )
     try:
         return Settings(
             model_dir=str(model_dir),

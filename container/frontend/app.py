@@ -32,6 +32,7 @@ from container.core.errors import (
     MethodNotAllowed,
     NotFound,
     PayloadTooLarge,
+    QueueFull,
     ServingError,
     describe,
     envelope_for,
@@ -41,9 +42,11 @@ from container.core.launch import FrontendLaunch, ModelInfo
 from container.core.logs import request_id_var
 from container.core.protocol import Invoke, WorkerState
 from container.core.sessions import SESSION_ID
+from container.core.tracing import TRACEPARENT, TRACESTATE, make_tracer
 from container.frontend import openapi
 from container.frontend.adapters import AdapterRegistry
 from container.frontend.body import WSGI_RESPONSE, read_body
+from container.frontend.completion import Answer, Completion
 from container.frontend.group_client import GroupClient, PendingRequest
 from container.frontend.management import add_management_routes
 from container.frontend.metrics import FrontendMetrics
@@ -56,6 +59,7 @@ INFERENCE_ID = "X-Amzn-SageMaker-Inference-Id"
 CLIENT_CHECK_INTERVAL = 0.5  # how often a request waiting on its group checks that its client is still there
 CUSTOM_ATTRIBUTES = "X-Amzn-SageMaker-Custom-Attributes"
 GROUP_HEADER = "X-Sagelmi-Group"  # which worker group answered (sticky sessions can be checked with it)
+UNLOGGED = ("/ping", "/metrics")  # health checks and scrapes: no completion line, no span
 
 
 def _error_response(exc: BaseException) -> Response:
@@ -66,12 +70,16 @@ def _error_response(exc: BaseException) -> Response:
     )
 
 
-def request_properties(request_id: str) -> dict[str, str]:
+def request_properties(request_id: str, trace_headers: dict[str, str] | None = None) -> dict[str, str]:
     """The handler's ``Input`` properties, as DJL Serving builds them: the
     headers (a repeated one joined with ", "), the ``k=v`` pairs of the custom
-    attributes header (in place of the header itself) and ``requestId``."""
+    attributes header (in place of the header itself) and ``requestId``. With
+    tracing on, ``trace_headers`` (the frontend span's W3C headers) replace the
+    client's, as every hop of a trace does."""
     props: dict[str, str] = {}
     for name, value in request.headers.items():
+        if trace_headers and name.lower() in (TRACEPARENT, TRACESTATE):
+            continue
         if name.lower() == CUSTOM_ATTRIBUTES.lower():
             for pair in value.split(";"):
                 key, sep, val = pair.partition("=")
@@ -80,6 +88,8 @@ def request_properties(request_id: str) -> dict[str, str]:
             continue
         props[name] = f"{props[name]}, {value}" if name in props else value
     props["requestId"] = request_id
+    if trace_headers:
+        props.update(trace_headers)
     return props
 
 
@@ -154,7 +164,12 @@ class Invocation:
     deliver nothing for seconds)."""
 
     def __init__(
-        self, router: Router, launch: FrontendLaunch, request_id: str, client: socket.socket | None = None
+        self,
+        router: Router,
+        launch: FrontendLaunch,
+        request_id: str,
+        client: socket.socket | None = None,
+        trace_headers: dict[str, str] | None = None,
     ) -> None:
         self.router = router
         self.launch = launch
@@ -166,6 +181,8 @@ class Invocation:
         self.group: GroupClient | None = None
         self.pending: PendingRequest | None = None
         self._released = False
+        self.answer = Answer()  # what the completion line says
+        self.trace_headers = trace_headers  # the frontend span's: the worker's span is its child
 
     @property
     def submitted(self) -> PendingRequest:
@@ -186,6 +203,7 @@ class Invocation:
         print_ = fingerprint(request.full_path, body)
         self.router.poison.check(print_)
         self.router.admit()
+        admitted = time.monotonic()
         streaming = False
         try:
             session_id = request.headers.get(SESSION_ID)
@@ -194,7 +212,7 @@ class Invocation:
             self.pending = self.group.submit(
                 Invoke(
                     id=self.wire_id,
-                    properties=request_properties(self.request_id),
+                    properties=request_properties(self.request_id, self.trace_headers),
                     body=body,
                     path=request.path,
                     query=request.query_string.decode("latin-1"),
@@ -204,13 +222,17 @@ class Invocation:
             try:
                 self._await(self.pending.wait_head_for, "no answer from the model")
                 head = self.pending.wait_head(0)
+                if head.started:  # the same clock in every process of the machine
+                    self.answer.queue_wait = head.started - admitted
                 headers = self.router.sessions.observe(session_id, self.group, incarnation, head.code, head.headers)
                 headers[GROUP_HEADER] = self.group.name
                 if head.stream:
-                    streaming = True
+                    streaming = self.answer.streamed = True
                     content_type = head.headers.get("content-type", "")
                     return Response(self._relay(content_type), status=head.code, headers=headers)
-                return Response(self._body(), status=head.code, headers=headers)
+                body = self._body()
+                self._count_tokens()
+                return Response(body, status=head.code, headers=headers)
             except ServingError:
                 self.abandon()
                 raise
@@ -247,9 +269,15 @@ class Invocation:
             parts.append(data)
         return b"".join(parts)
 
+    def _count_tokens(self) -> None:
+        end = self.submitted.end
+        if end is not None:
+            self.answer.prompt_tokens, self.answer.completion_tokens = end.prompt_tokens, end.completion_tokens
+
     def _relay(self, content_type: str) -> Iterator[bytes]:
         request_id_var.set(self.request_id)
         finished = False
+        in_band = b""
         try:
             first = True
             while (data := self._next()) is not None:
@@ -259,22 +287,29 @@ class Invocation:
                     if (sink := ClientSink.of(self.environ)) is not None:
                         self.submitted.attach(sink)
             finished = True
+            self.answer.outcome = "completed"
         except ClientClosedRequest:
             pass  # cancelled below, as when a write finds the client gone
         except ServingError as exc:
             finished = True
+            self.answer.outcome = "timeout" if isinstance(exc, GatewayTimeout) else "error"
             if isinstance(exc, GatewayTimeout):
                 self.abandon()
             log.warning("stream ended with an error: %s", exc)
             try:
                 self.submitted.take_over()
             except ClientClosedRequest:
+                self.answer.outcome = "client_gone"
                 return  # the client is gone too
-            yield _in_band_error(exc, content_type, self.path)
+            in_band = _in_band_error(exc, content_type, self.path)
+            yield in_band
         finally:
             if not finished:
                 log.info("client went away during the stream; cancelling the request")
+                self.answer.outcome = "client_gone"
                 self.abandon()
+            self.answer.bytes = self.submitted.body_bytes + len(in_band)
+            self._count_tokens()
             self.release()
 
 
@@ -288,26 +323,42 @@ def create_app(launch: FrontendLaunch) -> Flask:
     app.config["MAX_CONTENT_LENGTH"] = launch.max_payload_bytes
     app.extensions["sagelmi"] = router
     metrics = FrontendMetrics()
+    tracer = make_tracer(launch.traces_exporter, "frontend")
+    app.extensions["sagelmi.tracer"] = tracer  # shut down (spans flushed) when the frontend drains
 
     @app.before_request
     def _start() -> None:
         g.request_id = request.headers.get(INFERENCE_ID) or uuid.uuid4().hex
         g.started = time.monotonic()
         request_id_var.set(g.request_id)
+        if tracer is not None and request.path not in UNLOGGED:
+            route = request.url_rule.rule if request.url_rule else "unmatched"
+            attributes = {"http.request.method": request.method, "url.path": request.path, "http.route": route}
+            g.span = tracer.start(f"{request.method} {route}", request.headers, attributes, server=True)
+            g.span.set_attribute("sagelmi.request_id", g.request_id)
 
     @app.after_request
     def _finish(resp: Response) -> Response:
-        if request.path not in ("/ping", "/metrics"):
+        if request.path not in UNLOGGED:
             elapsed = time.monotonic() - g.started
             resp.headers[INFERENCE_ID] = g.request_id
-            metrics.observe(request.url_rule.rule if request.url_rule else "unmatched", resp.status_code, elapsed)
-            log.info(
-                "%s %s -> %s (%.1f ms to the first byte)",
+            route = request.url_rule.rule if request.url_rule else "unmatched"
+            metrics.observe(route, resp.status_code, elapsed)
+            invocation = g.get("invocation")
+            completion = Completion(
+                metrics,
+                g.request_id,
                 request.method,
                 request.path,
+                route,
                 resp.status_code,
-                elapsed * 1000,
+                g.started,
+                elapsed,
+                invocation.answer if invocation is not None else None,
+                None if resp.is_streamed else resp.calculate_content_length(),  # (a stream would be read whole)
+                g.get("span"),
             )
+            resp.call_on_close(completion)
         return resp
 
     @app.teardown_request
@@ -318,6 +369,8 @@ def create_app(launch: FrontendLaunch) -> Flask:
     def _serving_error(exc: ServingError) -> Response:
         if isinstance(exc, RequestStoppedEngine):
             metrics.poison_refused.inc()
+        elif isinstance(exc, QueueFull):
+            metrics.queue_full.inc()
         return _error_response(exc)
 
     @app.errorhandler(HTTPException)
@@ -391,7 +444,10 @@ def create_app(launch: FrontendLaunch) -> Flask:
     @app.post("/v1/rerank")
     def invocations() -> Response:
         body = read_body(request.environ, request.content_length, launch.max_payload_bytes, launch.body_read_timeout)
-        return Invocation(router, launch, g.request_id, request.environ.get("gunicorn.socket")).run(body)
+        span = g.get("span")
+        trace_headers = tracer.headers_of(span) if tracer is not None and span is not None else None
+        g.invocation = Invocation(router, launch, g.request_id, request.environ.get("gunicorn.socket"), trace_headers)
+        return g.invocation.run(body)
 
     add_management_routes(app, router, registry, launch)
     return app

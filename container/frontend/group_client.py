@@ -100,6 +100,8 @@ class PendingRequest:
         self._unsent = b""  # the part of a frame the sink did not take; the request thread sends it
         self._writing = False  # the request thread is writing to the client: the reader must not
         self.progress = 0  # batches delivered: a stream written by the reader still shows it is alive
+        self.body_bytes = 0  # body bytes received, whoever writes them to the client
+        self.end: End | None = None  # the answer's End (with the tokens the group counted)
 
     # -- reader thread side
     def deliver(self, messages: list) -> None:
@@ -119,10 +121,12 @@ class PendingRequest:
                 self._head = head
             if data:  # the batch's chunks of this request go out in one write
                 joined = b"".join(data)  # one item: joined is that item, no copy
+                self.body_bytes += len(joined)
                 if not self._write_direct(joined):
                     self._chunks.append(joined)
             if isinstance(last, End):
                 self._finished = True
+                self.end = last
             elif isinstance(last, Fail):
                 self._error = WorkerFailed(last)
             if self._sink is None or self.has_data():

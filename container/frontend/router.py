@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import threading
 
-from container.core.errors import ServiceUnavailable
+from container.core.errors import QueueFull, ServiceUnavailable
 from container.core.launch import FrontendLaunch, read_note
 from container.core.protocol import WorkerState
 from container.frontend.group_client import GroupClient
@@ -44,12 +44,12 @@ class Router:
 
     # -- admission
     def admit(self) -> None:
-        """Count a request in, or raise ``ServiceUnavailable``."""
+        """Count a request in, or raise ``ServiceUnavailable`` (``QueueFull`` when it is)."""
         with self._cond:
             if self.draining:
                 raise ServiceUnavailable("the server is shutting down")
             if self._in_flight >= self.launch.job_queue_size:
-                raise ServiceUnavailable(
+                raise QueueFull(
                     f"the request queue is full ({self._in_flight} requests in progress, "
                     f"job_queue_size={self.launch.job_queue_size}); retry later"
                 )

@@ -19,6 +19,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import cast
 
 from gunicorn import glogging, util
 from gunicorn.app.base import BaseApplication
@@ -96,7 +97,7 @@ class DrainingWorker(ThreadWorker):
     rejects itself in JSON."""
 
     def init_process(self) -> None:
-        logs.configure("frontend", self.cfg.loglevel.upper())
+        logs.configure("frontend", self.cfg.loglevel.upper(), cast("FrontendServer", self.app).launch.log_format)
         proc.die_with_parent()
         util.write_error = write_json_error
         super().init_process()
@@ -127,6 +128,9 @@ class DrainingWorker(ThreadWorker):
         else:
             log.warning("grace period over with %d request(s) still in flight", router.in_flight)
         router.close()
+        tracer = self.wsgi.extensions.get("sagelmi.tracer")
+        if tracer is not None:
+            tracer.shutdown()  # export the spans still queued
         ThreadWorker.handle_exit(self, signal.SIGTERM, None)
 
 
@@ -191,7 +195,7 @@ class FrontendServer(BaseApplication):
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     launch = decode_frontend_launch(Path(args[0]).read_bytes())
-    logs.configure("frontend", launch.log_level)
+    logs.configure("frontend", launch.log_level, launch.log_format)
     proc.die_with_parent()
     FrontendServer(launch).run()
     return 0

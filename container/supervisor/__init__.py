@@ -350,6 +350,8 @@ class Supervisor:
             predict_timeout=self.settings.predict_timeout,
             grace_period=self.settings.shutdown_grace_period,
             log_level=self.settings.log_level,
+            log_format=self.settings.log_format,
+            traces_exporter=self.settings.traces_exporter,
             stateful_sessions=self.settings.enable_stateful_sessions,
             sessions_expiration=self.settings.sessions_expiration,
             model=model_info(self.settings),

@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         proc.adopt_orphans()  # the group's first process (in MPI mode, mpirun is)
     context = _context(args)
     name = f"worker-{context.launch.group}" + (f".rank-{context.rank}" if args.mpi else "")
-    logs.configure(name, context.settings.log_level)
+    logs.configure(name, context.settings.log_level, context.settings.log_format)
     return asyncio.run(_run(context, args.incarnation))
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import threading
 from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -18,12 +19,18 @@ from typing import Any, cast
 
 from container.core.protocol import Chunk, End, Head
 from container.worker.connection import Connection, DroppedAnswers
+from container.worker.observe import Observation
 from container.worker.requests import chunk_of
 from handlers.api import Input, Output, json_line, prepend
 
 STREAM_QUEUE = 64  # items a synchronous generator may run ahead of its sender
 _HOP_BY_HOP = {"content-length", "transfer-encoding", "connection", "keep-alive"}
 _END = object()
+
+
+def _timed(handle: Callable[[Input], Any], seen: Observation, inputs: Input) -> Any:
+    seen.call_started()
+    return handle(inputs)
 
 
 def generator_item(item: Any) -> Any:
@@ -44,13 +51,19 @@ class Calls:
     def handler_loaded(self, handle: Callable[[Input], Any], kind: str) -> None:
         self.handle, self.kind = handle, kind
 
-    async def call(self, inputs: Input) -> Any:
+    async def call(self, inputs: Input, seen: Observation | None = None) -> Any:
+        """Call the handler with ``inputs``; ``seen`` learns when the call began (a
+        synchronous one: when a pool thread took it)."""
         kind, handle = self.kind, self.handle
         assert handle is not None, "a call before handler_loaded()"  # the worker calls once it has loaded
+        if seen is not None and kind != "sync":
+            seen.call_started()
         if kind in ("async_generator", "generator"):  # sagelmi's own: handle() itself streams
             return Output().add_stream_content(handle(inputs), output_formatter=generator_item)
         if kind == "async":
             return await handle(inputs)
+        if seen is not None:
+            handle = functools.partial(_timed, handle, seen)
         call = self.loop.run_in_executor(self.executor, contextvars.copy_context().run, handle, inputs)
         if not self.mpi:
             return await call
@@ -115,14 +128,21 @@ class Calls:
             put(_END)
 
     async def send_output(
-        self, conn: Connection | DroppedAnswers, rid: str, output: Output, cancelled: threading.Event
+        self,
+        conn: Connection | DroppedAnswers,
+        rid: str,
+        output: Output,
+        cancelled: threading.Event,
+        seen: Observation | None = None,
     ) -> None:
-        """Send ``output`` as the answer to request ``rid``: head, body or stream, end."""
+        """Send ``output`` as the answer to request ``rid``: head, body or stream, end
+        (with what ``seen`` recorded: when the call began, the tokens counted)."""
         if getattr(output, "chunked", False):  # LMI async mode: the first chunk's properties are the headers
             output = await self._peek_chunks(output)
         headers = {k: v for k, v in output.headers().items() if k.lower() not in _HOP_BY_HOP}
         streaming = output.stream_content is not None
-        await conn.send(Head(id=rid, code=output.code, headers=headers, stream=streaming))
+        started = seen.started if seen is not None else 0.0
+        await conn.send(Head(id=rid, code=output.code, headers=headers, stream=streaming, started=started))
         if streaming:
             async for data in self.stream(output, cancelled):
                 if data:
@@ -131,7 +151,11 @@ class Calls:
             body = output.body()
             if body:
                 await conn.send(Chunk(id=rid, data=body))
-        await conn.send(End(id=rid))
+        usage = seen.usage if seen is not None else None
+        if usage is None or (usage.prompt_tokens is None and usage.completion_tokens is None):
+            await conn.send(End(id=rid))
+        else:
+            await conn.send(End(id=rid, prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens))
 
     async def _peek_chunks(self, output: Output) -> Output:
         stream = aiter(cast(AsyncIterator[Any], output.stream_content))  # chunked: an async stream

@@ -61,6 +61,7 @@ from container.worker.adapters import AdapterTable
 from container.worker.batching import Batcher
 from container.worker.calls import Calls
 from container.worker.connection import Connection, DroppedAnswers, PeerGone
+from container.worker.observe import Observer
 from container.worker.requests import batch_input, request_input, split_batch, to_output
 from handlers.api import Input, Output
 from handlers.api.context import Formatters, WorkerContext, set_current
@@ -96,6 +97,7 @@ class Worker:
         self.loop = asyncio.get_running_loop()
         self.adapters = AdapterTable(self.loop)  # LoRA adapters the frontend registered (rank 0)
         self.calls = Calls(self.loop, self.executor, self.mpi)
+        self.observer = Observer(self.settings.traces_exporter, f"worker-{context.launch.group}")
         set_current(context, self.loop, Formatters())
 
     # The context's relay, as the handler API types it, is the worker's own (container.worker.ranks)
@@ -142,6 +144,7 @@ class Worker:
                 conn.close()
             await asyncio.sleep(0)  # let the cancelled requests unwind before the engine stops
             await self._shutdown_handler()
+            self.observer.close()
             self.executor.shutdown(wait=False, cancel_futures=True)
             if server is not None:
                 Path(self.context.launch.socket_path).unlink(missing_ok=True)
@@ -213,6 +216,7 @@ class Worker:
             origin = self.handler.origin if self.handler else "handler"
             what = "start()" if self.handler and self.handler.engine else "handle() on the initialisation call"
             return await self._set_own_state(WorkerState.FAILED, f"{origin}: {what} failed: {one_line(exc)}")
+        logs.adopt("vllm")  # its lines in this process get the request id (vLLM configured them when it started)
         log.info("model ready in %.1fs", time.monotonic() - started)
         engine = proc.descendants([os.getpid()])
         if engine:  # what the handler started (vLLM's EngineCore and workers ...)
@@ -402,14 +406,15 @@ class Worker:
         rid = message.id
         cancelled = threading.Event()  # tells a synchronous generator to stop
         output = None
+        seen = self.observer.begin(message)
         try:
             if message.path == METRICS_PATH:
                 output = Output().add_property("content-type", CONTENT_TYPE_LATEST).add(await self._metrics())
             elif self.own_state.state is not WorkerState.READY:
                 raise ServiceUnavailable("the model worker is not ready")
             else:
-                output = to_output(await self.calls.call(request_input(message, self.common)))
-            await self.calls.send_output(conn, rid, output, cancelled)
+                output = to_output(await self.calls.call(request_input(message, self.common), seen))
+            await self.calls.send_output(conn, rid, output, cancelled, seen)
         except asyncio.CancelledError:
             cancelled.set()
             log.info("request abandoned: cancelled by the frontend")
@@ -418,9 +423,11 @@ class Worker:
             log.warning("connection lost while answering: %s", exc)
         except Exception as exc:
             cancelled.set()
+            seen.outcome = "error"
             await self._fail(conn, rid, exc)
         finally:
             conn.tasks.pop(rid, None)
+            self.observer.end(seen, cancelled.is_set())
             await self._finalize(output)
 
     async def _serve_batch(self, batch: list[tuple[Connection | DroppedAnswers, Invoke]]) -> None:

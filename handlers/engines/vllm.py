@@ -54,6 +54,7 @@ from handlers.engines.sessions import EngineSessions
 from handlers.engines.vllm_adapters import ADAPTER_HEADER, Adapters
 from handlers.engines.vllm_args import build_engine_kwargs
 from handlers.engines.vllm_lmi import LmiFront
+from handlers.engines.vllm_observe import observe_generate
 from handlers.engines.vllm_openai import OpenAIFront, _openai_error
 from handlers.engines.vllm_pooling import POOLING_PATHS, PoolingFront, invocation_kind
 
@@ -91,6 +92,7 @@ class VllmEngine(Engine):
         settings = context.settings
         served = kwargs["served_model_name"]
         self.engine = engine
+        observe_generate(engine, tracing=bool(kwargs.get("otlp_traces_endpoint")))
         self.served_name = served[0] if isinstance(served, list) else served
         self.formatters = formatters
         self.openai = OpenAIFront(engine, self.served_name, chat_options(settings), settings.model_dir)

@@ -64,6 +64,7 @@ ALIASES = [
     ("SERVING_PORT", "8181", "port", 8181),
     ("SERVING_SHUTDOWN_GRACE_PERIOD", "10", "shutdown_grace_period", 10),
     ("SERVING_LOG_LEVEL", "debug", "log_level", "DEBUG"),
+    ("SAGELMI_LOG_FORMAT", "JSON", "log_format", "json"),
     ("PIPELINE_PARALLEL_DEGREE", "2", "pipeline_parallel_degree", 2),
     ("OPTION_PIPELINE_PARALLEL_DEGREE", "4", "pipeline_parallel_degree", 4),
     ("OPTION_MPI_HOSTFILE", "/etc/hosts.mpi", "mpi_hostfile", "/etc/hosts.mpi"),

@@ -1,0 +1,121 @@
+"""One completion line per request, written when its answer has ended.
+
+The app hands every answered request's response a ``Completion`` to call when the
+server closes it (``Response.call_on_close``: after the last byte was handed to the
+connection, or once the client was found gone), which is when a stream's relay has
+ended too. It logs the line (route, status, outcome, duration, time to the first
+byte, body bytes, tokens in and out when the worker group counted them), observes
+the duration histograms and ends the request's span.
+
+Outcomes: ``completed`` (the answer went out whole; its status may still be a
+4xx), ``client_gone`` (the client left first: 499, or a stream cut short),
+``timeout`` (504, or a stream that stopped for ``predict_timeout``), ``error``
+(any other 5xx, or a stream ended by an in-band error).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from container.core.logs import request_id_var
+from container.frontend.metrics import FrontendMetrics
+
+log = logging.getLogger("sagelmi.frontend")
+
+
+@dataclass
+class Answer:
+    """What the relay learns about an answer while it goes out (``Invocation`` fills it in)."""
+
+    streamed: bool = False
+    outcome: str | None = None  # a stream's, set when its relay ends; else from the status
+    bytes: int = 0  # body bytes relayed (a stream's, with an in-band error)
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    queue_wait: float | None = None  # admission to the handler call beginning in the group
+
+
+def outcome_of(status: int) -> str:
+    if status == 499:
+        return "client_gone"
+    if status == 504:
+        return "timeout"
+    return "error" if status >= 500 else "completed"
+
+
+@dataclass
+class Completion:
+    metrics: FrontendMetrics
+    request_id: str
+    method: str
+    path: str
+    route: str
+    status: int
+    started: float  # time.monotonic() at the request's arrival
+    first_byte: float  # seconds to the status line
+    answer: Answer | None
+    body_bytes: int | None  # a whole body's length (a stream's is counted in ``answer``)
+    span: Any = None
+
+    def __call__(self) -> None:
+        duration = time.monotonic() - self.started
+        answer = self.answer or Answer()
+        outcome = answer.outcome if answer.streamed and answer.outcome else outcome_of(self.status)
+        sent = answer.bytes if answer.streamed else (self.body_bytes or 0)
+        self.metrics.duration.labels(self.route).observe(duration)
+        if answer.streamed:
+            self.metrics.stream_duration.labels(self.route).observe(max(duration - self.first_byte, 0.0))
+        if answer.queue_wait is not None:
+            self.metrics.queue_wait.observe(max(answer.queue_wait, 0.0))
+        fields = {
+            "method": self.method,
+            "path": self.path,
+            "route": self.route,
+            "status": self.status,
+            "outcome": outcome,
+            "duration_ms": round(duration * 1000, 1),
+            "first_byte_ms": round(self.first_byte * 1000, 1),
+            "bytes": sent,
+            "streamed": answer.streamed,
+            "prompt_tokens": answer.prompt_tokens,
+            "completion_tokens": answer.completion_tokens,
+        }
+        tokens = ""
+        if answer.prompt_tokens is not None or answer.completion_tokens is not None:
+            tokens = f", tokens in {_count(answer.prompt_tokens)} out {_count(answer.completion_tokens)}"
+        token = request_id_var.set(self.request_id)  # the request's own context has been torn down
+        try:
+            log.info(
+                "%s %s -> %s %s in %.1f ms (first byte %.1f ms, %d bytes%s)",
+                self.method,
+                self.path,
+                self.status,
+                outcome,
+                duration * 1000,
+                self.first_byte * 1000,
+                sent,
+                tokens,
+                extra={"fields": fields},
+            )
+        finally:
+            request_id_var.reset(token)
+        if self.span is not None:
+            self._end_span(fields)
+
+    def _end_span(self, fields: dict[str, Any]) -> None:
+        span = self.span
+        span.set_attribute("http.response.status_code", self.status)
+        span.set_attribute("sagelmi.outcome", fields["outcome"])
+        span.set_attribute("sagelmi.bytes", fields["bytes"])
+        if fields["prompt_tokens"] is not None:
+            span.set_attribute("gen_ai.usage.input_tokens", fields["prompt_tokens"])
+        if fields["completion_tokens"] is not None:
+            span.set_attribute("gen_ai.usage.output_tokens", fields["completion_tokens"])
+        span.end()
+
+
+def _count(value: int | None) -> str:
+    return "-" if value is None else str(value)
