@@ -60,6 +60,22 @@ KEYS: tuple[Key, ...] = (
         "The handler. Unset: model.py in the model directory.",
     ),
     Key(
+        "sagemaker_program",
+        "option.sagemaker_program",
+        ("OPTION_SAGEMAKER_PROGRAM",),
+        "a .py file name (in code/ of the model directory, or in it)",
+        "The SageMaker inference toolkit's script (model_fn, input_fn ...). Unset: code/inference.py when present.",
+        ("SAGEMAKER_PROGRAM",),
+    ),
+    Key(
+        "default_invocations_accept",
+        "option.default_invocations_accept",
+        ("OPTION_DEFAULT_INVOCATIONS_ACCEPT",),
+        "a media type",
+        "The answer type of an inference-toolkit script when a request's Accept is missing or */*.",
+        ("SAGEMAKER_DEFAULT_INVOCATIONS_ACCEPT",),
+    ),
+    Key(
         "trust_remote_code",
         "option.trust_remote_code",
         ("OPTION_TRUST_REMOTE_CODE", "HF_TRUST_REMOTE_CODE", "HF_MODEL_TRUST_REMOTE_CODE"),

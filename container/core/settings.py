@@ -54,6 +54,8 @@ class Settings(BaseModel):
     task: str | None = None
     normalize: bool | None = None
     entry_point: str | None = None
+    sagemaker_program: str | None = None
+    default_invocations_accept: str = "application/json"
     trust_remote_code: bool = False
     quantize: str | None = None
     engine: Literal["Python", "MPI"] = "Python"

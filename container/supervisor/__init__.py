@@ -365,9 +365,15 @@ class Supervisor:
         self.frontend_started = time.monotonic()
 
     def _install_requirements(self) -> None:
-        requirements = Path(self.settings.model_dir) / "requirements.txt"
-        if not requirements.is_file():
-            return
+        # LMI's requirements.txt, or the SageMaker inference toolkit's code/requirements.txt
+        for requirements in (
+            Path(self.settings.model_dir) / "requirements.txt",
+            Path(self.settings.model_dir) / "code" / "requirements.txt",
+        ):
+            if requirements.is_file():
+                self._install(requirements)
+
+    def _install(self, requirements: Path) -> None:
         log.info("installing %s", requirements)
         started = time.monotonic()
         result = subprocess.run(
@@ -378,7 +384,8 @@ class Supervisor:
         )
         if result.returncode != 0:
             raise StartupError(
-                f"installing requirements.txt failed (pip exit code {result.returncode}); see pip's output above"
+                f"installing {requirements.parent.name}/{requirements.name} failed "
+                f"(pip exit code {result.returncode}); see pip's output above"
             )
         log.info("requirements installed (%.1fs)", time.monotonic() - started)
 

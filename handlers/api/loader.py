@@ -1,16 +1,15 @@
 """Finding and importing the handler a worker group serves.
 
-The handler is ``model.py`` in the model directory, or what ``option.entryPoint``
-names: a ``.py`` file (relative to the model directory or absolute) or an
-importable module. It must define ``handle``, or (as LMI allows) only an
-``@input_formatter`` and/or ``@output_formatter``: then the built-in handler
-serves the model with those formatters. Without a ``model.py``, the built-in
-handler serves the model: vLLM in Python mode, ``lmi-dist`` in MPI mode, the
+Which file or module serves is ``container.core.handler_choice.choose_handler``'s decision
+(the rule is there and in docs/handlers.md). The imported module serves with its ``handle``;
+without one, with its SageMaker inference toolkit functions (``model_fn`` ...:
+``handlers/api/inference_toolkit.py``); without those, if it has (as LMI allows) only an
+``@input_formatter`` and/or ``@output_formatter``, the built-in handler serves the model with
+those formatters. The built-in handler is vLLM in Python mode, ``lmi-dist`` in MPI mode, the
 Hugging Face Accelerate engine (``handlers/engines/accelerate.py``) for
-``option.rolling_batch=disable`` or an ``option.task`` vLLM does not serve
-(logged loudly, with the reason).
-Anything else stops start-up with the reason: there is no silent fallback to
-another handler.
+``option.rolling_batch=disable`` or an ``option.task`` vLLM does not serve (logged loudly,
+with the reason). Anything else stops start-up with the reason: there is no silent fallback
+to another handler.
 
 A built-in engine is a class implementing ``handlers.api.engine.Engine``; the loader
 names it and the worker starts it (``Engine.start``), with a formatters-only
@@ -30,9 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from container.core.handler_choice import LMI_BUILTIN_NAMES, accelerate_reason, pooling_convert
+from container.core.handler_choice import HandlerChoiceError, accelerate_reason, choose_handler, pooling_convert
 from container.core.settings import Settings
 from handlers.api.engine import Engine, Formatters
+from handlers.api.inference_toolkit import FUNCTIONS, ToolkitHandler, is_toolkit_script
 
 log = logging.getLogger(__name__)
 
@@ -110,24 +110,17 @@ def _builtin(settings: Settings) -> tuple[str, None, str]:
 
 
 def _locate(settings: Settings) -> tuple[str, Path | None, str | None]:
-    """Return ``(description, file, module)``: exactly one of file and module."""
-    model_dir, entry_point = Path(settings.model_dir), settings.entry_point
-    if entry_point in LMI_BUILTIN_NAMES:
+    """Return ``(description, file, module)``: at most one of file and module (neither: a
+    built-in engine, named by the module)."""
+    try:
+        choice = choose_handler(settings, Path(settings.model_dir))
+    except HandlerChoiceError as exc:
+        raise HandlerLoadError(str(exc)) from None
+    if choice.builtin:
         return _builtin(settings)
-    if entry_point is None:
-        candidate = model_dir / "model.py"
-        if candidate.is_file():
-            return "model.py", candidate, None
-        return _builtin(settings)
-    if entry_point.endswith(".py"):
-        path = Path(entry_point)
-        path = path if path.is_absolute() else model_dir / path
-        if not path.is_file():
-            raise HandlerLoadError(f"option.entryPoint={entry_point}: no such file in the model directory")
-        return f"option.entryPoint={entry_point}", path, None
-    if not _MODULE_NAME.match(entry_point):
-        raise HandlerLoadError(f"option.entryPoint={entry_point!r} is neither a .py file nor a Python module name")
-    return f"option.entryPoint={entry_point}", None, entry_point
+    if choice.module is not None and not _MODULE_NAME.match(choice.module):
+        raise HandlerLoadError(f"option.entryPoint={choice.module!r} is neither a .py file nor a Python module name")
+    return choice.origin, choice.path, choice.module
 
 
 def load_handler(settings: Settings) -> Handler:
@@ -138,9 +131,10 @@ def load_handler(settings: Settings) -> Handler:
     if not root.is_dir():
         raise HandlerLoadError(f"model directory {settings.model_dir} does not exist")
     origin, path, module_name = _locate(settings)
-    # A model.py may import modules that sit next to it, as in LMI.
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
+    # A model.py may import modules that sit next to it, as in LMI (an inference.py those in code/).
+    for folder in {root, *([path.parent] if path is not None else [])}:
+        if str(folder) not in sys.path:
+            sys.path.insert(0, str(folder))
     log.info("loading handler from %s", origin)
     try:
         if path is not None:
@@ -157,6 +151,8 @@ def load_handler(settings: Settings) -> Handler:
     if module.__name__ in _BUILTIN_MODULES:
         return _engine(module, origin, Formatters())
     fn = getattr(module, "handle", None)
+    if fn is None and is_toolkit_script(module):
+        return _toolkit(module, origin, settings)
     if fn is None and formatters:
         named = (("@input_formatter", formatters.input), ("@output_formatter", formatters.output))
         found = " and ".join(name for name, f in named if f)
@@ -166,7 +162,8 @@ def load_handler(settings: Settings) -> Handler:
     if fn is None:
         public = sorted(n for n in vars(module) if not n.startswith("_") and callable(getattr(module, n)))
         raise HandlerLoadError(
-            f"{origin} defines no function 'handle' and no @input_formatter/@output_formatter "
+            f"{origin} defines no function 'handle', no @input_formatter/@output_formatter and no "
+            f"SageMaker inference toolkit function (model_fn ...) "
             f"(callables found: {', '.join(public) or 'none'})"
         )
     if not callable(fn):
@@ -175,6 +172,16 @@ def load_handler(settings: Settings) -> Handler:
     handler = Handler(origin=origin, kind=_kind(fn), fn=fn, shutdown=shutdown if callable(shutdown) else None)
     log.info("handler %s loaded (%s handle)", origin, handler.kind.replace("_", " "))
     return handler
+
+
+def _toolkit(module: Any, origin: str, settings: Settings) -> Handler:
+    try:
+        toolkit = ToolkitHandler(module, settings.model_dir, settings.default_invocations_accept)
+    except ValueError as exc:
+        raise HandlerLoadError(f"{origin}: {exc}") from None
+    found = ", ".join(name for name in FUNCTIONS if callable(getattr(module, name, None)))
+    log.info("handler %s loaded (SageMaker inference toolkit script: %s)", origin, found)
+    return Handler(origin=origin, kind="sync", fn=toolkit.handle)
 
 
 def _engine(module: Any, origin: str, formatters: Formatters) -> Handler:

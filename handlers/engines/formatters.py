@@ -1,14 +1,65 @@
-"""A ``model.py``'s ``@output_formatter`` applied to what a built-in engine answers: once to a
-whole answer, once per item of a stream (JSON lines or server-sent events), as LMI does."""
+"""A ``model.py``'s formatters on a built-in engine. ``@output_formatter``: applied to what the
+engine answers, once to a whole answer, once per item of a stream (JSON lines or server-sent
+events), as LMI does. ``@input_formatter``: called in the form it was written for (LMI documents
+two, ``input_form`` tells them apart): the decoded payload and ``tokenizer=`` (LMI's vLLM and
+TensorRT-LLM async services), or the request's ``Input`` and ``tokenizer=`` (LMI's other
+services); it may answer with a payload (a dict) or a ``RequestInput``/``TextInput``."""
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections.abc import AsyncIterator
 from typing import Any, cast
 
-from container.core.errors import HandlerError
-from handlers.api import Output
+from container.core.errors import HandlerError, InputError
+from handlers.api import Input, Output
+
+# Names of a first parameter that mean "the request's Input" when it has no annotation.
+_INPUT_NAMES = {"input_item", "inputs", "input", "item", "request"}
+
+
+def input_form(formatter) -> str:
+    """``"input"`` when ``formatter`` takes the request's ``Input`` (its first parameter is annotated
+    ``Input``, or unannotated and named ``input_item``/``inputs``/``input``/``item``/``request``),
+    else ``"payload"`` (the decoded body). Annotating the first parameter decides either way."""
+    params = [
+        p
+        for p in inspect.signature(formatter).parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    if not params:
+        return "payload"
+    annotation = params[0].annotation
+    if annotation is not inspect.Parameter.empty:
+        name = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
+        return "input" if name.rsplit(".", 1)[-1] == "Input" else "payload"
+    return "input" if params[0].name in _INPUT_NAMES else "payload"
+
+
+def _as_payload(result: Any) -> Any:
+    """A formatter's answer as the engine's payload: a ``RequestInput``/``TextInput`` (its
+    ``input_text`` and ``parameters``; ``stream`` among them) becomes LMI's or chat's schema."""
+    if not hasattr(result, "input_text") or not hasattr(result, "parameters"):
+        return result
+    parameters = dict(result.parameters or {})
+    stream = bool(parameters.pop("stream", False))
+    text = result.input_text
+    if isinstance(text, list) and text and all(isinstance(m, dict) and "role" in m for m in text):
+        return {"messages": text, **parameters, "stream": stream}
+    return {"inputs": text, "parameters": parameters, "stream": stream}
+
+
+def format_request(formatter, inputs: Input, tokenizer: Any) -> Any:
+    """The payload ``formatter`` makes of the request, called in its form (``input_form``)."""
+    try:
+        if input_form(formatter) == "input":
+            return _as_payload(formatter(inputs, tokenizer=tokenizer))
+        return _as_payload(formatter(inputs.get_as_json(), tokenizer=tokenizer))
+    except InputError:
+        raise
+    except Exception as exc:
+        raise HandlerError(f"Custom formatter failed: {type(exc).__name__}: {exc}") from None
 
 
 def _apply(formatter, data: Any) -> bytes:

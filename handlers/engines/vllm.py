@@ -43,12 +43,12 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from container.core.chat_options import chat_options
-from container.core.errors import HandlerError, InputError
+from container.core.errors import InputError
 from container.core.served_names import served_names
 from handlers.api import Input, Output
 from handlers.api.context import WorkerContext
 from handlers.api.engine import Engine, Formatters
-from handlers.engines.formatters import formatted
+from handlers.engines.formatters import format_request, formatted
 from handlers.engines.lmi_schema import Formatter
 from handlers.engines.sessions import EngineSessions
 from handlers.engines.vllm_adapters import ADAPTER_HEADER, Adapters
@@ -148,14 +148,10 @@ class VllmEngine(Engine):
         path = inputs.request_path
         if path == "/v1/models":
             return await self.openai.models_listing()
-        body = inputs.get_as_json()
         if self.formatters.input is not None:  # the body as parsed, formatted once: not re-encoded and parsed again
-            try:
-                body = self.formatters.input(body, tokenizer=self.engine.tokenizer)
-            except InputError:
-                raise
-            except Exception as exc:
-                raise HandlerError(f"Custom formatter failed: {type(exc).__name__}: {exc}") from None
+            body = format_request(self.formatters.input, inputs, self.engine.tokenizer)
+        else:
+            body = inputs.get_as_json()
         if not isinstance(body, dict):
             raise InputError("the request body must be a JSON object")
         header = inputs.get_property(ADAPTER_HEADER)

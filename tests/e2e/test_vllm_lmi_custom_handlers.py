@@ -49,3 +49,31 @@ def test_model_py_wrapping_the_huggingface_service(tiny_model, vllm_server, tmp_
         assert r.status_code == 200, r.text
         assert r.json()["generated_text"] == expected
         assert r.headers["X-Wrapped-By"] == "model.py"
+
+
+def test_input_formatter_taking_the_input_item(tiny_model, vllm_server, tmp_path):
+    """djl-demo's formatter in LMI's second form (Input in, TextInput out) on the built-in engine."""
+    greedy = {"max_new_tokens": 6, "ignore_eos": True}
+    expected = _reference(vllm_server, "Large model inference is")
+    with _serve(tiny_model, tmp_path, "lmi_input_item_formatter") as server:
+        r = server.invoke({"prompt": "Large model inference is", "parameters": greedy})
+        assert r.status_code == 200, r.text
+        assert r.json()["generated_text"] == expected
+        original = server.invoke({"prompt": "Large model inference is", "parameters": {}})  # the notebook's call
+        assert original.status_code == 200 and isinstance(original.json()["generated_text"], str)
+
+
+def test_model_py_handle_wins_over_lmi_vllm_service(tiny_model, tmp_path):
+    """djl-serving's custom-handler test: model.py's handle serves in place of the entry point's service."""
+    env = {**VLLM_CPU_ENV, "OPTION_ENTRYPOINT": "djl_python.lmi_vllm.vllm_async_service",
+           "OPTION_MODEL_ID": str(tmp_path / "lmi_custom_handle")}
+    model_dir = tmp_path / "lmi_custom_handle"
+    shutil.copytree(tiny_model, model_dir)
+    shutil.copy(MODEL_DIRS / "lmi_custom_handle" / "model.py", model_dir / "model.py")
+    with Server(model_dir, env=env, ready_timeout=ENGINE_READY_TIMEOUT) as server:
+        r = server.invoke({"inputs": "The future of AI is", "parameters": {"max_new_tokens": 8}})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["custom_handler_used"] is True and isinstance(body["generated_text"], str)
+        assert ("loading handler from model.py's handle, in place of option.entryPoint="
+                "djl_python.lmi_vllm.vllm_async_service (as LMI's custom handler)") in server.log()

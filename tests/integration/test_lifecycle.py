@@ -98,7 +98,8 @@ def test_handler_import_failure_stops_start_up_with_the_reason():
 def test_handler_without_handle_stops_start_up_with_the_reason():
     server = Server(MODEL_DIRS / "no_handle").start(wait_ready=False)
     assert server.wait_exit(30) == 1
-    assert "model.py defines no function 'handle' and no @input_formatter/@output_formatter (callables found: predict)" in server.log()
+    assert ("model.py defines no function 'handle', no @input_formatter/@output_formatter and no SageMaker "
+            "inference toolkit function (model_fn ...) (callables found: predict)") in server.log()
 
 
 def test_model_directory_without_handler_stops_start_up(tmp_path):

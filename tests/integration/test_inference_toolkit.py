@@ -1,0 +1,148 @@
+"""SageMaker inference toolkit scripts (code/inference.py), served by `sagelmi serve` and called
+as their examples call them (SageMaker's JSONSerializer / NumpySerializer send what `requests`
+sends here). Three are public examples (tests/model_dirs/sm_*/code/inference.py name their
+source); sm_defaults is sagelmi's own, for the default input/predict/output functions."""
+
+import io
+import json
+import math
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import requests
+
+from tests.server import MODEL_DIRS, REPO, Server, clean_env
+
+
+def _tiny(directory, arch):
+    subprocess.run([sys.executable, "-m", "container", "tiny-model", str(directory), "--arch", arch], check=True,
+                   cwd=REPO, env=clean_env(), capture_output=True, timeout=300)
+    return directory
+
+
+def _model_dir(tmp_path, name, arch=None):
+    directory = tmp_path / name
+    if arch:
+        _tiny(directory, arch)
+    shutil.copytree(MODEL_DIRS / name / "code", directory / "code", dirs_exist_ok=True)
+    return directory
+
+
+def post(server, body, content_type="application/json", accept=None):
+    headers = {"Content-Type": content_type, **({"Accept": accept} if accept else {})}
+    data = json.dumps(body) if content_type == "application/json" and not isinstance(body, (bytes, str)) else body
+    return requests.post(server.url("/invocations"), data=data, headers=headers, timeout=60)
+
+
+def test_hugging_face_embeddings_script(tmp_path):
+    with Server(_model_dir(tmp_path, "sm_hf_embeddings", "bert")) as server:
+        sentences = ["the cat sat", "a dog ran far away", "the cat sat"]
+        r = post(server, {"inputs": sentences})  # predictor.predict({"inputs": sentences})
+        assert r.status_code == 200, r.text
+        assert r.headers["Content-Type"].startswith("application/json")
+        vectors = r.json()["vectors"]
+        assert len(vectors) == 3 and len({len(v) for v in vectors}) == 1 and len(vectors[0]) > 1
+        assert all(math.isclose(math.hypot(*v), 1.0, rel_tol=1e-4) for v in vectors)  # normalised, as the script does
+        assert vectors[0] == vectors[2] and vectors[0] != vectors[1]
+        assert "code/inference.py" in server.log() and "SageMaker inference toolkit script: model_fn, predict_fn" in server.log()
+
+
+def test_hugging_face_generation_script(tmp_path):
+    with Server(_model_dir(tmp_path, "sm_hf_generate", "llama")) as server:
+        body = {"inputs": "hello world", "parameters": {"max_new_tokens": 8, "do_sample": False}}
+        first, again = post(server, body), post(server, body)
+        assert first.status_code == 200, first.text
+        answer = first.json()
+        assert isinstance(answer, list) and set(answer[0]) == {"generated_text"}
+        assert answer[0]["generated_text"].startswith("hello world") and len(answer[0]["generated_text"]) > 11
+        assert again.json() == answer  # greedy
+
+
+@pytest.fixture(scope="module")
+def mnist(tmp_path_factory):
+    import torch
+
+    directory = _model_dir(tmp_path_factory.mktemp("mnist"), "sm_pytorch_mnist")
+    sys.path.insert(0, str(directory / "code"))
+    try:
+        from inference import Net  # the script's own network
+    finally:
+        sys.path.pop(0)
+    torch.manual_seed(0)
+    torch.save(Net().state_dict(), directory / "model.pth")
+    with Server(directory) as server:
+        yield server
+
+
+def test_pytorch_mnist_script(mnist):
+    images = np.random.default_rng(0).random((2, 1, 28, 28)).round(3).tolist()
+    r = post(mnist, {"inputs": images})  # predictor.predict({"inputs": images}), JSONSerializer
+    assert r.status_code == 200, r.text
+    rows = r.json()
+    assert len(rows) == 2 and all(len(row) == 10 for row in rows)
+    assert all(math.isclose(sum(math.exp(x) for x in row), 1.0, rel_tol=1e-4) for row in rows)  # log_softmax
+    assert post(mnist, {"inputs": images}).json() == rows  # eval(): no dropout
+
+
+def test_a_failing_script_answers_500_with_its_message_as_the_toolkit_does(mnist):
+    r = post(mnist, "1,2,3", content_type="text/csv")  # the script asserts JSON
+    assert r.status_code == 500, r.text
+    assert r.json()["error"] == "Invalid Request" and "Traceback" not in r.text  # a bare assert: the toolkit's words
+    r = post(mnist, {"no_inputs": 1})
+    assert r.status_code == 500 and r.json()["error"] == "'inputs'"
+
+
+@pytest.fixture(scope="module")
+def defaults(tmp_path_factory):
+    with Server(_model_dir(tmp_path_factory.mktemp("defaults"), "sm_defaults")) as server:
+        yield server
+
+
+def test_default_functions_decode_json_csv_and_npy(defaults):
+    r = post(defaults, [[1, 2], [3, 4]])
+    assert r.status_code == 200 and r.headers["Content-Type"].startswith("application/json")
+    assert r.json() == [[3.0, 5.0], [7.0, 9.0]]
+    r = post(defaults, "1,2\n3,4\n", content_type="text/csv", accept="text/csv")
+    assert r.status_code == 200 and r.headers["Content-Type"].startswith("text/csv")
+    assert np.genfromtxt(io.StringIO(r.text), delimiter=",").tolist() == [[3.0, 5.0], [7.0, 9.0]]
+    buffer = io.BytesIO()
+    np.save(buffer, np.arange(4, dtype=np.float32))
+    r = post(defaults, buffer.getvalue(), content_type="application/x-npy", accept="application/x-npy")
+    assert r.status_code == 200 and r.headers["Content-Type"] == "application/x-npy"
+    assert np.load(io.BytesIO(r.content)).tolist() == [1.0, 3.0, 5.0, 7.0]
+    assert "code/requirements.txt" in defaults.log()  # installed before the worker started
+
+
+def test_default_functions_refuse_a_type_they_cannot_decode(defaults):
+    r = post(defaults, b"hello", content_type="text/plain")
+    assert r.status_code == 500
+    assert r.json()["error"].startswith("Content type text/plain is not supported by the default handlers")
+    r = post(defaults, [1], accept="image/png")
+    assert r.status_code == 500 and "Content type image/png is not supported" in r.json()["error"]
+
+
+def test_dynamic_batching_runs_the_script_once_per_request(tmp_path):
+    import concurrent.futures
+
+    env = {"SERVING_BATCH_SIZE": "4", "SERVING_MAX_BATCH_DELAY": "300"}
+    with Server(_model_dir(tmp_path, "sm_defaults"), env=env) as server:
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda i: post(server, [i]), range(4)))
+        assert [a.json() for a in answers] == [[2.0 * i + 1] for i in range(4)]
+        assert "batch of" in server.log() or "dynamic batching: up to 4 requests" in server.log()
+
+
+def test_model_py_beside_code_inference_py_stops_start_up_naming_both(tmp_path):
+    directory = _model_dir(tmp_path, "sm_defaults")
+    shutil.copy(MODEL_DIRS / "lmi_echo" / "model.py", directory / "model.py")
+    server = Server(directory).start(wait_ready=False)
+    assert server.wait_exit(60) == 1
+    assert ("the model directory has both model.py (LMI's handler) and code/inference.py (the SageMaker inference "
+            "toolkit's): set option.entryPoint (OPTION_ENTRYPOINT) or SAGEMAKER_PROGRAM to choose one") in server.log()
+    with Server(directory, env={"SAGEMAKER_PROGRAM": "inference.py"}) as server:
+        assert post(server, [1]).json() == [3.0]
+    with Server(directory, env={"OPTION_ENTRYPOINT": "model.py"}) as server:
+        assert "loading handler from option.entryPoint=model.py" in server.log()
