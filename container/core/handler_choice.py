@@ -98,6 +98,7 @@ class Choice:
     origin: str  # in words, for the log and ``sagelmi config``
     path: Path | None = None
     module: str | None = None
+    formatters_only: bool = False  # a model.py without handle: the built-in engine with its formatters
 
     @property
     def builtin(self) -> bool:
@@ -128,7 +129,7 @@ def choose_handler(settings: Settings, handler_dir: Path | None) -> Choice:
                 f"model.py's handle, in place of option.entryPoint={entry_point} (as LMI's custom handler)", model_py
             )
         return (
-            Choice("model.py's formatters", model_py)
+            Choice("model.py", model_py, formatters_only=True)
             if model_py.is_file()
             else Choice(f"option.entryPoint={entry_point}")
         )
@@ -147,7 +148,7 @@ def choose_handler(settings: Settings, handler_dir: Path | None) -> Choice:
             "inference toolkit's): set option.entryPoint (OPTION_ENTRYPOINT) or SAGEMAKER_PROGRAM to choose one"
         )
     if model_py.is_file():
-        return Choice("model.py", model_py) if _defines_handle(model_py) else Choice("model.py's formatters", model_py)
+        return Choice("model.py", model_py, formatters_only=not _defines_handle(model_py))
     if script.is_file():
         return Choice(TOOLKIT_SCRIPT, script)
     return Choice("the built-in engine")
@@ -159,7 +160,7 @@ def _builtin_choice(settings: Settings, handler_dir: Path | None) -> Choice | No
         choice = choose_handler(settings, handler_dir)
     except HandlerChoiceError:
         return None
-    if choice.builtin or choice.origin == "model.py's formatters":
+    if choice.builtin or choice.formatters_only:
         return choice
     return None
 
@@ -179,7 +180,7 @@ def describe_handler(settings: Settings, handler_dir: Path | None) -> str:
         choice = choose_handler(settings, handler_dir)
     except HandlerChoiceError as exc:
         return f"none: start-up fails: {exc}"
-    if not choice.builtin and choice.origin != "model.py's formatters":
+    if not choice.builtin and not choice.formatters_only:
         where = " in the model directory" if choice.origin == "model.py" else ""
         kind = "its handle function"
         if choice.path is not None and choice.path.name != "model.py":
@@ -188,5 +189,5 @@ def describe_handler(settings: Settings, handler_dir: Path | None) -> str:
     reason = accelerate_reason(settings)
     if reason is not None:
         return f"the built-in Hugging Face Accelerate handler, because {reason}"
-    formatters = " with model.py's formatters" if choice.origin == "model.py's formatters" else ""
+    formatters = " with model.py's formatters" if choice.formatters_only else ""
     return f"the built-in {settings.builtin_engine} handler (option.rolling_batch={settings.rolling_batch}){formatters}"
