@@ -29,7 +29,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from container.core.handler_choice import HandlerChoiceError, accelerate_reason, choose_handler, pooling_convert
+from container.core.handler_choice import (
+    LMI_BUILTIN_NAMES,
+    HandlerChoiceError,
+    accelerate_reason,
+    choose_handler,
+    pooling_convert,
+)
 from container.core.settings import Settings
 from handlers.api.engine import Engine, Formatters
 from handlers.api.inference_toolkit import FUNCTIONS, ToolkitHandler, is_toolkit_script
@@ -159,6 +165,10 @@ def load_handler(settings: Settings) -> Handler:
         origin, _, module_name = _builtin(settings)
         log.info("%s has no handle() but %s: serving with %s and those formatters", path or module_name, found, origin)
         return _engine(importlib.import_module(module_name), f"{origin} with the {found} of model.py", formatters)
+    if fn is None and settings.entry_point in LMI_BUILTIN_NAMES:  # as LMI: the service it names serves
+        origin, _, module_name = _builtin(settings)
+        log.info("%s has no handle() and no formatters: serving with %s", path, origin)
+        return _engine(importlib.import_module(module_name), origin, Formatters())
     if fn is None:
         public = sorted(n for n in vars(module) if not n.startswith("_") and callable(getattr(module, n)))
         raise HandlerLoadError(

@@ -170,3 +170,17 @@ def test_dynamic_batching_gathers_requests_and_answers_each_client():
     sizes = [r.json()["batch_size"] for i, r in enumerate(answers) if i != 5]
     assert max(sizes) <= 4 and max(sizes) > 1, sizes  # batches of up to batch_size=4
     assert "dynamic batching: up to 4 requests, waiting up to 100 ms" in server.log()
+
+
+def test_an_lmi_service_entry_point_beside_a_model_py_without_handle_or_formatters_serves_the_service(tmp_path):
+    """As LMI: option.entryPoint names its vLLM service; a model.py of helpers (no handle, no formatters)
+    does not stop start-up."""
+    from container.core.settings import resolve_settings
+    from handlers.api.loader import load_handler
+
+    (tmp_path / "model.py").write_text("HELPER = 1\n")
+    (tmp_path / "config.json").write_text("{}")
+    settings = resolve_settings({"OPTION_ENTRYPOINT": "djl_python.lmi_vllm.vllm_async_service"}, str(tmp_path))
+    handler = load_handler(settings)
+    assert handler.engine is not None and handler.engine.__name__ == "VllmEngine"
+    assert handler.formatters.input is None and handler.formatters.output is None
