@@ -1,4 +1,4 @@
-"""What the README tells users to run, read from the README itself."""
+"""What the README and the pages under docs/ tell users to run, read from them."""
 
 import os
 import re
@@ -12,15 +12,35 @@ from tests.server import REPO, clean_env
 README = (REPO / "README.md").read_text()
 
 
+def documents() -> dict[str, str]:
+    """README.md and every Markdown page under docs/, by path relative to the repository (README first)."""
+    pages = sorted(path for path in (REPO / "docs").rglob("*.md"))
+    return {"README.md": README, **{str(path.relative_to(REPO)): path.read_text() for path in pages}}
+
+
+def _heading(title: str) -> re.Pattern[str]:
+    """A heading line whose text is ``title``, at any level (``"## X"`` and ``"X"`` look up the same)."""
+    return re.compile(r"^#{1,6} " + re.escape(title.lstrip("#").strip()) + r"[ \t]*$", re.M)
+
+
+def section_file(title: str) -> str:
+    """The one document (README.md or a page under docs/) that has the heading ``title``."""
+    found = [name for name, text in documents().items() if _heading(title).search(text)]
+    assert len(found) == 1, f"heading {title!r} must be in exactly one document, found in {found}"
+    return found[0]
+
+
 def section(title: str) -> str:
-    """The README's text under the heading ``title`` (up to the next heading of any level)."""
-    start = README.index(title)
-    following = re.search(r"^#{2,3} ", README[start + len(title):], re.M)
-    return README[start:start + len(title) + (following.start() if following else len(README))]
+    """The text under the heading ``title`` (from the heading up to the next heading of any level),
+    wherever it is: the README or a page under docs/ (a title must be in exactly one of them)."""
+    text = documents()[section_file(title)]
+    (match,) = _heading(title).finditer(text)
+    following = re.compile(r"^#{1,6} ", re.M).search(text, match.end())
+    return text[match.start():following.start() if following else len(text)]
 
 
 def shell_commands(text: str = README) -> list[str]:
-    """Every command line in ```bash blocks of ``text`` (the README; comments dropped)."""
+    """Every command line in ```bash blocks of ``text`` (the README unless given; comments dropped)."""
     commands = []
     for block in re.findall(r"```bash\n(.*?)```", text, re.S):
         for line in block.splitlines():
@@ -31,12 +51,12 @@ def shell_commands(text: str = README) -> list[str]:
 
 
 def python_snippets(text: str = README) -> list[str]:
+    """Every ```python block of ``text`` (the README unless given)."""
     return re.findall(r"```python\n(.*?)```", text, re.S)
 
 
 def quick_start_curls() -> list[str]:
-    section = README[README.index("## Quick start"):README.index("## Configuration")]
-    return [c for c in re.findall(r"^curl .*$", section, re.M)]
+    return re.findall(r"^curl .*$", section("Quick start"), re.M)
 
 
 def on_port(command: str, port: int) -> str:

@@ -37,7 +37,7 @@ def wait_healthy(port: int, timeout: float) -> None:
         try:
             if requests.get(f"http://127.0.0.1:{port}/ping", timeout=2).status_code == 200:
                 return
-        except requests.ConnectionError:
+        except (requests.ConnectionError, requests.Timeout):  # not listening yet; or a busy machine: ask again
             pass
         time.sleep(0.2)
     raise AssertionError(f"nothing healthy on port {port} after {timeout}s")

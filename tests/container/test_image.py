@@ -1,6 +1,6 @@
 """The serving image, built from the Dockerfile and run as SageMaker runs it.
 
-The commands are the README's ("Test the image locally"), read from the README and run on this
+The commands are docs/image.md's ("Test the image locally"), read from that page and run on this
 machine: podman instead of Docker (no Docker engine here), always with the runc runtime and the
 limits its containers need, a local base image (no image registry is reachable) and the wheel
 folder pip is configured with. See ``on_this_machine``.
@@ -23,7 +23,7 @@ from tests.container.conftest import MEASURED
 from tests.readme import run_shell, section, shell_commands
 from tests.server import MODEL_DIRS, REPO, free_port
 
-README_COMMANDS = shell_commands(section("## Test the image locally"))
+README_COMMANDS = shell_commands(section("Test the image locally"))  # docs/image.md
 
 PODMAN = ["podman", "--runtime", "runc"]  # the default runtime refuses this machine's cgroups
 RUN_LIMITS = ["--ulimit", "nofile=20000:20000", "--ulimit", "nproc=32768:32768"]

@@ -16,8 +16,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.mpi]
 
 PROMPTS = [f"Prompt number {i} about the {word}" for i, word in
            enumerate(["sea", "sky", "river", "city", "dog", "fox", "morning", "queue"])]
-# The README's lmi-dist try-out: write the tiny model, serve it split over two ranks.
-README_COMMANDS = shell_commands(section("### lmi-dist"))
+# The lmi-dist try-out (docs/large_models.md): write the tiny model, serve it split over two ranks.
+README_COMMANDS = shell_commands(section("The lmi-dist engine"))
 
 
 @pytest.fixture(scope="module")

@@ -31,8 +31,9 @@ pytestmark = pytest.mark.slow
 TEXTS = ["hello world", "the quick brown fox jumps over the lazy dog", "good night"]
 QUERY, DOCUMENTS = "hello world", ["good night", "hello world", "the quick brown fox"]
 TOLERANCE = 1e-4
-README_COMMANDS = shell_commands(section("### Embeddings, scores and reranking"))
-README_SNIPPET = next(p for p in python_snippets() if "embeddings.create" in p)
+_SECTION = section("Embeddings, scores and reranking")  # docs/engine.md
+README_COMMANDS = shell_commands(_SECTION)
+README_SNIPPET = next(p for p in python_snippets(_SECTION) if "embeddings.create" in p)
 HF_OVERRIDES = {"is_matryoshka": True}
 READY_TIMEOUT = 2 * ENGINE_READY_TIMEOUT  # vLLM's offline engine starts alongside the first server
 

@@ -10,10 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.readme import python_snippets, quick_start_curls, run_shell
+from tests.readme import python_snippets, quick_start_curls, run_shell, section
 from tests.server import REPO, clean_env, free_port, installed_venv, wait_healthy
 
 pytestmark = pytest.mark.slow
+
+OPENAI_SNIPPET = next(s for s in python_snippets(section("Quick start")) if "openai.OpenAI(" in s)
 
 
 def checkout_copy(dest: Path) -> None:
@@ -46,8 +48,7 @@ def test_make_run_serves_the_tiny_model_and_the_quick_start_works(tmp_path):
         assert "token" in lines[0] and "generated_text" in lines[-1]
         assert json.loads(chat.stdout)["object"] == "chat.completion"
 
-        snippet = next(s for s in python_snippets() if "openai.OpenAI(" in s)
-        result = subprocess.run([sys.executable, "-c", snippet.replace("localhost:8080", f"localhost:{port}")],
+        result = subprocess.run([sys.executable, "-c", OPENAI_SNIPPET.replace("localhost:8080", f"localhost:{port}")],
                                 capture_output=True, text=True, timeout=60)
         assert result.returncode == 0, result.stderr
     finally:

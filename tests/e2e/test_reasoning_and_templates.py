@@ -18,7 +18,7 @@ from tests.server import Server
 
 pytestmark = pytest.mark.slow
 
-README_COMMANDS = shell_commands(section("### Reasoning and chat templates"))
+README_COMMANDS = shell_commands(section("Reasoning and chat templates"))  # docs/engine.md
 FORCED = {"structured_outputs": {"regex": r"(red|blue) sky</think>(yes|no)"}, "temperature": 0}
 MESSAGES = [{"role": "user", "content": "Is the sky blue?"}]
 

@@ -43,8 +43,9 @@ MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 HERMES = r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)"\}\}</tool_call>'
 
 
-README_COMMANDS = shell_commands(section("### Tool calling, reasoning, structured output, chat templates"))
-README_SNIPPET = next(p for p in python_snippets() if "tool_choice=" in p)
+_SECTION = section("Tool calling, reasoning, structured output, chat templates")  # docs/engine.md
+README_COMMANDS = shell_commands(_SECTION)
+README_SNIPPET = next(p for p in python_snippets(_SECTION) if "tool_choice=" in p)
 
 
 @pytest.fixture(scope="module")

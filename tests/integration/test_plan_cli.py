@@ -1,10 +1,10 @@
-"""The README's "Sizing a deployment" commands, run as a user runs them."""
+"""The commands of "Sizing a deployment" (docs/sizing.md), run as a user runs them."""
 
 import json
 
 from tests.readme import run_shell, section, shell_commands
 
-README_COMMANDS = shell_commands(section("## Sizing a deployment"))
+README_COMMANDS = shell_commands(section("Sizing a deployment"))
 
 
 def test_the_readme_plan_commands(tmp_path):

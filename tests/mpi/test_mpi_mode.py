@@ -20,8 +20,8 @@ pytestmark = pytest.mark.mpi
 MPI = {"OPTION_MPI_MODE": "true", "TENSOR_PARALLEL_DEGREE": "2"}
 
 
-# The README's "Your own model.py in MPI mode": serve the example on two ranks, ask it.
-TENSOR_PARALLEL_EXAMPLE = shell_commands(section("### Your own model.py in MPI mode"))
+# "Your own model.py in MPI mode" (docs/large_models.md): serve the example on two ranks, ask it.
+TENSOR_PARALLEL_EXAMPLE = shell_commands(section("Your own model.py in MPI mode"))
 
 
 def test_tensor_parallel_example_answers_what_one_process_computes():

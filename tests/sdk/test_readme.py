@@ -1,7 +1,7 @@
-"""The README's "Deploy to SageMaker" section: every snippet runs. The deploy
-snippet with the real sagemaker SDK against moto's AWS (it waits for InService, as
-on SageMaker: about 30 s under moto); the predictor snippet against a real server;
-the local runner snippet for real, on the tiny model (slow)."""
+"""The README's "Deploy to SageMaker" quick start and the guide it links (docs/sagemaker.md):
+every snippet runs. The deploy snippet (the README's) with the real sagemaker SDK against moto's
+AWS (it waits for InService, as on SageMaker: about 30 s under moto); the guide's predictor
+snippet against a real server; its local runner snippet for real, on the tiny model (slow)."""
 
 import re
 import subprocess
@@ -12,13 +12,14 @@ import pytest
 from container.core.settings import resolve_settings
 from sagemaker_sdk import EngineOptionError, SagelmiModel, SagelmiPredictor
 from sagemaker_sdk.local import LocalSession
-from tests.readme import README
+from tests.readme import documents, python_snippets, section
 from tests.server import REPO, clean_env
 
-_START = README.index("## Deploy to SageMaker")
-SECTION = README[_START:README.index("\n## ", _START + 1)]
-SNIPPETS = re.findall(r"```python\n(.*?)```", SECTION, re.S)
-DEPLOY, USE, LOCAL = SNIPPETS
+QUICK_START = section("Deploy to SageMaker")  # README.md
+GUIDE = documents()["docs/sagemaker.md"]
+(DEPLOY,) = python_snippets(QUICK_START)
+USE, LOCAL = python_snippets(GUIDE)
+SNIPPETS = [DEPLOY, USE, LOCAL]
 
 
 def test_the_deploy_snippet_deploys(aws):
@@ -39,7 +40,7 @@ def test_the_deploy_snippet_deploys(aws):
 def test_the_quoted_refusal_is_what_the_sdk_says():
     with pytest.raises(EngineOptionError) as refused:
         SagelmiModel(model_id="Qwen/Qwen2.5-1.5B-Instruct", options={"max_num_seq": 8})
-    quoted = re.search(r"raises\s+`EngineOptionError: (.*?), \.\.\.`", SECTION, re.S).group(1)
+    quoted = re.search(r"raises\s+`EngineOptionError: (.*?), \.\.\.`", GUIDE, re.S).group(1)
     assert str(refused.value).startswith(" ".join(quoted.split()))
 
 
