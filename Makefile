@@ -1,7 +1,7 @@
 # The README's two commands:
 #   make run    install (CPU build of vLLM included) and serve the built-in tiny model on :8080
 #   make test   install and run the whole test suite (what CI runs: .ci/run)
-# and the image: make image [DEVICE=cpu] (the Dockerfile; README "Test the image locally")
+# and the image: make image [DEVICE=cpu] (the Dockerfile; docs/image.md)
 PYTHON ?= python3
 VENV ?= .venv
 PORT ?= 8080

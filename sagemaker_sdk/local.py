@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 MODES = ("process", "podman", "docker")
 CONTAINER_MODEL_DIR = "/opt/ml/model"
-# What a run needs beyond the image's defaults (see the README's container notes): podman refuses
+# What a run needs beyond the image's defaults (see docs/image.md): podman refuses
 # this machine's default runtime, vLLM starves under low process limits and /dev/shm of 64 MB.
 # vLLM's worker processes need more /dev/shm than Docker's 64 MB and many open files. Anything
 # a machine needs beyond these (a GPU, an OCI runtime) goes in run_args or the runtime's own config.

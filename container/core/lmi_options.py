@@ -134,7 +134,8 @@ def reference_page() -> str:
         f"in [{doc['repository']}]({GITHUB}/{doc['repository']}/tree/{doc['commit']}) at `{doc['commit'][:8]}`) "
         "is accepted. What sagelmi does with each:",
         "",
-        f"- **setting** ({counts['setting']}): a sagelmi setting (see the configuration table in the README);",
+        f"- **setting** ({counts['setting']}): a sagelmi setting "
+        "(see the table in [configuration.md](configuration.md#every-setting));",
         f"- **vLLM** ({counts['engine_arg']}): passed to vLLM's engine, under its name or translated;",
         f"- **chat** ({counts['front']}): read by vLLM's OpenAI chat serving (tool calls, reasoning, chat template);",
         f"- **ignored** ({counts['warn']}): accepted with one WARNING line in the log, `<name> is ignored: <why>`, "

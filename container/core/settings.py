@@ -355,7 +355,7 @@ def describe_settings(settings: Settings) -> list[tuple[str, str, str]]:
 
 
 def reference_table() -> str:
-    """The configuration reference as a Markdown table (the README embeds it)."""
+    """The configuration reference as a Markdown table (docs/configuration.md embeds it)."""
     lines = [
         "| setting | environment | SageMaker override | default | allowed | meaning |",
         "|---|---|---|---|---|---|",

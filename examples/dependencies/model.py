@@ -1,7 +1,7 @@
 """A handler with a dependency the image does not have: the server installs requirements.txt
 (next to this file) with pip before it imports the handler.
 
-Try it in the image: README, "Test the image locally".
+Try it in the image: docs/image.md, "Test the image locally".
 """
 
 from slugify import slugify

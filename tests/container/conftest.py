@@ -1,5 +1,5 @@
 """What the container tests measured (build time, size, start and stop times), printed at the
-end of every run, CI's included: the README quotes these numbers."""
+end of every run, CI's included: docs/image.md quotes these numbers."""
 
 MEASURED: list[str] = []
 

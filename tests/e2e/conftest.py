@@ -7,7 +7,7 @@ import pytest
 
 from tests.server import REPO, Server, clean_env
 
-# What vLLM's CPU build needs on a small machine (see the README's troubleshooting).
+# What vLLM's CPU build needs on a small machine (see docs/troubleshooting.md).
 VLLM_CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 # Tests that compare greedy tokens across servers whose sums run in a different order (tensor and
 # pipeline shards, other batch shapes) serve in float32: in bfloat16, vLLM's CPU default, near-ties flip.
