@@ -27,7 +27,9 @@ def _on_load(properties: dict) -> None:
         return
     counter = Path(properties["start_count_file"])
     starts = int(counter.read_text()) + 1 if counter.exists() else 1
-    counter.write_text(str(starts))
+    tmp = counter.with_suffix(".tmp")
+    tmp.write_text(str(starts))
+    tmp.replace(counter)  # the test reads it meanwhile: never an empty file
     if starts <= int(properties.get("die_starts", "1000000")):
         threading.Thread(target=_die_later, args=(float(seconds),), daemon=True).start()
 
