@@ -12,9 +12,12 @@ import base64
 import concurrent.futures
 import json
 import math
+import os
+import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -63,26 +66,49 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def offline(model_dir):
-    """vLLM's offline answers, started before the servers so that it loads while they do."""
+def offline(model_dir, tmp_path_factory):
+    """vLLM's offline answers, started before the servers so that it loads while they do. It runs in
+    a session of its own: its engine processes are stopped with it once the answer is read (they
+    hold its stdout open, and vLLM's teardown at exit can abort)."""
     script = model_dir + "-reference.py"
     with open(script, "w") as f:
         f.write(REFERENCE)
-    process = subprocess.Popen(
-        [sys.executable, script, model_dir, json.dumps([TEXTS, QUERY, DOCUMENTS, HF_OVERRIDES])],
-        cwd=REPO, env=clean_env(VLLM_CPU_ENV), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    errors = tmp_path_factory.mktemp("offline") / "stderr.txt"
+    with open(errors, "w") as err:
+        process = subprocess.Popen(
+            [sys.executable, script, model_dir, json.dumps([TEXTS, QUERY, DOCUMENTS, HF_OVERRIDES])],
+            cwd=REPO, env=clean_env(VLLM_CPU_ENV), stdout=subprocess.PIPE, stderr=err, text=True,
+            start_new_session=True)
+    process.errors = errors
     yield process
-    if process.poll() is None:
-        process.kill()
-        process.wait()
+    _stop_group(process)
+
+
+def _stop_group(process: subprocess.Popen) -> None:
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()
 
 
 @pytest.fixture(scope="module")
 def reference(offline):
-    out, err = offline.communicate(timeout=600)
-    assert offline.returncode == 0, err[-3000:]
-    line = next(line for line in out.splitlines() if line.startswith("REFERENCE "))
-    return json.loads(line.removeprefix("REFERENCE "))
+    found: list[str] = []
+
+    def read() -> None:
+        for line in offline.stdout:
+            if line.startswith("REFERENCE "):
+                found.append(line)
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(600)
+    _stop_group(offline)
+    assert found, f"no answer from vLLM's offline engine (exit {offline.returncode}): " \
+                  f"{offline.errors.read_text()[-3000:]}"
+    return json.loads(found[0].removeprefix("REFERENCE "))
 
 
 @pytest.fixture(scope="module")
