@@ -251,26 +251,25 @@ def make_plan(
         longest = min(tokens, shape.max_position or tokens)
         need = min(wanted, shape.sliding_window + block) if shape.sliding_window else wanted
         why = _split_problem(shape, t, p, gpus) or dtype_problem
-        if why:
-            pass  # the split itself cannot run: its memory does not matter
-        elif budget <= 0 and gpu_memory_gib is None:
-            why = (
-                f"VLLM_CPU_KVCACHE_SPACE={cpu_kv_cache_gib:g} leaves no KV cache"
-                if cpu_kv_cache_gib is not None
-                else f"gpu_memory_utilization={gpu_memory_utilization:g} of {host_memory_gib:g} GiB "
-                f"is less than the {per_rank / GIB:.1f} GiB of weights"
-            )
-        elif budget <= 0 and gpu_memory_gib is not None:
-            why = (
-                f"needs {per_rank / GIB:.1f} GiB per GPU for weights at tp={t}, pp={p}, plus "
-                f"{ACTIVATION_RESERVE_GIB:.0f} GiB for activations; {gpu_memory_utilization:g} x "
-                f"{gpu_memory_gib:g} GiB is {gpu_memory_utilization * gpu_memory_gib:.1f} GiB"
-            )
-        elif tokens < wanted:
-            why = (
-                f"max_model_len={wanted} needs {wanted} KV tokens; the cache holds {tokens} "
-                f"({budget / GIB:.2f} GiB / {per_token} bytes a token)"
-            )
+        if not why:  # a split that cannot run at all is not judged by its memory
+            if budget <= 0 and gpu_memory_gib is None:
+                why = (
+                    f"VLLM_CPU_KVCACHE_SPACE={cpu_kv_cache_gib:g} leaves no KV cache"
+                    if cpu_kv_cache_gib is not None
+                    else f"gpu_memory_utilization={gpu_memory_utilization:g} of {host_memory_gib:g} GiB "
+                    f"is less than the {per_rank / GIB:.1f} GiB of weights"
+                )
+            elif budget <= 0 and gpu_memory_gib is not None:
+                why = (
+                    f"needs {per_rank / GIB:.1f} GiB per GPU for weights at tp={t}, pp={p}, plus "
+                    f"{ACTIVATION_RESERVE_GIB:.0f} GiB for activations; {gpu_memory_utilization:g} x "
+                    f"{gpu_memory_gib:g} GiB is {gpu_memory_utilization * gpu_memory_gib:.1f} GiB"
+                )
+            elif tokens < wanted:
+                why = (
+                    f"max_model_len={wanted} needs {wanted} KV tokens; the cache holds {tokens} "
+                    f"({budget / GIB:.2f} GiB / {per_token} bytes a token)"
+                )
         plan.splits.append(
             Split(
                 t,

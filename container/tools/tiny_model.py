@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 SEED = 1234
 VOCAB_SIZE = 512
@@ -49,6 +50,29 @@ def _corpus(lines: int = 4000) -> list[str]:
     return out
 
 
+def _llama_config(max_model_len: int, ids: dict[str, int], **extra: Any) -> Any:
+    """The tiny Llama's config (also the text model of the tiny vision model): head size 64."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(  # type: ignore[call-arg]  # transformers' typed config lacks keys its **kwargs take
+        vocab_size=VOCAB_SIZE,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=max_model_len,
+        bos_token_id=ids["<s>"],
+        eos_token_id=ids["</s>"],
+        pad_token_id=ids["<pad>"],
+        # Wider than the usual 0.02 so next-token scores are well separated and greedy
+        # decoding does not hinge on rounding differences between batch shapes.
+        initializer_range=0.1,
+        tie_word_embeddings=False,
+        **extra,
+    )
+
+
 def _tokenizer(directory: Path, max_model_len: int, extra_tokens: tuple[str, ...] = ()) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -79,29 +103,13 @@ def write_tiny_model(directory: str | Path, max_model_len: int = 1024, extra_tok
     more special tokens in the vocabulary (``<think>``, ``<tool_call>`` ... for the parsers
     that need them); another vocabulary, so another model."""
     import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import GenerationConfig, LlamaForCausalLM
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     _tokenizer(directory, max_model_len, extra_tokens)
     ids = {name: i for i, name in enumerate(SPECIAL_TOKENS)}
-    config = LlamaConfig(  # type: ignore[call-arg]  # transformers' typed config lacks keys its **kwargs take
-        vocab_size=VOCAB_SIZE,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=max_model_len,
-        bos_token_id=ids["<s>"],
-        eos_token_id=ids["</s>"],
-        pad_token_id=ids["<pad>"],
-        # Wider than the usual 0.02 so next-token scores are well separated and greedy
-        # decoding does not hinge on rounding differences between batch shapes.
-        initializer_range=0.1,
-        tie_word_embeddings=False,
-        torch_dtype="float32",
-    )
+    config = _llama_config(max_model_len, ids, torch_dtype="float32")
     torch.manual_seed(SEED)
     model = LlamaForCausalLM(config).eval()
     model.save_pretrained(directory, safe_serialization=True)
@@ -250,7 +258,7 @@ def write_tiny_idefics3(directory: str | Path, max_model_len: int = 1024) -> Pat
     its text model, a two-layer vision tower (head size 64) on 56-pixel images, each image
     4 tokens (no tiling), and its processor (PIL image processor, tokenizer, chat template)."""
     import torch
-    from transformers import GenerationConfig, LlamaConfig, PreTrainedTokenizerFast
+    from transformers import GenerationConfig, PreTrainedTokenizerFast
     from transformers.models.idefics3 import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor
     from transformers.models.idefics3.configuration_idefics3 import Idefics3VisionConfig
     from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
@@ -260,20 +268,7 @@ def write_tiny_idefics3(directory: str | Path, max_model_len: int = 1024) -> Pat
     _tokenizer(directory, max_model_len, IMAGE_TOKENS)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(directory)
     ids = {name: i for i, name in enumerate(SPECIAL_TOKENS)}
-    text = LlamaConfig(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=max_model_len,
-        bos_token_id=ids["<s>"],
-        eos_token_id=ids["</s>"],
-        pad_token_id=ids["<pad>"],
-        initializer_range=0.1,
-        tie_word_embeddings=False,
-    )
+    text = _llama_config(max_model_len, ids)
     vision = Idefics3VisionConfig(
         hidden_size=128,
         intermediate_size=256,
