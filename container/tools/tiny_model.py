@@ -54,7 +54,7 @@ def _llama_config(max_model_len: int, ids: dict[str, int], **extra: Any) -> Any:
     """The tiny Llama's config (also the text model of the tiny vision model): head size 64."""
     from transformers import LlamaConfig
 
-    return LlamaConfig(  # type: ignore[call-arg]  # transformers' typed config lacks keys its **kwargs take
+    return LlamaConfig(
         vocab_size=VOCAB_SIZE,
         hidden_size=128,
         intermediate_size=256,
