@@ -123,20 +123,58 @@ def find_mpirun() -> str:
 
 # Variables a rank on another machine needs from this one (mpirun -x); local ranks inherit everything.
 _FORWARDED_PREFIXES = ("VLLM_", "HF_", "NCCL_", "GLOO_", "OMP_", "AWS_", "SAGELMI_", "LMCACHE_")
+_NOT_FORWARDED = ("SAGELMI_CLUSTER_SECRET", "SAGELMI_CLUSTER_SECRET_FILE", "SAGELMI_NODE_INDEX", "SAGELMI_NODE_ADDR")
 _FORWARDED_NAMES = ("CUDA_VISIBLE_DEVICES", "PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "HOME", "TMPDIR")
 
 
 def mpirun_command(
-    mpirun: str, settings: Settings, plan: GroupPlan, worker: list[str], env: dict[str, str]
+    mpirun: str,
+    settings: Settings,
+    plan: GroupPlan,
+    worker: list[str],
+    env: dict[str, str],
+    hosts: list[str] | None = None,
 ) -> list[str]:
-    """``mpirun`` starting ``plan.world_size`` ranks of ``worker``."""
+    """``mpirun`` starting ``plan.world_size`` ranks of ``worker``; with ``hosts`` (a cluster's
+    ``host:slots``, the leader first), across those nodes, reaching them through
+    ``container.supervisor.rsh`` instead of ssh."""
     command = [mpirun, "-np", str(plan.world_size)]
     if os.geteuid() == 0:
         command.append("--allow-run-as-root")
-    if settings.mpi_hostfile:
+    if hosts:
+        command += ["--host", ",".join(hosts), "--map-by", "slot"]
+        command += ["--mca", "plm_rsh_agent", f"{sys.executable} -m container.supervisor.rsh"]
+        command += ["--prtemca", "plm_ssh_no_tree_spawn", "1"]  # the leader reaches every node itself
+    elif settings.mpi_hostfile:
         command += ["--hostfile", settings.mpi_hostfile]
     command += settings.mpi_extra_args_list
     for name in sorted(env):
+        if name in _NOT_FORWARDED or (hosts and name == "CUDA_VISIBLE_DEVICES"):
+            continue  # each node's own (devices, place in the cluster); the secret never travels
         if name in _FORWARDED_NAMES or name.startswith(_FORWARDED_PREFIXES):
             command += ["-x", name]
     return command + worker + ["--mpi"]
+
+
+def install_requirements(model_dir: Path) -> None:
+    """LMI's ``requirements.txt``, or the SageMaker inference toolkit's ``code/requirements.txt``."""
+    for requirements in (model_dir / "requirements.txt", model_dir / "code" / "requirements.txt"):
+        if requirements.is_file():
+            _install(requirements)
+
+
+def _install(requirements: Path) -> None:
+    log.info("installing %s", requirements)
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-input", "-r", requirements.name],
+        cwd=requirements.parent,
+        stdout=sys.stderr,
+        stderr=sys.stderr,
+    )
+    if result.returncode != 0:
+        raise StartupError(
+            f"installing {requirements.parent.name}/{requirements.name} failed "
+            f"(pip exit code {result.returncode}); see pip's output above"
+        )
+    log.info("requirements installed (%.1fs)", time.monotonic() - started)

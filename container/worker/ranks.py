@@ -93,6 +93,18 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+def _local_rank(comm, MPI) -> tuple[int, int]:
+    """This rank's index among the ranks of its machine, and their number: as Open MPI's launcher
+    says (each node's daemon knows its own ranks), else by asking MPI which ranks share memory."""
+    if "OMPI_COMM_WORLD_LOCAL_RANK" in os.environ and "OMPI_COMM_WORLD_LOCAL_SIZE" in os.environ:
+        return int(os.environ["OMPI_COMM_WORLD_LOCAL_RANK"]), int(os.environ["OMPI_COMM_WORLD_LOCAL_SIZE"])
+    on_this_machine = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return on_this_machine.Get_rank(), on_this_machine.Get_size()
+    finally:
+        on_this_machine.Free()
+
+
 def bootstrap(launch_path: Path) -> tuple[RankInfo, bytes, socket.socket | None]:
     """Meet the other ranks through MPI. Returns this rank's ``RankInfo``, the
     launch file's bytes (read by rank 0, sent to all), and on rank 0 the relay's
@@ -101,9 +113,7 @@ def bootstrap(launch_path: Path) -> tuple[RankInfo, bytes, socket.socket | None]
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
-    on_this_machine = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    local_rank, local_size = on_this_machine.Get_rank(), on_this_machine.Get_size()
-    on_this_machine.Free()
+    local_rank, local_size = _local_rank(comm, MPI)
     listener = shared = None
     if rank == 0:
         # One machine: everything on loopback. Several: the address of rank 0's machine (the

@@ -1,7 +1,7 @@
 """sagelmi's vLLM plugin (entry point group ``vllm.general_plugins``): vLLM loads it
 in every process it starts, engine workers included, before a model runs.
 
-It fixes two bugs of vLLM 0.32's CPU build; GPU builds are left alone.
+It fixes three bugs of vLLM 0.32's CPU build; GPU builds are left alone.
 
 - **LoRA in mixed batches.** The CPU LoRA kernels (``vllm/lora/ops/torch_ops``,
   ``bgmv_shrink``) pick each row's adapter weights by indexing with the row's slot,
@@ -20,7 +20,14 @@ It fixes two bugs of vLLM 0.32's CPU build; GPU builds are left alone.
   what the rewind means: the seeded answer is the same as if the prompt had been
   taken in one step.
 
-The second fix waits for vLLM to import its model runner (``_after_import``): only the
+- **Tensor parallel across machines.** The CPU build's all-reduce goes through shared
+  memory (``_CPUSHMDistributed``) whenever the group's ranks agree on a shared-memory name,
+  and that name is made of the rendezvous port, the same on every machine: ranks on two
+  machines (a cluster, ``container/supervisor/cluster.py``) then each map a segment of their
+  own and never meet. The fix makes that agreement also require one hostname, so such a
+  group falls back to ``torch.distributed`` (gloo), as vLLM does when the names differ.
+
+The second and third fixes wait for vLLM to import its model runner (``_after_import``): only the
 processes that run the model import it. Importing it in the others at plugin load cost
 start-up time: 0.23 s in the process holding ``AsyncLLM``, 0.56 s in the EngineCore
 (which needs about half of those modules later anyway).
@@ -40,6 +47,7 @@ log = logging.getLogger("sagelmi.vllm_plugin")
 
 _PATCHED = "_sagelmi_patched"
 _RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"  # GPUModelRunner: the CPU runner's base, it inherits both
+_CPU_COMMUNICATOR = "vllm.distributed.device_communicators.cpu_communicator"
 
 
 def _masking(shrink):
@@ -145,6 +153,26 @@ def _fix_runner(module: ModuleType) -> None:
         log.debug("vLLM CPU: seeded generators of split prompts are rewound by their state")
 
 
+def _fix_shm_check(module: ModuleType) -> None:
+    communicator = module.CpuCommunicator
+    check = communicator._all_group_ranks_share_shm_group_name
+    if getattr(check, _PATCHED, False):
+        return
+
+    def _all_group_ranks_share_shm_group_name(self) -> bool:
+        import socket
+
+        import torch
+
+        hosts: list[str] = [""] * self.world_size
+        torch.distributed.all_gather_object(hosts, socket.gethostname(), group=self.device_group)
+        return check(self) and len(set(hosts)) == 1  # every rank takes part in both gathers
+
+    setattr(_all_group_ranks_share_shm_group_name, _PATCHED, True)
+    communicator._all_group_ranks_share_shm_group_name = _all_group_ranks_share_shm_group_name
+    log.debug("vLLM CPU: shared-memory collectives only between ranks of one machine")
+
+
 def register() -> None:
     """Called by vLLM in each of its processes (possibly more than once)."""
     try:
@@ -163,3 +191,4 @@ def register() -> None:
         punica_cpu.bgmv_shrink = fixed  # what the CPU punica wrapper calls directly (decode, logits)
         log.debug("vLLM CPU LoRA: base-model rows of mixed batches get no adapter delta")
     _after_import(_RUNNER_MODULE, _fix_runner)
+    _after_import(_CPU_COMMUNICATOR, _fix_shm_check)

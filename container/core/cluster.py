@@ -1,0 +1,256 @@
+"""A cluster of nodes running the same image: its settings, read from each node's environment,
+and the authenticated channel its nodes talk over.
+
+One node is the *leader*: it serves HTTP and starts each worker group as one ``mpirun`` across
+every node. The others are *worker nodes*: they register with the leader and run what the
+leader's ``mpirun`` starts on them (``container/supervisor/cluster.py``). The names follow
+LMI's (``DJL_CLUSTER_SIZE``, ``DJL_LEADER_ADDR``) and Kubernetes LeaderWorkerSet's
+(``LWS_GROUP_SIZE``, ``LWS_LEADER_ADDRESS``, ``LWS_WORKER_INDEX``), ``SAGELMI_*`` first.
+
+The channel: a connection proves knowledge of the cluster's secret both ways (HMAC-SHA256 over
+two fresh nonces), then every message is a length-prefixed JSON object followed by an HMAC tag
+under a key derived from the secret and both nonces, with a counter per direction, so a
+message cannot be forged, altered, replayed or reordered by anyone without the secret. Nothing
+is encrypted: nothing secret crosses it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import socket
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_PORT = 8889  # not the model's port: the registration and launch channel
+DEFAULT_JOIN_TIMEOUT = 600.0
+HEARTBEAT = 1.0  # seconds between heartbeats on a registration
+LOST_AFTER = 5.0  # a registration silent this long is a lost node
+HANDSHAKE_TIMEOUT = 10.0
+MAX_MESSAGE = 1 << 20
+MIN_SECRET = 16  # characters
+
+SIZE_NAMES = ("SAGELMI_CLUSTER_SIZE", "DJL_CLUSTER_SIZE", "LWS_GROUP_SIZE")
+LEADER_NAMES = ("SAGELMI_LEADER_ADDR", "DJL_LEADER_ADDR", "LWS_LEADER_ADDRESS")
+INDEX_NAMES = ("SAGELMI_NODE_INDEX", "LWS_WORKER_INDEX")
+
+
+class ClusterError(Exception):
+    """A cluster setting that cannot work, or a peer that failed to authenticate."""
+
+
+def _first(env: dict[str, str], names: tuple[str, ...]) -> tuple[str, str] | None:
+    for name in names:
+        value = env.get(name, "").strip()
+        if value:
+            return name, value
+    return None
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    size: int  # nodes, the leader included
+    leader: str  # the leader's address (a name or an IP) as the workers reach it
+    secret: bytes
+    port: int = DEFAULT_PORT
+    index: int | None = None  # this node's index (0: the leader), when the environment says
+    node_address: str | None = None  # the address other nodes reach this one at, when set
+    join_timeout: float = DEFAULT_JOIN_TIMEOUT
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> ClusterConfig | None:
+        """The cluster this node belongs to, or ``None`` (a single machine).
+
+        Raises ``ClusterError`` (one line) for settings that cannot work."""
+        env = dict(os.environ if env is None else env)
+        found = _first(env, SIZE_NAMES)
+        if found is None:
+            return None
+        name, text = found
+        try:
+            size = int(text)
+        except ValueError:
+            raise ClusterError(f"{name}={text!r} is not a number of nodes") from None
+        if size < 1:
+            raise ClusterError(f"{name}={size}: a cluster has at least one node")
+        if size == 1:
+            return None  # LeaderWorkerSet sets LWS_GROUP_SIZE=1 for a single-node group
+        leader = _first(env, LEADER_NAMES)
+        if leader is None:
+            raise ClusterError(
+                f"{name}={size} needs the leader's address: set SAGELMI_LEADER_ADDR (or DJL_LEADER_ADDR)"
+            )
+        return cls(
+            size=size,
+            leader=leader[1],
+            secret=_secret(env),
+            port=_number(env, "SAGELMI_CLUSTER_PORT", DEFAULT_PORT, int),
+            index=_number(env, index[0], None, int) if (index := _first(env, INDEX_NAMES)) else None,
+            node_address=env.get("SAGELMI_NODE_ADDR") or None,
+            join_timeout=_number(env, "SAGELMI_CLUSTER_JOIN_TIMEOUT", DEFAULT_JOIN_TIMEOUT, float),
+        )
+
+    def is_leader(self) -> bool:
+        """Index 0 when the environment gives one; else whether the leader's address is one of
+        this machine's (an address a socket can bind to is local)."""
+        if self.index is not None:
+            return self.index == 0
+        try:
+            address = socket.gethostbyname(self.leader)
+        except OSError:
+            return False
+        with socket.socket() as probe:
+            try:
+                probe.bind((address, 0))
+            except OSError:
+                return False
+        return True
+
+    def expected_name(self, index: int) -> str:
+        """How a worker node is named in messages: LeaderWorkerSet's predictable hostname
+        (``<leader's first label>-<index>.<the rest>``) when the leader's address is one."""
+        if os.environ.get("LWS_LEADER_ADDRESS") == self.leader and "." in self.leader:
+            first, rest = self.leader.split(".", 1)
+            return f"worker node {index} ({first}-{index}.{rest})"
+        return f"worker node {index}"
+
+
+def _number(env: dict[str, str], name: str, default, kind):
+    text = env.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = kind(text)
+    except ValueError:
+        raise ClusterError(f"{name}={text!r} is not a number") from None
+    if value < 0:
+        raise ClusterError(f"{name}={text!r} must not be negative")
+    return value
+
+
+def _secret(env: dict[str, str]) -> bytes:
+    path = env.get("SAGELMI_CLUSTER_SECRET_FILE", "").strip()
+    if path:
+        try:
+            value = Path(path).read_text().strip()
+        except OSError as exc:
+            raise ClusterError(f"SAGELMI_CLUSTER_SECRET_FILE: cannot read it ({exc.strerror})") from None
+        source = "SAGELMI_CLUSTER_SECRET_FILE's file"
+    else:
+        value = env.get("SAGELMI_CLUSTER_SECRET", "").strip()
+        source = "SAGELMI_CLUSTER_SECRET"
+    if not value:
+        raise ClusterError(
+            "a cluster needs a shared secret on every node: set SAGELMI_CLUSTER_SECRET (or SAGELMI_CLUSTER_SECRET_FILE "
+            "naming a file, e.g. a Kubernetes secret); make one with: "
+            "python -c 'import secrets; print(secrets.token_hex(32))'"
+        )
+    if len(value) < MIN_SECRET:
+        raise ClusterError(f"{source} is too short: use at least {MIN_SECRET} random characters")
+    return value.encode()
+
+
+class Channel:
+    """One authenticated connection between two nodes of the cluster (see the module's text)."""
+
+    _LENGTH = struct.Struct(">I")
+
+    def __init__(self, sock: socket.socket, key: bytes, outgoing: bytes, incoming: bytes) -> None:
+        self.sock = sock
+        self._key = key
+        self._out_label, self._in_label = outgoing, incoming
+        self._sent = self._received = 0
+
+    @property
+    def peer(self) -> str:
+        try:
+            return self.sock.getpeername()[0]
+        except OSError:
+            return "?"
+
+    @classmethod
+    def connect(cls, sock: socket.socket, secret: bytes) -> Channel:
+        """The client's side of the handshake. Raises ``ClusterError`` when the server has a
+        different secret (or is not a cluster node)."""
+        sock.settimeout(HANDSHAKE_TIMEOUT)
+        server_nonce = _recv_exactly(sock, 32)
+        if server_nonce is None:
+            raise ClusterError("the connection closed during the handshake")
+        client_nonce = secrets.token_bytes(32)
+        sock.sendall(client_nonce + _mac(secret, b"client", server_nonce, client_nonce))
+        answer = _recv_exactly(sock, 32)
+        if answer is None or not hmac.compare_digest(answer, _mac(secret, b"server", client_nonce, server_nonce)):
+            raise ClusterError("the cluster secrets differ")
+        sock.settimeout(None)
+        key = _mac(secret, b"session", server_nonce, client_nonce)
+        return cls(sock, key, b"c", b"s")
+
+    @classmethod
+    def accept(cls, sock: socket.socket, secret: bytes) -> Channel:
+        """The server's side. Raises ``ClusterError`` when the client does not know the secret."""
+        sock.settimeout(HANDSHAKE_TIMEOUT)
+        server_nonce = secrets.token_bytes(32)
+        sock.sendall(server_nonce)
+        reply = _recv_exactly(sock, 64)
+        if reply is None:
+            raise ClusterError("it closed the connection during the handshake")
+        client_nonce, proof = reply[:32], reply[32:]
+        if not hmac.compare_digest(proof, _mac(secret, b"client", server_nonce, client_nonce)):
+            raise ClusterError("it does not know the cluster's secret")
+        sock.sendall(_mac(secret, b"server", client_nonce, server_nonce))
+        sock.settimeout(None)
+        key = _mac(secret, b"session", server_nonce, client_nonce)
+        return cls(sock, key, b"s", b"c")
+
+    def send(self, message: dict) -> None:
+        body = json.dumps(message, separators=(",", ":")).encode()
+        tag = _mac(self._key, self._out_label, self._sent.to_bytes(8, "big"), body)
+        self._sent += 1
+        self.sock.sendall(self._LENGTH.pack(len(body)) + body + tag)
+
+    def receive(self) -> dict | None:
+        """The next message, or ``None`` when the peer closed the connection. Raises
+        ``ClusterError`` for a message that fails its tag."""
+        head = _recv_exactly(self.sock, self._LENGTH.size)
+        if head is None:
+            return None
+        (length,) = self._LENGTH.unpack(head)
+        if length > MAX_MESSAGE:
+            raise ClusterError(f"a message of {length} bytes")
+        rest = _recv_exactly(self.sock, length + 32)
+        if rest is None:
+            return None
+        body, tag = rest[:length], rest[length:]
+        if not hmac.compare_digest(tag, _mac(self._key, self._in_label, self._received.to_bytes(8, "big"), body)):
+            raise ClusterError("a message failed its authentication tag")
+        self._received += 1
+        return json.loads(body)
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+def _mac(key: bytes, *parts: bytes) -> bytes:
+    return hmac.new(key, b"|".join(parts), hashlib.sha256).digest()
+
+
+def _recv_exactly(sock: socket.socket, count: int) -> bytes | None:
+    """``count`` bytes, or ``None`` when the connection closes first."""
+    data = bytearray()
+    while len(data) < count:
+        try:
+            chunk = sock.recv(count - len(data))
+        except ConnectionResetError:
+            chunk = b""
+        if not chunk:
+            return None
+        data += chunk
+    return bytes(data)

@@ -1,0 +1,391 @@
+"""The cluster's own code: a thin bootstrap over Open MPI, never a scheduler.
+
+- ``Leader``: the leader's registry. Worker nodes connect to its cluster port, prove they know
+  the secret (``container.core.cluster.Channel``) and stay connected, sending heartbeats; a
+  node whose connection closes or falls silent is gone. The supervisor waits for every node
+  before it starts a group, starts the group as one ``mpirun`` over the registered addresses,
+  and ends the group at once when a node goes.
+- ``WorkerNode``: what ``sagelmi serve`` is on a worker node: ``/ping`` says "cluster worker"
+  (never 200), the registration (reconnecting whenever the leader goes), and the launch
+  service ``mpirun`` reaches through ``container.supervisor.rsh``, which runs Open MPI's
+  daemon (``prted``) and nothing else, and kills it and everything below it when the leader's
+  side of the connection closes.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import logging
+import os
+import re
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+from container.core.cluster import HEARTBEAT, LOST_AFTER, Channel, ClusterConfig, ClusterError
+from container.core.devices import GroupPlan
+from container.core.settings import Settings
+from container.supervisor.processes import StartupError, _kill_family, _start
+
+log = logging.getLogger("sagelmi.cluster")
+
+RETRY = 1.0  # seconds between a worker node's attempts to reach the leader
+
+
+@dataclass
+class Node:
+    index: int
+    address: str  # as the leader sees it: mpirun's --host
+    hostname: str
+    slots: int
+    channel: Channel
+    since: float
+
+
+def _listen(config: ClusterConfig) -> socket.socket:
+    host = config.node_address or "0.0.0.0"
+    try:
+        sock = socket.create_server((host, config.port), reuse_port=False)
+    except OSError as exc:
+        raise StartupError(f"cannot listen on the cluster port {host}:{config.port}: {exc.strerror}") from None
+    return sock
+
+
+def _serve_forever(sock: socket.socket, handle, name: str) -> None:
+    def loop() -> None:
+        while True:
+            try:
+                conn, address = sock.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(target=handle, args=(conn, address), name=name, daemon=True).start()
+
+    threading.Thread(target=loop, name=f"{name}-accept", daemon=True).start()
+
+
+class Leader:
+    """The leader's view of its worker nodes (see the module's text)."""
+
+    def __init__(self, config: ClusterConfig) -> None:
+        self.config = config
+        self.nodes: dict[int, Node] = {}
+        self.local_address: str | None = None  # this node's address as the workers reach it
+        self.losses = 0  # how many times a node went away: a group started before a loss must end
+        self.lost: dict[int, str] = {}  # index -> why, for nodes gone and not back
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+
+    def start(self) -> Leader:
+        self._sock = _listen(self.config)
+        _serve_forever(self._sock, self._serve, "cluster")
+        threading.Thread(target=self._beat, name="cluster-heartbeat", daemon=True).start()
+        log.info("cluster leader: waiting for %d worker node(s) on port %d", self.config.size - 1, self.config.port)
+        return self
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+        with self._lock:
+            for node in self.nodes.values():
+                node.channel.close()
+
+    # -- what the supervisor asks
+    def missing(self) -> list[int]:
+        with self._lock:
+            return [i for i in range(1, self.config.size) if i not in self.nodes]
+
+    def complete(self) -> bool:
+        return not self.missing()
+
+    def hosts(self, slots: int) -> list[str]:
+        """``mpirun --host`` entries: this node first (rank 0 answers), then each worker node."""
+        with self._lock:
+            return [f"{self.local_address}:{slots}"] + [f"{self.nodes[i].address}:{slots}" for i in sorted(self.nodes)]
+
+    def describe_missing(self) -> str:
+        lost = self.lost
+        return ", ".join(self.config.expected_name(i) + (f" ({lost[i]})" if i in lost else "") for i in self.missing())
+
+    def wait(self, timeout: float, stopping) -> None:
+        """Until every worker node registered; ``StartupError`` naming the missing ones after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while not self.complete():
+            if stopping():
+                return
+            if time.monotonic() > deadline:
+                raise StartupError(
+                    f"cluster: {self.describe_missing()} did not register with this leader within {timeout:g}s "
+                    f"(SAGELMI_CLUSTER_JOIN_TIMEOUT); check that it runs with the same SAGELMI_CLUSTER_SECRET and "
+                    f"reaches {self.config.leader}:{self.config.port}"
+                )
+            time.sleep(0.1)
+        log.info("cluster: all %d worker node(s) registered", self.config.size - 1)
+
+    # -- the registration service
+    def _serve(self, conn: socket.socket, address) -> None:
+        try:
+            channel = Channel.accept(conn, self.config.secret)
+            hello = channel.receive()
+        except (ClusterError, OSError, ValueError) as exc:
+            log.error("cluster: refused a node at %s: %s", address[0], exc)
+            conn.close()
+            return
+        if not hello or hello.get("type") != "register":
+            channel.close()
+            return
+        with self._lock:
+            wanted = hello.get("index")
+            free = [i for i in range(1, self.config.size) if i not in self.nodes]
+            index = wanted if isinstance(wanted, int) and 0 < wanted < self.config.size else (free[0] if free else None)
+            if index is None:
+                log.error("cluster: refused a node at %s: all %d places are taken", address[0], self.config.size - 1)
+                channel.close()
+                return
+            old = self.nodes.pop(index, None)
+            hostname, slots = str(hello.get("hostname", "?")), int(hello.get("slots", 1))
+            node = Node(index, address[0], hostname, slots, channel, time.monotonic())
+            self.nodes[index] = node
+            self.local_address = conn.getsockname()[0]
+            self.lost.pop(index, None)
+        if old is not None:
+            old.channel.close()  # a node that restarted: its old connection is stale
+        log.info("cluster: worker node %d registered from %s (%s)", index, node.address, node.hostname)
+        try:
+            channel.send({"type": "welcome", "index": index})
+            conn.settimeout(LOST_AFTER)
+            while channel.receive() is not None:
+                pass
+            why = "its connection closed"
+        except (ClusterError, OSError, ValueError) as exc:
+            why = "silent for 5 s" if isinstance(exc, TimeoutError) else f"its connection failed ({exc})"
+        with self._lock:
+            if self.nodes.get(index) is not node:
+                return  # replaced by a newer registration
+            del self.nodes[index]
+            self.losses += 1
+            self.lost[index] = f"{node.address} went away: {why}"
+        channel.close()
+        log.error("cluster: worker node %d (%s) went away: %s", index, node.address, why)
+
+    def _beat(self) -> None:
+        while True:
+            time.sleep(HEARTBEAT)
+            with self._lock:
+                nodes = list(self.nodes.values())
+            for node in nodes:
+                try:
+                    node.channel.send({"type": "heartbeat"})
+                except OSError:
+                    pass  # its reader notices
+
+
+class _WorkerPing(http.server.BaseHTTPRequestHandler):
+    leader = ""
+
+    def _answer(self) -> None:
+        body = json.dumps(
+            {
+                "code": 503,
+                "message": "cluster worker",
+                "error": f"this node is a worker of the cluster led by {self.leader}: send requests to the leader",
+            }
+        ).encode()
+        self.send_response(503)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_POST = do_PUT = do_DELETE = _answer
+
+    def log_message(self, *args) -> None:  # no access log
+        pass
+
+
+# What the launch service runs: Open MPI's daemon from this image, after the variables mpirun sets.
+_PRTED = re.compile(r"^(?:[A-Z_]+=[^;]*;export [A-Z_]+;)*(\S+/prted)( .*)?$", re.S)
+
+
+class WorkerNode:
+    """``sagelmi serve`` on a worker node (see the module's text)."""
+
+    def __init__(self, config: ClusterConfig, listener: socket.socket, stopping) -> None:
+        self.config = config
+        self.listener = listener  # the HTTP port
+        self.stopping = stopping
+        self.registered = threading.Event()
+        self._launches: set = set()
+        self._lock = threading.Lock()
+
+    def start(self) -> WorkerNode:
+        handler = type("Ping", (_WorkerPing,), {"leader": self.config.leader})
+        server = http.server.ThreadingHTTPServer(("0.0.0.0", 0), handler, bind_and_activate=False)
+        server.socket.close()
+        server.socket = self.listener
+        threading.Thread(target=server.serve_forever, name="worker-ping", daemon=True).start()
+        self._sock = _listen(self.config)
+        _serve_forever(self._sock, self._launch, "cluster-launch")
+        return self
+
+    def run(self) -> None:
+        """Register with the leader and stay registered until stopped."""
+        while not self.stopping():
+            try:
+                self._registration()
+            except ClusterError as exc:
+                leader = f"{self.config.leader}:{self.config.port}"
+                raise StartupError(f"cluster: the leader at {leader} refused this node: {exc}") from None
+            except OSError as exc:
+                log.debug("cluster: leader not reachable: %s", exc)
+            self.registered.clear()
+            for _ in range(int(RETRY * 10)):
+                if self.stopping():
+                    break
+                time.sleep(0.1)
+
+    def _registration(self) -> None:
+        source = (self.config.node_address, 0) if self.config.node_address else None
+        sock = socket.create_connection((self.config.leader, self.config.port), timeout=5, source_address=source)
+        channel = Channel.connect(sock, self.config.secret)
+        channel.send({"type": "register", "index": self.config.index, "hostname": socket.gethostname(), "slots": 1})
+        sock.settimeout(LOST_AFTER)
+        welcome = channel.receive()
+        if not welcome:
+            raise OSError("the leader closed the connection")
+        log.info("cluster: registered with the leader at %s as worker node %s", self.config.leader, welcome["index"])
+        self.registered.set()
+        stop = threading.Event()
+
+        def beat() -> None:
+            while not stop.wait(HEARTBEAT):
+                try:
+                    channel.send({"type": "heartbeat"})
+                except OSError:
+                    return
+
+        threading.Thread(target=beat, name="cluster-heartbeat", daemon=True).start()
+        try:
+            while not self.stopping() and channel.receive() is not None:
+                pass
+            log.warning("cluster: lost the leader at %s; registering again", self.config.leader)
+        except (TimeoutError, ClusterError, OSError) as exc:
+            log.warning("cluster: lost the leader at %s (%s); registering again", self.config.leader, exc)
+        finally:
+            stop.set()
+            channel.close()
+
+    def _launch(self, conn: socket.socket, address) -> None:
+        try:
+            channel = Channel.accept(conn, self.config.secret)
+            request = channel.receive() or {}
+        except (ClusterError, OSError, ValueError) as exc:
+            log.error("cluster: refused a launch from %s: %s", address[0], exc)
+            conn.close()
+            return
+        command = str(request.get("command", ""))
+        match = _PRTED.match(command)
+        ours = match is not None and os.path.dirname(match.group(1)) == os.path.dirname(sys.executable)
+        if request.get("type") != "launch" or not ours:
+            log.error("cluster: refused a launch from %s: only Open MPI's prted of this image runs here", address[0])
+            channel.close()
+            return
+        log.info("cluster: starting Open MPI's daemon for the leader at %s", address[0])
+        process = _start(["/bin/sh", "-c", command], stdin=open(os.devnull))  # noqa: SIM115 - the child owns it
+        with self._lock:
+            self._launches.add(process)
+        closed = threading.Event()
+
+        def watch_leader() -> None:
+            try:
+                while channel.receive() is not None:
+                    pass
+            except (ClusterError, OSError, ValueError):
+                pass
+            closed.set()
+
+        threading.Thread(target=watch_leader, name="cluster-launch-watch", daemon=True).start()
+        while process.poll() is None and not closed.is_set():
+            time.sleep(0.1)
+        code = process.poll()
+        if code is None:
+            log.info("cluster: the leader's side closed; stopping what it started here")
+        _kill_family(process)
+        with self._lock:
+            self._launches.discard(process)
+        if code is not None:
+            try:
+                channel.send({"type": "exit", "code": code})
+            except OSError:
+                pass
+        channel.close()
+
+    def stop(self) -> None:
+        with self._lock:
+            launches = list(self._launches)
+        for process in launches:
+            _kill_family(process)
+
+
+def cluster_config(settings: Settings) -> ClusterConfig | None:
+    """This node's cluster from the environment, checked against the settings (one line each,
+    before any download); ``None`` on a single machine."""
+    try:
+        config = ClusterConfig.from_env()
+    except ClusterError as exc:
+        raise StartupError(str(exc)) from None
+    if config is None:
+        return None
+    if not settings.use_mpi:
+        raise StartupError(
+            f"a cluster of {config.size} nodes runs each worker group as one mpirun across them: set "
+            f"option.rolling_batch=lmi-dist (vLLM across the nodes) or option.mpi_mode=true (your model.py)"
+        )
+    if settings.mpi_hostfile:
+        raise StartupError(
+            "option.mpi_hostfile and a cluster (SAGELMI_CLUSTER_SIZE) both name the nodes: set one of them"
+        )
+    world = settings.pipeline_parallel_degree * (
+        settings.tensor_parallel_degree if isinstance(settings.tensor_parallel_degree, int) else 0
+    )
+    if world == 0 or world % config.size:
+        raise StartupError(
+            f"option.tensor_parallel_degree x option.pipeline_parallel_degree ({world or 'max'}) must be a number "
+            f"divisible by the cluster's {config.size} nodes: each node runs the same share of the ranks"
+        )
+    return config
+
+
+def cluster_plan(settings: Settings, devices: list[str], config: ClusterConfig) -> list[GroupPlan]:
+    """One worker group across the nodes: ``tp x pp / nodes`` ranks on each, this node's devices
+    (each node uses its own visible devices, one per local rank)."""
+    tp = settings.tensor_parallel_degree
+    assert isinstance(tp, int), "cluster_config refuses tp=max"
+    per_node = tp * settings.pipeline_parallel_degree // config.size
+    if devices and per_node > len(devices):
+        raise StartupError(
+            f"each of the cluster's {config.size} nodes runs {per_node} ranks, but this one sees "
+            f"{len(devices)} accelerators ({','.join(devices)})"
+        )
+    return [GroupPlan(0, tuple(devices[:per_node]), tp, settings.pipeline_parallel_degree)]
+
+
+def cluster_share(plans: list[GroupPlan], config: ClusterConfig) -> list[GroupPlan]:
+    """The part of each group on one node, for splitting its cores between local ranks."""
+    return [GroupPlan(p.index, p.devices, p.world_size // config.size) for p in plans]
+
+
+def serve_worker_node(config: ClusterConfig, listener: socket.socket, prepare, stopping) -> int:
+    """``sagelmi serve`` on a worker node: ``/ping`` says so, ``prepare`` installs the
+    requirements and fetches the model as on the leader, then the node registers and runs what
+    the leader's ``mpirun`` starts here, until stopped."""
+    node = WorkerNode(config, listener, stopping).start()
+    try:
+        log.info("cluster worker node of %s: preparing the model, then registering", config.leader)
+        prepare()
+        node.run()
+    finally:
+        node.stop()
+    return 0

@@ -1,0 +1,166 @@
+"""A cluster's settings, its authenticated channel and the mpirun line across its nodes
+(the cluster itself runs in tests/integration/test_cluster.py and tests/container/test_cluster.py)."""
+
+import socket
+import threading
+
+import pytest
+
+from container import supervisor
+from container.core.cluster import Channel, ClusterConfig, ClusterError
+from container.core.devices import GroupPlan
+from container.core.settings import resolve_settings
+from container.supervisor.cluster import cluster_config, cluster_plan
+
+SECRET = "s3cret-s3cret-s3cret"
+
+
+def test_no_cluster_size_or_a_size_of_one_is_a_single_machine():
+    assert ClusterConfig.from_env({}) is None
+    assert ClusterConfig.from_env({"LWS_GROUP_SIZE": "1", "LWS_LEADER_ADDRESS": "x"}) is None
+
+
+@pytest.mark.parametrize("env", [
+    {"SAGELMI_CLUSTER_SIZE": "2", "SAGELMI_LEADER_ADDR": "leader", "SAGELMI_CLUSTER_SECRET": SECRET},
+    {"DJL_CLUSTER_SIZE": "2", "DJL_LEADER_ADDR": "leader", "SAGELMI_CLUSTER_SECRET": SECRET},
+    {"LWS_GROUP_SIZE": "2", "LWS_LEADER_ADDRESS": "leader", "LWS_WORKER_INDEX": "1", "SAGELMI_CLUSTER_SECRET": SECRET},
+], ids=["sagelmi", "lmi", "leaderworkerset"])
+def test_each_spelling_names_the_cluster(env):
+    config = ClusterConfig.from_env(env)
+    assert (config.size, config.leader, config.secret) == (2, "leader", SECRET.encode())
+    assert config.index == (1 if "LWS_WORKER_INDEX" in env else None)
+
+
+def test_the_secret_can_be_a_file(tmp_path):
+    (tmp_path / "secret").write_text(SECRET + "\n")
+    config = ClusterConfig.from_env({"SAGELMI_CLUSTER_SIZE": "2", "SAGELMI_LEADER_ADDR": "l",
+                                     "SAGELMI_CLUSTER_SECRET_FILE": str(tmp_path / "secret")})
+    assert config.secret == SECRET.encode()
+
+
+@pytest.mark.parametrize("env,message", [
+    ({"SAGELMI_CLUSTER_SIZE": "two"}, "SAGELMI_CLUSTER_SIZE='two' is not a number of nodes"),
+    ({"SAGELMI_CLUSTER_SIZE": "2"}, "needs the leader's address: set SAGELMI_LEADER_ADDR"),
+    ({"SAGELMI_CLUSTER_SIZE": "2", "SAGELMI_LEADER_ADDR": "l"}, "needs a shared secret on every node"),
+    ({"SAGELMI_CLUSTER_SIZE": "2", "SAGELMI_LEADER_ADDR": "l", "SAGELMI_CLUSTER_SECRET": "short"}, "too short"),
+    ({"SAGELMI_CLUSTER_SIZE": "2", "SAGELMI_LEADER_ADDR": "l", "SAGELMI_CLUSTER_SECRET_FILE": "/nonexistent/s"},
+     "cannot read it"),
+    ({"SAGELMI_CLUSTER_SIZE": "2", "SAGELMI_LEADER_ADDR": "l", "SAGELMI_CLUSTER_SECRET": SECRET,
+      "SAGELMI_CLUSTER_PORT": "x"}, "SAGELMI_CLUSTER_PORT='x' is not a number"),
+])
+def test_settings_that_cannot_work_are_one_line(env, message):
+    with pytest.raises(ClusterError, match=message) as caught:
+        ClusterConfig.from_env(env)
+    assert "\n" not in str(caught.value)
+
+
+def test_the_leader_is_index_zero_or_the_node_whose_address_it_is():
+    base = {"SAGELMI_CLUSTER_SIZE": "2", "SAGELMI_CLUSTER_SECRET": SECRET}
+    assert ClusterConfig.from_env({**base, "SAGELMI_LEADER_ADDR": "127.0.0.1"}).is_leader()
+    assert not ClusterConfig.from_env({**base, "SAGELMI_LEADER_ADDR": "203.0.113.7"}).is_leader()
+    worker = {**base, "SAGELMI_LEADER_ADDR": "127.0.0.1", "SAGELMI_NODE_INDEX": "1"}
+    assert not ClusterConfig.from_env(worker).is_leader()
+
+
+def test_leaderworkerset_names_a_missing_worker_by_its_hostname(monkeypatch):
+    monkeypatch.setenv("LWS_LEADER_ADDRESS", "llama-0.llama.default")
+    config = ClusterConfig(size=3, leader="llama-0.llama.default", secret=b"x" * 16)
+    assert config.expected_name(2) == "worker node 2 (llama-0-2.llama.default)"
+
+
+def _pair(server_secret: bytes, client_secret: bytes):
+    a, b = socket.socketpair()
+    result = {}
+
+    def serve():
+        try:
+            result["server"] = Channel.accept(a, server_secret)
+        except ClusterError as exc:
+            result["server"] = exc
+            a.close()
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    try:
+        result["client"] = Channel.connect(b, client_secret)
+    except ClusterError as exc:
+        result["client"] = exc
+    thread.join(5)
+    return result["server"], result["client"]
+
+
+def test_the_channel_carries_messages_both_ways_with_one_secret():
+    server, client = _pair(b"k" * 20, b"k" * 20)
+    client.send({"type": "register", "index": 1})
+    assert server.receive() == {"type": "register", "index": 1}
+    server.send({"type": "welcome"})
+    assert client.receive() == {"type": "welcome"}
+    client.close()
+    assert server.receive() is None
+
+
+def test_a_different_secret_is_refused_on_both_sides():
+    server, client = _pair(b"k" * 20, b"j" * 20)
+    assert isinstance(server, ClusterError) and "does not know the cluster's secret" in str(server)
+    assert isinstance(client, ClusterError) and "the cluster secrets differ" in str(client)
+
+
+class _Capture:
+    def __init__(self):
+        self.frames = []
+
+    def sendall(self, data):
+        self.frames.append(data)
+
+
+def _frame(client: Channel, message: dict) -> bytes:
+    """The bytes ``client`` would send for its next message."""
+    capture = _Capture()
+    twin = Channel(capture, client._key, client._out_label, client._in_label)
+    twin._sent = client._sent
+    twin.send(message)
+    return capture.frames[0]
+
+
+def test_an_altered_message_fails_its_tag():
+    server, client = _pair(b"k" * 20, b"k" * 20)
+    frame = _frame(client, {"type": "launch", "command": "prted"})
+    client.sock.sendall(frame.replace(b"prted", b"rm -r"))
+    with pytest.raises(ClusterError, match="authentication tag"):
+        server.receive()
+
+
+def test_a_replayed_message_fails_its_tag():
+    server, client = _pair(b"k" * 20, b"k" * 20)
+    frame = _frame(client, {"type": "launch", "command": "prted"})
+    client.sock.sendall(frame + frame)
+    assert server.receive() == {"type": "launch", "command": "prted"}
+    with pytest.raises(ClusterError, match="authentication tag"):
+        server.receive()
+
+
+def test_cluster_settings_are_checked_against_the_engine_settings(tmp_path, monkeypatch):
+    for name, value in {"SAGELMI_CLUSTER_SIZE": "2", "SAGELMI_LEADER_ADDR": "127.0.0.1",
+                        "SAGELMI_CLUSTER_SECRET": SECRET}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(supervisor.StartupError, match="runs each worker group as one mpirun across them"):
+        cluster_config(resolve_settings({"TENSOR_PARALLEL_DEGREE": "2"}, tmp_path))
+    with pytest.raises(supervisor.StartupError, match=r"\(3\) must be a number divisible by the cluster's 2 nodes"):
+        cluster_config(resolve_settings({"OPTION_MPI_MODE": "true", "TENSOR_PARALLEL_DEGREE": "3"}, tmp_path))
+    settings = resolve_settings({"OPTION_ROLLING_BATCH": "lmi-dist", "TENSOR_PARALLEL_DEGREE": "4"}, tmp_path)
+    config = cluster_config(settings)
+    assert cluster_plan(settings, ["0", "1", "2", "3"], config) == [GroupPlan(0, ("0", "1"), 4, 1)]
+    with pytest.raises(supervisor.StartupError, match="cluster's 2 nodes runs 2 ranks, but this one sees 1"):
+        cluster_plan(settings, ["0"], config)
+
+
+def test_mpirun_across_a_cluster_reaches_the_nodes_through_sagelmi_not_ssh(tmp_path):
+    settings = resolve_settings({"OPTION_MPI_MODE": "true", "TENSOR_PARALLEL_DEGREE": "2"}, tmp_path)
+    env = {"CUDA_VISIBLE_DEVICES": "0", "SAGELMI_CLUSTER_SECRET": SECRET, "SAGELMI_NODE_INDEX": "0",
+           "SAGELMI_CLUSTER_SIZE": "2", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    command = supervisor.mpirun_command("/x/mpirun", settings, GroupPlan(0, (), 2, 1), ["w"], env,
+                                        hosts=["10.0.0.1:1", "10.0.0.2:1"])
+    assert command[command.index("--host") + 1] == "10.0.0.1:1,10.0.0.2:1"
+    assert command[command.index("plm_rsh_agent") + 1].endswith(" -m container.supervisor.rsh")
+    exported = {command[i + 1] for i, word in enumerate(command) if word == "-x"}
+    assert exported == {"SAGELMI_CLUSTER_SIZE", "VLLM_CPU_KVCACHE_SPACE"}  # not the secret, not per-node values
