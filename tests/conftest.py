@@ -1,4 +1,10 @@
+import subprocess
+import sys
+
 import pytest
+
+from tests.e2e.conftest import ENGINE_READY_TIMEOUT, EXACT, TINY_CONTEXT, VLLM_CPU_ENV
+from tests.server import REPO, Server, clean_env
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -10,3 +16,21 @@ def pytest_sessionfinish(session, exitstatus):
     # A run that selects no tests is a broken run, never a green one.
     if exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tiny-model")
+    # A long context, so that a request can run for seconds: the tiny model decodes thousands of tokens a second.
+    subprocess.run([sys.executable, "-m", "container", "tiny-model", str(directory), "--max-model-len",
+                    str(TINY_CONTEXT)], check=True, cwd=REPO, env=clean_env(), capture_output=True, timeout=300)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tiny_model):
+    """One real vLLM server (CPU build) on the tiny model, in float32: the single-process reference
+    of the e2e and container tests."""
+    with Server(tiny_model, env={**VLLM_CPU_ENV, **EXACT, "OPTION_MAX_ROLLING_BATCH_SIZE": "64"},
+                ready_timeout=ENGINE_READY_TIMEOUT) as server:
+        yield server

@@ -65,8 +65,10 @@ class Server:
 
     live: set["Server"] = set()
 
-    def __init__(self, model_dir: str | Path, env: dict[str, str] | None = None, ready_timeout: float = 180) -> None:
+    def __init__(self, model_dir: str | Path, env: dict[str, str] | None = None, ready_timeout: float = 180,
+                 wrapper: list[str] | None = None) -> None:
         self.model_dir = Path(model_dir)
+        self.wrapper = wrapper or []  # a command that runs the server's command line given as its arguments
         self.ready_timeout = ready_timeout
         self.port = free_port()
         self.env = clean_env(env)
@@ -76,7 +78,7 @@ class Server:
     # -- lifecycle
     def start(self, wait_ready: bool = True, timeout: float | None = None) -> "Server":
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "container", "serve", "--model-dir", str(self.model_dir),
+            [*self.wrapper, sys.executable, "-m", "container", "serve", "--model-dir", str(self.model_dir),
              "--port", str(self.port)],
             env=self.env, stdout=self.log_file, stderr=subprocess.STDOUT, cwd=REPO)
         Server.live.add(self)

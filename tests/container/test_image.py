@@ -19,22 +19,18 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.container.conftest import MEASURED
+from tests.container.conftest import (
+    IMAGE,
+    MEASURED,
+    PODMAN,
+    RUN_LIMITS,
+    STOP_WITHIN,
+    logs,
+    podman,
+    readme_command,
+)
 from tests.readme import run_shell, section, shell_commands
 from tests.server import MODEL_DIRS, REPO, free_port
-
-README_COMMANDS = shell_commands(section("Test the image locally"))  # docs/image.md
-
-PODMAN = ["podman", "--runtime", "runc"]  # the default runtime refuses this machine's cgroups
-RUN_LIMITS = ["--ulimit", "nofile=20000:20000", "--ulimit", "nproc=32768:32768"]
-BASE_IMAGE = "localhost/sagelmi-base:bookworm"
-BUILD_VARIABLES = {
-    "CONTAINER": " ".join(PODMAN),
-    "BASE_IMAGE": BASE_IMAGE,
-    "IMAGE_BUILD_FLAGS": "--pull=never --network=host -v /opt/wheels:/opt/wheels:ro --build-arg PIP_FIND_LINKS=/opt/wheels",
-}
-IMAGE = "localhost/sagelmi:cpu"
-STOP_WITHIN = 30  # SageMaker sends SIGKILL 30 s after SIGTERM
 
 pytestmark = [
     pytest.mark.container,
@@ -42,13 +38,6 @@ pytestmark = [
     pytest.mark.timeout(1800),  # the first test builds the image: minutes without a layer cache
     pytest.mark.skipif(shutil.which("podman") is None, reason="podman is not installed (.ci/run installs it)"),
 ]
-
-
-def readme_command(start: str) -> str:
-    """The command of this README section that is ``start`` or starts with it (there must be one)."""
-    found = [c for c in README_COMMANDS if c == start] or [c for c in README_COMMANDS if c.startswith(start)]
-    assert len(found) == 1, (start, README_COMMANDS)
-    return found[0]
 
 
 def on_this_machine(command: str, name: str, substitutions: dict[str, str] | None = None) -> list[str]:
@@ -66,18 +55,6 @@ def on_this_machine(command: str, name: str, substitutions: dict[str, str] | Non
     if words[len(PODMAN)] == "stop":
         words[-1] = name
     return words
-
-
-def podman(*args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
-    result = subprocess.run([*PODMAN, *args], capture_output=True, text=True, timeout=timeout)
-    if check and result.returncode != 0:
-        raise AssertionError(f"podman {' '.join(args)} exited {result.returncode}:\n{result.stderr}")
-    return result
-
-
-def logs(name: str) -> str:
-    result = podman("logs", name, check=False)
-    return result.stdout + result.stderr
 
 
 def wait_ping(port: int, name: str, timeout: float) -> float:
@@ -115,19 +92,6 @@ def curl_json(command: str, port: int) -> dict:
     result = run_shell(command, port, timeout=300)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
-
-
-@pytest.fixture(scope="session")
-def image() -> str:
-    """The CPU image, built by the README's command (cached layers make a rebuild quick)."""
-    subprocess.run([str(Path(__file__).parent / "base_image.sh"), BASE_IMAGE], check=True, timeout=900)
-    command = shlex.split(readme_command("make image")) + [f"{k}={v}" for k, v in BUILD_VARIABLES.items()]
-    started = time.monotonic()
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=2400)
-    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
-    size = int(podman("image", "inspect", "--format", "{{.Size}}", IMAGE).stdout)
-    MEASURED.append(f"{IMAGE}: built in {time.monotonic() - started:.0f} s, {size / 1e9:.2f} GB")
-    return IMAGE
 
 
 @pytest.fixture

@@ -1,11 +1,13 @@
-"""One real vLLM server (CPU build) on the built-in tiny model, shared by the e2e tests."""
+"""What the e2e tests share: the settings vLLM's CPU build needs here, the tiny model with the reasoning
+and tool tokens. The tiny model and the one vLLM server on it are in tests/conftest.py (the container
+tests compare with it too)."""
 
 import subprocess
 import sys
 
 import pytest
 
-from tests.server import REPO, Server, clean_env
+from tests.server import REPO, clean_env
 
 # What vLLM's CPU build needs on a small machine (see docs/troubleshooting.md).
 VLLM_CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
@@ -18,15 +20,6 @@ ENGINE_READY_TIMEOUT = 240
 
 
 @pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("tiny-model")
-    # A long context, so that a request can run for seconds: the tiny model decodes thousands of tokens a second.
-    subprocess.run([sys.executable, "-m", "container", "tiny-model", str(directory), "--max-model-len",
-                    str(TINY_CONTEXT)], check=True, cwd=REPO, env=clean_env(), capture_output=True, timeout=300)
-    return directory
-
-
-@pytest.fixture(scope="session")
 def tiny_think_model(tmp_path_factory):
     """The tiny model with the special tokens vLLM's reasoning and tool parsers look for."""
     directory = tmp_path_factory.mktemp("tiny-think-model")
@@ -34,10 +27,3 @@ def tiny_think_model(tmp_path_factory):
     subprocess.run([sys.executable, "-m", "container", "tiny-model", str(directory), *tokens], check=True, cwd=REPO,
                    env=clean_env(), capture_output=True, timeout=300)
     return directory
-
-
-@pytest.fixture(scope="session")
-def vllm_server(tiny_model):
-    with Server(tiny_model, env={**VLLM_CPU_ENV, **EXACT, "OPTION_MAX_ROLLING_BATCH_SIZE": "64"},
-                ready_timeout=ENGINE_READY_TIMEOUT) as server:
-        yield server

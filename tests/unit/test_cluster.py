@@ -2,6 +2,7 @@
 (the cluster itself runs in tests/integration/test_cluster.py and tests/container/test_cluster.py)."""
 
 import socket
+from pathlib import Path
 import threading
 
 import pytest
@@ -164,3 +165,29 @@ def test_mpirun_across_a_cluster_reaches_the_nodes_through_sagelmi_not_ssh(tmp_p
     assert command[command.index("plm_rsh_agent") + 1].endswith(" -m container.supervisor.rsh")
     exported = {command[i + 1] for i, word in enumerate(command) if word == "-x"}
     assert exported == {"SAGELMI_CLUSTER_SIZE", "VLLM_CPU_KVCACHE_SPACE"}  # not the secret, not per-node values
+
+
+def test_the_leaderworkerset_manifest_of_the_docs_runs_one_image_with_one_environment():
+    import re
+
+    import yaml
+
+    from tests.server import REPO
+
+    (text,) = re.findall(r"```yaml\n(.*?)```", (REPO / "docs" / "cluster.md").read_text(), re.S)
+    manifest = yaml.safe_load(text)
+    template = manifest["spec"]["leaderWorkerTemplate"]
+    leader, worker = (template[t]["spec"]["containers"][0] for t in ("leaderTemplate", "workerTemplate"))
+    assert leader["image"] == worker["image"] and leader["args"] == worker["args"] == ["serve"]
+    env = {e["name"]: e["value"] for e in leader["env"]}
+    assert env == {e["name"]: e["value"] for e in worker["env"]}
+    # What LeaderWorkerSet sets, with the manifest's own variables, is a cluster sagelmi accepts.
+    secret = REPO / "docs" / "cluster.md"  # any readable file stands in for the mounted secret
+    lws = {"LWS_LEADER_ADDRESS": "llama-0.llama.default", "LWS_GROUP_SIZE": str(template["size"]),
+           "LWS_WORKER_INDEX": "1", **env, "SAGELMI_CLUSTER_SECRET_FILE": str(secret)}
+    config = ClusterConfig.from_env(lws)
+    assert (config.size, config.leader, config.index) == (2, "llama-0.llama.default", 1)
+    assert int(env["TENSOR_PARALLEL_DEGREE"]) % config.size == 0
+    assert leader["readinessProbe"]["httpGet"]["path"] == "/ping" and "readinessProbe" not in worker
+    mounts = {m["mountPath"] for m in leader["volumeMounts"]}
+    assert str(Path(env["SAGELMI_CLUSTER_SECRET_FILE"]).parent) in mounts

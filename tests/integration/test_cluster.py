@@ -1,0 +1,122 @@
+"""A cluster of two nodes on this one machine: the leader on 127.0.0.1, a worker node on 127.0.0.2
+in a UTS namespace of its own (another hostname, so that Open MPI takes it for another machine).
+The same as tests/container/test_cluster.py with two containers, in seconds instead of minutes,
+with the tensor-parallel example (a model.py in MPI mode); plus what needs no worker at all."""
+
+import concurrent.futures
+import os
+import secrets
+import shutil
+import signal
+import time
+
+import pytest
+import requests
+
+from container.core.proc import parents
+from tests.server import REPO, Server, free_port, processes
+
+pytestmark = [pytest.mark.mpi,
+              pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare (util-linux)")]
+
+EXAMPLE = REPO / "examples" / "tensor_parallel"
+ROWS = [[[i, -i, 2 * i, 1, 0, 3, -2, i % 3]] for i in range(8)]
+
+
+def _env(secret: str, cluster_port: int, **extra: str) -> dict[str, str]:
+    return {"SAGELMI_CLUSTER_SIZE": "2", "SAGELMI_LEADER_ADDR": "127.0.0.1", "SAGELMI_CLUSTER_SECRET": secret,
+            "SAGELMI_CLUSTER_PORT": str(cluster_port), "OPTION_MPI_MODE": "true", "TENSOR_PARALLEL_DEGREE": "2",
+            "OPTION_MPI_EXTRA_ARGS": "--mca btl self,tcp --mca btl_tcp_if_include lo", **extra}
+
+
+def _worker(secret: str, cluster_port: int, address: str = "127.0.0.2") -> Server:
+    wrapper = ["unshare", "--uts", "sh", "-c", 'hostname "$0"; exec "$@"', f"node-{address}"]
+    env = _env(secret, cluster_port, SAGELMI_NODE_INDEX="1", SAGELMI_NODE_ADDR=address)
+    return Server(EXAMPLE, env=env, wrapper=wrapper)
+
+
+@pytest.fixture(scope="module")
+def single():
+    with Server(EXAMPLE) as server:
+        yield [server.invoke({"inputs": row}).json()["outputs"] for row in ROWS]
+
+
+@pytest.fixture
+def cluster():
+    secret, cluster_port = secrets.token_hex(16), free_port()
+    worker = _worker(secret, cluster_port).start(wait_ready=False)
+    leader = Server(EXAMPLE, env=_env(secret, cluster_port, SAGELMI_NODE_ADDR="127.0.0.1")).start()
+    leader.secret, leader.cluster_port, leader.worker = secret, cluster_port, worker
+    try:
+        yield leader
+    finally:
+        leader.stop()
+        leader.worker.stop()
+
+
+def _answers(server: Server) -> list:
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        return list(pool.map(lambda row: server.invoke({"inputs": row}, timeout=60).json(), ROWS))
+
+
+def test_the_example_across_two_nodes_answers_as_one_process(cluster, single):
+    got = _answers(cluster)
+    assert {g["world_size"] for g in got} == {2}
+    assert [g["outputs"] for g in got] == single
+    assert "worker node 1 registered from 127.0.0.2" in cluster.log()
+    ping = requests.get(cluster.worker.url("/ping"), timeout=5)
+    assert ping.status_code == 503 and "worker of the cluster led by 127.0.0.1" in ping.json()["error"]
+
+
+def test_a_lost_worker_node_is_waited_for_and_a_new_one_restores_the_group(cluster, single):
+    (group,) = cluster.group_pids()
+    old = set(processes(group)) | {group}
+    worker_family = set(processes(cluster.worker.process.pid))
+    for pid in worker_family:  # the node dies whole, as a machine or a container does
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    killed = time.monotonic()
+    ping = cluster.wait_until(lambda r: r.status_code != 200, timeout=10)
+    print(f"/ping {ping.status_code} {time.monotonic() - killed:.2f} s after the worker node died")
+    assert time.monotonic() - killed < 5
+    cluster.wait_until(lambda r: "waiting for worker node 1" in r.text, timeout=10)
+    time.sleep(1)
+    assert not old & set(parents())  # the group's processes on the leader are gone
+    assert not worker_family & set(parents())
+    assert requests.get(cluster.url("/ping"), timeout=5).status_code == 503
+
+    cluster.worker = _worker(cluster.secret, cluster.cluster_port).start(wait_ready=False)
+    cluster.wait_until(lambda r: r.status_code == 200, timeout=120)
+    assert [g["outputs"] for g in _answers(cluster)] == single
+
+
+def test_a_node_with_another_secret_is_refused_and_the_cluster_keeps_serving(cluster, single):
+    intruder = _worker(secrets.token_hex(16), cluster.cluster_port, address="127.0.0.3").start(wait_ready=False)
+    assert intruder.process.wait(60) == 1
+    assert "start-up failed: cluster: the leader at 127.0.0.1" in intruder.log()
+    assert "the cluster secrets differ" in intruder.log()
+    assert "refused a node at 127.0.0.3: it does not know the cluster's secret" in cluster.log()
+    assert [g["outputs"] for g in _answers(cluster)] == single
+
+
+def test_a_leader_whose_worker_never_comes_stops_after_the_timeout_naming_it():
+    env = _env(secrets.token_hex(16), free_port(), SAGELMI_CLUSTER_JOIN_TIMEOUT="3")
+    server = Server(EXAMPLE, env=env).start(wait_ready=False)
+    assert server.process.wait(60) == 1
+    failures = [line for line in server.log().splitlines() if "start-up failed" in line]
+    assert len(failures) == 1
+    assert "cluster: worker node 1 did not register with this leader within 3s" in failures[0]
+
+
+@pytest.mark.parametrize("env,message", [
+    ({"SAGELMI_CLUSTER_SIZE": "2", "SAGELMI_LEADER_ADDR": "127.0.0.1"}, "needs a shared secret on every node"),
+    ({"SAGELMI_CLUSTER_SIZE": "2", "SAGELMI_LEADER_ADDR": "127.0.0.1", "SAGELMI_CLUSTER_SECRET": "x" * 20,
+      "OPTION_MPI_MODE": "false"}, "runs each worker group as one mpirun across them"),
+])
+def test_a_cluster_setting_that_cannot_work_stops_start_up_in_one_line(env, message):
+    server = Server(EXAMPLE, env={"TENSOR_PARALLEL_DEGREE": "2", **env}).start(wait_ready=False)
+    assert server.process.wait(60) == 1
+    failures = [line for line in server.log().splitlines() if "start-up failed" in line]
+    assert len(failures) == 1 and message in failures[0]
