@@ -1,7 +1,8 @@
 """SageMaker inference toolkit scripts (``inference.py``) as a handler, as Hugging Face's and
 PyTorch's SageMaker containers run them (``sagemaker_inference.transformer.Transformer``).
 
-The script defines ``model_fn(model_dir)`` and either ``transform_fn(model, body, content_type,
+The script defines ``model_fn(model_dir)`` (without it, the model is what the toolkits load by
+default: ``handlers/api/toolkit_model.py``) and either ``transform_fn(model, body, content_type,
 accept)`` or any of ``input_fn(body, content_type)``, ``predict_fn(data, model)`` and
 ``output_fn(prediction, accept)``; the ones it leaves out are the defaults of
 ``handlers/api/toolkit_codecs.py``. Each function may take one more argument, the context
@@ -36,6 +37,7 @@ from handlers.api.toolkit_codecs import (
     default_predict_fn,
     media_type,
 )
+from handlers.api.toolkit_model import default_model_loader
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +94,7 @@ def _status_error(exc: Exception) -> AnswerError:
 class ToolkitHandler:
     """A toolkit script as a ``handle(inputs) -> Output`` function."""
 
-    def __init__(self, module: Any, model_dir: str, default_accept: str) -> None:
+    def __init__(self, module: Any, model_dir: str, default_accept: str, task: str | None = None) -> None:
         self.model_dir = model_dir
         self.default_accept = default_accept
         self.model: Any = None
@@ -102,9 +104,9 @@ class ToolkitHandler:
         pieces = {name: getattr(module, name, None) for name in ("input_fn", "predict_fn", "output_fn")}
         if self.transform_fn is not None and any(pieces.values()):
             raise ValueError("transform_fn cannot be combined with input_fn, predict_fn or output_fn")
+        self.load: Callable[..., Any] = self.model_fn or default_model_loader(model_dir, task)
         if self.model_fn is None:
-            raise ValueError("an inference script must define model_fn(model_dir) to load the model")
-        self.load: Callable[..., Any] = self.model_fn
+            log.info("the script defines no model_fn: loading with %s", self.load.__doc__)
         self.input_fn = pieces["input_fn"] or default_input_fn
         self.predict_fn = pieces["predict_fn"] or default_predict_fn
         self.output_fn = pieces["output_fn"] or default_output_fn

@@ -186,7 +186,7 @@ def load_handler(settings: Settings) -> Handler:
 
 def _toolkit(module: Any, origin: str, settings: Settings) -> Handler:
     try:
-        toolkit = ToolkitHandler(module, settings.model_dir, settings.default_invocations_accept)
+        toolkit = ToolkitHandler(module, settings.model_dir, settings.default_invocations_accept, settings.task)
     except ValueError as exc:
         raise HandlerLoadError(f"{origin}: {exc}") from None
     found = ", ".join(name for name in FUNCTIONS if callable(getattr(module, name, None)))
