@@ -1,17 +1,22 @@
 """SageMaker inference toolkit scripts (code/inference.py), served by `sagelmi serve` and called
 as their examples call them (SageMaker's JSONSerializer / NumpySerializer send what `requests`
-sends here). Three are public examples (tests/model_dirs/sm_*/code/inference.py name their
-source); sm_defaults is sagelmi's own, for the default input/predict/output functions."""
+sends here; two go through the sagemaker SDK's own Predictor and runtime client). Five are public
+examples (tests/model_dirs/sm_*/code/inference.py name their source); sm_defaults is sagelmi's own,
+for the default input/predict/output functions."""
 
+import importlib.util
 import io
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+
+os.environ.setdefault("SAGEMAKER_SUPPRESS_V2_WARNING", "1")  # the sagemaker SDK v2 warns at import otherwise
 import requests
 
 from tests.server import MODEL_DIRS, REPO, Server, clean_env
@@ -29,6 +34,24 @@ def _model_dir(tmp_path, name, arch=None):
         _tiny(directory, arch)
     shutil.copytree(MODEL_DIRS / name / "code", directory / "code", dirs_exist_ok=True)
     return directory
+
+
+def script(directory):
+    """The model directory's code/inference.py, imported here: what it computes outside the server."""
+    spec = importlib.util.spec_from_file_location(f"inference_{directory.name}", directory / "code" / "inference.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def local_session(server):
+    """The sagemaker SDK's LocalSession, its runtime client posting to the server's /invocations."""
+    import boto3
+    from sagemaker.local import LocalSession
+
+    session = LocalSession(boto_session=boto3.Session(region_name="us-east-1"))
+    session.sagemaker_runtime_client.config = {"local": {"serving_port": server.port}}
+    return session
 
 
 def post(server, body, content_type="application/json", accept=None):
@@ -59,6 +82,59 @@ def test_hugging_face_generation_script(tmp_path):
         assert isinstance(answer, list) and set(answer[0]) == {"generated_text"}
         assert answer[0]["generated_text"].startswith("hello world") and len(answer[0]["generated_text"]) > 11
         assert again.json() == answer  # greedy
+
+
+def test_hugging_face_summarization_script_with_its_notebook_call(tmp_path):
+    """aws/amazon-sagemaker-examples' summarizer: input_fn and predict_fn, the default output_fn."""
+    from sagemaker.deserializers import JSONDeserializer
+    from sagemaker.predictor import Predictor
+    from sagemaker.serializers import JSONSerializer
+
+    directory = _model_dir(tmp_path, "sm_hf_summarization", "t5")
+    texts = ["Lovely dress, the fabric is soft and it fits well. I would buy it again."]
+    inputs = {  # the notebook's request: four summaries of one text, each with its own parameters
+        "inputs": texts,
+        "parameters_list": [
+            {"length_penalty": 2, "num_beams": 5, "do_sample": True},
+            {"length_penalty": 1, "num_beams": 5, "do_sample": True},
+            {"length_penalty": 0.6, "num_beams": 3, "do_sample": True},
+            {"max_length": 25, "top_p": 0.92, "top_k": 50, "do_sample": True},
+        ],
+    }
+    greedy = {"inputs": texts, "parameters_list": [{"num_beams": 3, "max_length": 12}, {"max_length": 6}]}
+    with Server(directory) as server:
+        predictor = Predictor("summarization-endpoint", sagemaker_session=local_session(server),
+                              serializer=JSONSerializer(), deserializer=JSONDeserializer())
+        summaries = predictor.predict(inputs)
+        answer = predictor.predict(greedy)
+    assert len(summaries) == 4 and all(len(s) == 1 and isinstance(s[0], str) for s in summaries)
+    code = script(directory)
+    expected = code.predict_fn(code.input_fn(json.dumps(greedy), "application/json"), code.model_fn(str(directory)))
+    assert answer == expected and len(answer) == 2 and answer[0] != answer[1]
+
+
+def test_hugging_face_transform_fn_script_with_its_notebook_call(tmp_path):
+    """aws/amazon-sagemaker-examples' token classifier: model_fn and transform_fn, an own content
+    type, the body as bytes, no Accept (the default, application/json), sagemaker_inference's encoder
+    (installed from code/requirements.txt)."""
+    directory = _model_dir(tmp_path, "sm_hf_ner", "bert")
+    (directory / "integer_to_label.json").write_text(json.dumps({"0": "O", "1": "B-PER", "2": "I-PER"}))
+    payload = [["John", "Smith", "lives", "in", "Berlin"], ["R.H.", "Macy"], ["hello"]]  # sentences as words
+    with Server(directory) as server:
+        client = local_session(server).sagemaker_runtime_client  # the notebook's query_endpoint, over it
+        response = client.invoke_endpoint(EndpointName="ner-finetune", ContentType="application/list-text",
+                                          Body=json.dumps(payload).encode("utf-8"))
+        answer = json.loads(response["Body"].read())
+        assert response["Body"].headers["Content-Type"].startswith("application/json")
+        refused = post(server, payload)  # application/json: the script's own error, a 500 as the toolkit answers
+        assert "sagemaker-inference" in server.log() and "code/requirements.txt" in server.log()
+    assert refused.status_code == 500 and "unsupported content type application/json" in refused.json()["error"]
+    code = script(directory)
+    expected = code.transform_fn(code.model_fn(str(directory)), json.dumps(payload).encode("utf-8"),
+                                 "application/list-text", "application/json")
+    assert answer == json.loads(expected)
+    assert [len(words) for words in answer["predict_label"]] == [len(t) for t in answer["token"]]
+    assert answer["token"][2][0] == "[CLS]" and len({len(t) for t in answer["token"]}) == 3  # ragged, as sent
 
 
 @pytest.fixture(scope="module")
