@@ -4,11 +4,12 @@ rank of a worker group (started by the supervisor, under ``mpirun`` in MPI mode)
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import sys
 from pathlib import Path
+
+import uvloop
 
 from container.core import logs, proc
 from container.core.launch import decode_worker_launch
@@ -43,7 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     context = _context(args)
     name = f"worker-{context.launch.group}" + (f".rank-{context.rank}" if args.mpi else "")
     logs.configure(name, context.settings.log_level, context.settings.log_format)
-    return asyncio.run(_run(context, args.incarnation))
+    # uvloop, as vLLM's own server: a pass of its loop costs a fraction of asyncio's, and a
+    # streamed token takes one (docs/benchmarks/README.md, issue 31)
+    return uvloop.run(_run(context, args.incarnation))
 
 
 async def _run(context: WorkerContext, incarnation: int) -> int:

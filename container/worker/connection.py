@@ -5,12 +5,28 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
-from container.core.protocol import FRAME_HEADER, Fail, Message, ProtocolError, decode, encode, frame_length
+from container.core.protocol import FRAME_HEADER, Chunk, Fail, Message, ProtocolError, decode, encode, frame_length
 
 log = logging.getLogger("sagelmi.worker")
 
 WRITE_HIGH_WATER = 1 << 16  # bytes buffered towards the frontend before senders wait (then vLLM merges deltas)
+COALESCE_BYTES = 1 << 14  # a write leaves once this much is queued, even while the loop keeps adding to it
+COALESCE_SECONDS = 0.0002  # ... or once its first frame has been queued this long (checked between loop passes)
+
+
+class _Body:
+    """The body bytes of one request queued since the last write: they leave as one ``Chunk``."""
+
+    __slots__ = ("id", "parts")
+
+    def __init__(self, request_id: str, data: bytes) -> None:
+        self.id = request_id
+        self.parts = [data]
+
+    def frame(self) -> bytes:
+        return encode(Chunk(id=self.id, data=self.parts[0] if len(self.parts) == 1 else b"".join(self.parts)))
 
 
 class PeerGone(Exception):
@@ -21,24 +37,46 @@ class PeerGone(Exception):
 class Connection:
     """One connection from the frontend (or the supervisor) to rank 0.
 
-    Frames are coalesced: everything sent during one pass of the event loop
-    (typically one token for each running stream) leaves in a single write,
-    instead of one system call per frame."""
+    Frames are coalesced without waiting: what is sent while the loop is busy leaves in one
+    write, once a pass of the loop queued nothing more (typically one token for each running
+    stream: the pass after an engine step's), or once ``COALESCE_BYTES`` are queued, or once
+    the first queued frame is ``COALESCE_SECONDS`` old (a loop that keeps producing, as a
+    handler streaming faster than its client reads). A lone token on an idle loop leaves two
+    passes after it was sent. Consecutive chunks of one request merge into one ``Chunk``:
+    the frontend decodes one frame for them, and writes them to its client at once."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader = reader
         self.writer = writer
         self.tasks: dict[str, asyncio.Task] = {}
-        self._frames: list[bytes] = []
+        self._queue: list[bytes | _Body] = []  # frames, and bodies still open to more chunks
+        self._open: dict[str, _Body] = {}  # request id -> its body, while it is its last queued message
+        self._queued = 0  # bytes queued (about)
+        self._added = False  # a frame was queued since the last pass
+        self._since = 0.0  # when the first queued frame was
         self._loop = asyncio.get_running_loop()
 
     async def send(self, message: Message) -> None:
         """Queue ``message``; raises ``PeerGone`` once the connection is closed."""
-        if not self._frames:
-            # Flush on the loop's next pass, after the other streams woken by the
-            # same engine step have queued their frames too.
-            self._loop.call_soon(self._loop.call_soon, self._flush)
-        self._frames.append(encode(message))
+        if not self._queue:
+            self._since = time.monotonic()  # not loop.time(): uvloop's counts whole milliseconds
+            self._loop.call_soon(self._pass)
+        self._added = True
+        if type(message) is Chunk:
+            body = self._open.get(message.id)
+            if body is not None:
+                body.parts.append(message.data)
+            else:
+                self._open[message.id] = body = _Body(message.id, message.data)
+                self._queue.append(body)
+            self._queued += len(message.data)
+        else:
+            request_id = getattr(message, "id", None)
+            if request_id is not None:
+                self._open.pop(request_id, None)
+            frame = encode(message)
+            self._queue.append(frame)
+            self._queued += len(frame)
         try:
             if self.writer.transport.get_write_buffer_size() > WRITE_HIGH_WATER:
                 await self.writer.drain()  # the frontend reads too slowly: wait for it
@@ -47,19 +85,31 @@ class Connection:
         if self.writer.is_closing():
             raise PeerGone("the connection to the frontend is closed")
 
+    def _pass(self) -> None:
+        """Between two passes of the loop: write, unless the last pass queued more and
+        the queue is still small and young."""
+        if self._added and self._queued < COALESCE_BYTES and time.monotonic() - self._since < COALESCE_SECONDS:
+            self._added = False
+            self._loop.call_soon(self._pass)
+            return
+        self._flush()
+
     def send_now(self, message: Message) -> None:
         """Write ``message`` (after what is queued) at once, for a process about to exit: the
         transport sends it in this call unless the frontend is behind on reading."""
-        self._frames.append(encode(message))
+        self._queue.append(encode(message))
         try:
             self._flush()
         except (ConnectionError, OSError):
             pass
 
     def _flush(self) -> None:
-        frames, self._frames = self._frames, []
-        if frames and not self.writer.is_closing():
-            self.writer.write(b"".join(frames))
+        queue, self._queue = self._queue, []
+        self._open.clear()
+        self._queued = 0
+        self._added = False
+        if queue and not self.writer.is_closing():
+            self.writer.write(b"".join(item if isinstance(item, bytes) else item.frame() for item in queue))
 
     async def receive(self) -> Message | None:
         try:

@@ -1,0 +1,118 @@
+"""The model worker's coalesced writes (container/worker/connection.py), over a real socket pair
+on uvloop (the worker's loop): what leaves in one write, and when."""
+
+import asyncio
+import socket
+import time
+
+import uvloop
+
+from container.core.protocol import Chunk, End, FrameBuffer, Head, Status, WorkerState
+from container.worker import connection
+from container.worker.connection import Connection
+
+
+def run(scenario):
+    """Run ``scenario(conn, read)`` on uvloop with a Connection over a socket pair; ``read()``
+    gives the messages that have reached the other end so far, one list per ``recv``."""
+
+    async def main():
+        ours, theirs = socket.socketpair()
+        theirs.setblocking(False)
+        reader, writer = await asyncio.open_connection(sock=ours)
+        frames = FrameBuffer()
+
+        def read() -> list[list]:
+            batches = []
+            while True:
+                try:
+                    data = theirs.recv(1 << 20)
+                except BlockingIOError:
+                    return batches
+                batches.append(frames.feed(data))
+
+        try:
+            return await scenario(Connection(reader, writer), read)
+        finally:
+            writer.close()
+            theirs.close()
+
+    return uvloop.run(main())
+
+
+def test_a_lone_token_leaves_two_loop_passes_after_it_was_sent():
+    async def scenario(conn, read):
+        await conn.send(Chunk(id="a", data=b"tok"))
+        await asyncio.sleep(0)
+        assert read() == []  # still gathering: the rest of this engine step's tokens may come
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        return read()
+
+    assert run(scenario) == [[Chunk(id="a", data=b"tok")]]
+
+
+def test_a_pass_that_adds_nothing_sends_what_was_gathered_as_one_frame_per_request_in_order():
+    async def scenario(conn, read):
+        await conn.send(Head(id="a", code=200, headers={}, stream=True))
+        for data in (b"1", b"2"):
+            await conn.send(Chunk(id="a", data=data))
+            await conn.send(Chunk(id="b", data=data.upper()))
+        await asyncio.sleep(0)  # the next pass queues more: nothing leaves yet
+        await conn.send(Chunk(id="a", data=b"3"))
+        await conn.send(End(id="a"))
+        await conn.send(Chunk(id="a", data=b"late"))  # after End: never merged into an earlier chunk
+        for _ in range(3):
+            await asyncio.sleep(0)
+        return read()
+
+    assert run(scenario) == [
+        [
+            Head(id="a", code=200, headers={}, stream=True),
+            Chunk(id="a", data=b"123"),
+            Chunk(id="b", data=b"12"),
+            End(id="a"),
+            Chunk(id="a", data=b"late"),
+        ]
+    ]
+
+
+def keep_producing(item: bytes, block: float = 0.0):
+    """A scenario: one chunk of ``item`` a loop pass (never a quiet pass), each pass taking
+    ``block`` seconds more, until something is written: (what was written, passes)."""
+
+    async def scenario(conn, read):
+        passes = 0
+        while not (batches := read()):
+            await conn.send(Chunk(id="a", data=item))
+            until = time.monotonic() + block
+            while time.monotonic() < until:  # a busy pass (time.sleep may oversleep on a loaded machine)
+                pass
+            await asyncio.sleep(0)
+            passes += 1
+            assert passes < 1000, "nothing was written"
+        return batches, passes
+
+    return scenario
+
+
+def test_a_loop_that_keeps_producing_writes_once_enough_is_queued(monkeypatch):
+    monkeypatch.setattr(connection, "COALESCE_SECONDS", 60.0)
+    (([chunk],), passes) = run(keep_producing(b"x" * 1000))
+    assert len(chunk.data) == 1000 * (connection.COALESCE_BYTES // 1000 + 1) and passes <= len(chunk.data) // 1000 + 2
+
+
+def test_a_loop_that_keeps_producing_writes_once_the_first_frame_is_old_enough(monkeypatch):
+    monkeypatch.setattr(connection, "COALESCE_BYTES", 1 << 30)
+    monkeypatch.setattr(connection, "COALESCE_SECONDS", 0.05)
+    (([chunk],), passes) = run(keep_producing(b"x", block=0.02))
+    assert 2 <= len(chunk.data) <= 4 and passes <= 5  # passes of 20 ms: written after the third (its age 60 ms)
+
+
+def test_send_now_writes_at_once_after_what_is_queued():
+    async def scenario(conn, read):
+        await conn.send(Chunk(id="a", data=b"tok"))
+        conn.send_now(Status(state=WorkerState.DOWN, detail="bye"))
+        return read()
+
+    assert run(scenario) == [[Chunk(id="a", data=b"tok"), Status(state=WorkerState.DOWN, detail="bye")]]
