@@ -17,11 +17,14 @@ A handler that streams pre-made token lines as fast as the event loop allows
   comparison of the relay (``make bench`` passes ``RELAY_BASELINE``).
 
 For each level (concurrent streams) the trials rotate through the servers (every round runs each
-once, the order shifted and reversed from round to round). A trial is ``max(2, 16 // streams)``
-requests per connection, over ``streams`` keep-alive connections, each request streaming
+once, the order shifted and reversed from round to round). A trial is ``max(2, 128 // streams)``
+requests per connection (``16 // streams`` until issue 31: at 1 stream that was 4,096 items in tens of
+milliseconds, and the kernel's 10 ms CPU clock tick made one trial's CPU per item uncertain by
+about 2 µs per process), over ``streams`` keep-alive connections, each request streaming
 ``--tokens`` items. The client is one asyncio loop in this process that counts items in the raw
 bytes. Per trial: items (chunks) per second at the client, and the CPU seconds of each server's
-process tree per item. Ratios sagelmi / floor (and sagelmi / sagelmi@COMMIT) of the medians come
+process tree per item, in all and by process (``bench.role_of``: for sagelmi the frontend, gunicorn's
+master and worker, against the model worker, ``container.worker``, and the supervisor). Ratios sagelmi / floor (and sagelmi / sagelmi@COMMIT) of the medians come
 with a bootstrap 90% interval.
 
 Writes relay.md, relay.json and relay.png (next to results.md of benchmarks/bench.py).
@@ -44,7 +47,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import DEFAULT_OUT, REPO, fmt, fmt_ratio, free_port, start_server, stop_server, tree_cpu_seconds
+from bench import DEFAULT_OUT, REPO, fmt, fmt_ratio, free_port, start_server, stop_server, tree_cpu_by_role
 from bench_stats import bootstrap_ratio, median_or_none, rotation
 
 MODEL_DIR = Path(__file__).resolve().parent / "relay_model"
@@ -53,6 +56,7 @@ FLOOR = "gunicorn+Flask"
 THREADS = 1000 + 32  # sagelmi's frontend threads with the default job_queue_size (container/frontend/server.py)
 RESAMPLES, CONFIDENCE, SEED = 2000, 0.9, 0
 HIGH_WATER = 1 << 16
+ROLE_COLUMNS = ("frontend", "model worker", "other")  # bench.role_of's names; "other" is sagelmi serve itself
 
 
 def load_model():
@@ -228,19 +232,26 @@ async def run_load(port: int, streams: int, requests_each: int, tokens: int, mar
 
 
 def trial(server, streams: int, tokens: int, marker: bytes) -> dict:
-    requests_each = max(2, 16 // streams)
-    cpu_before = tree_cpu_seconds(server.process.pid)
+    requests_each = max(2, 128 // streams)
+    cpu_before = tree_cpu_by_role(server.process.pid)
     items, errors, seconds = asyncio.run(run_load(server.port, streams, requests_each, tokens, marker))
-    cpu = tree_cpu_seconds(server.process.pid) - cpu_before
+    cpu_after = tree_cpu_by_role(server.process.pid)
+    by_role = {role: cpu_after[role] - cpu_before.get(role, 0.0) for role in cpu_after}
     return {"server": server.name, "streams": streams, "requests": streams * requests_each, "errors": errors,
             "items": items, "seconds": round(seconds, 3), "items_per_s": round(items / seconds, 1),
-            "cpu_us_per_item": round(cpu / items * 1e6, 2) if items else None}
+            "cpu_us_per_item": round(sum(by_role.values()) / items * 1e6, 2) if items else None,
+            "cpu_us_per_item_by_role": {role: round(cpu / items * 1e6, 2) for role, cpu in sorted(by_role.items())}
+            if items else {}}
 
 
 def summarise(streams: int, trials: list[dict], names: tuple[str, ...] = SERVERS) -> dict:
     by_server = {name: [t for t in trials if t["server"] == name] for name in names}
     servers = {name: {"items_per_s": median_or_none([t["items_per_s"] for t in ts]),
                       "cpu_us_per_item": median_or_none([t["cpu_us_per_item"] for t in ts]),
+                      "cpu_us_per_item_by_role": {role: median_or_none([t.get("cpu_us_per_item_by_role", {}).get(role)
+                                                                        for t in ts])
+                                                  for role in sorted({r for t in ts
+                                                                      for r in t.get("cpu_us_per_item_by_role", {})})},
                       "errors": sum(t["errors"] for t in ts), "trials": len(ts)} for name, ts in by_server.items()}
     ratios = {}
     for other in names[1:]:
@@ -274,11 +285,21 @@ def write_results(data: dict, out: Path) -> None:
                     + f" | {fmt_ratio(r[f'cpu_us_per_item vs {FLOOR}'])} | "
                     + (f"{fmt_ratio(r[f'cpu_us_per_item {vs_base}'])} | " if base else "")
                     + " / ".join(str(s[n]["errors"]) for n in names) + " |")
+    sagelmis = [n for n in names if n.startswith("sagelmi")]
+    role_rows = ["| streams | " + " | ".join(f"{n}: frontend / model worker / supervisor" for n in sagelmis) + " |",
+                 "|---|" + "---|" * len(sagelmis)]
+    for lv in data["results"]:
+        cells = []
+        for n in sagelmis:
+            by_role = lv["servers"][n].get("cpu_us_per_item_by_role") or {}
+            cells.append(" / ".join(fmt(by_role.get(role), 2) for role in ROLE_COLUMNS))
+        role_rows.append(f"| {lv['streams']} | " + " | ".join(cells) + " |")
     at64 = next((lv for lv in data["results"] if lv["streams"] == 64), None)
     verdict = ("not measured (level 64 not run)" if at64 is None else
                ("**met**" if (at64["ratios"][f"items_per_s vs {FLOOR}"] or [0])[0] >= 0.8 else "**not met**")
                + f" ({fmt_ratio(at64['ratios'][f'items_per_s vs {FLOOR}'])})")
     targets = [f"- Relay capacity >= 0.8x the gunicorn + Flask floor at 64 streams (issue 11): {verdict}"]
+    targets += issue31_targets(data["results"])
     fourth = ""
     if base:
         ratios = {lv["streams"]: lv["ratios"][f"items_per_s vs {base['name']}"] for lv in data["results"]}
@@ -307,6 +328,10 @@ bootstrap 90% interval ({RESAMPLES} resamples).
 
 {chr(10).join(rows)}
 
+CPU µs per item by process (medians over the trials; the supervisor is `sagelmi serve` itself):
+
+{chr(10).join(role_rows)}
+
 ## Targets (reported, not asserted)
 
 {chr(10).join(targets)}
@@ -315,6 +340,20 @@ What we learned from these runs is in [README.md](README.md).
 """
     (out / "relay.md").write_text(text)
     plot(data, out)
+
+
+def issue31_targets(results: list[dict]) -> list[str]:
+    """Issue 31's targets: items/s >= 1.0x the floor at 1 and 64 streams, CPU per item <= 1.2x at 1 stream."""
+    by_level = {lv["streams"]: lv["ratios"] for lv in results}
+    lines = []
+    for streams in (1, 64):
+        ratio = by_level.get(streams, {}).get(f"items_per_s vs {FLOOR}")
+        verdict = "not measured" if ratio is None else ("**met**" if ratio[0] >= 1.0 else "**not met**")
+        lines.append(f"- Items/s >= 1.0x the floor at {streams} stream(s) (issue 31): {verdict} ({fmt_ratio(ratio)})")
+    ratio = by_level.get(1, {}).get(f"cpu_us_per_item vs {FLOOR}")
+    verdict = "not measured" if ratio is None else ("**met**" if ratio[0] <= 1.2 else "**not met**")
+    lines.append(f"- CPU per item <= 1.2x the floor's at 1 stream (issue 31): {verdict} ({fmt_ratio(ratio)})")
+    return lines
 
 
 def plot(data: dict, out: Path) -> None:
@@ -412,7 +451,10 @@ def main() -> int:
             print(f"  streams={streams:<4} items/s " + " / ".join(fmt(s[n]['items_per_s'], 0) for n in names)
                   + f"  sagelmi/floor {fmt_ratio(r[f'items_per_s vs {FLOOR}'])}"
                   + (f"  HEAD/{names[-1]} {fmt_ratio(r[f'items_per_s vs {names[-1]}'])}" if baseline else "")
-                  + "  CPU µs/item " + " / ".join(fmt(s[n]['cpu_us_per_item'], 1) for n in names), flush=True)
+                  + "  CPU µs/item " + " / ".join(fmt(s[n]['cpu_us_per_item'], 1) for n in names)
+                  + "  sagelmi's by process " + " / ".join(
+                      f"{role} {fmt(s['sagelmi']['cpu_us_per_item_by_role'].get(role), 2)}" for role in ROLE_COLUMNS),
+                  flush=True)
             results.append(level)
     finally:
         for server in servers.values():
