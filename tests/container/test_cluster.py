@@ -82,7 +82,7 @@ def wait_status(port: int, wanted, timeout: float, name: str = "sagelmi-leader")
     while time.monotonic() < deadline:
         try:
             response = requests.get(f"http://127.0.0.1:{port}/ping", timeout=2)
-            if wanted(response.status_code):
+            if wanted(response):
                 return response
         except requests.RequestException:
             pass
@@ -92,13 +92,24 @@ def wait_status(port: int, wanted, timeout: float, name: str = "sagelmi-leader")
     raise AssertionError(f"/ping never matched in {timeout} s:\n{logs(name)[-6000:]}")
 
 
+_PROCESSES = """
+import json, os
+found = {}
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        line = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\\0", b" ").decode()
+    except OSError:
+        continue
+    if int(pid) != os.getpid() and any(w in line for w in ("container.worker", "prted", "prterun", "supervisor.rsh")):
+        found[pid] = line
+print(json.dumps(found))
+"""
+
+
 def worker_processes(name: str) -> dict[int, str]:
-    """pid -> command line of the container's model workers, mpirun and Open MPI daemons."""
-    script = ("import os\nfor p in os.listdir('/proc'):\n if p.isdigit():\n  try: c=open(f'/proc/{p}/cmdline','rb')"
-              ".read().replace(b'\\0',b' ').decode()\n  except OSError: continue\n"
-              "  if 'container.worker' in c or 'prted' in c or 'prterun' in c or 'supervisor.rsh' in c: print(p, c)")
-    result = podman("exec", name, "python", "-c", script, check=False)
-    return {int(line.split(" ", 1)[0]): line.split(" ", 1)[1] for line in result.stdout.splitlines() if line}
+    """pid -> command line of the container's model workers, mpirun, Open MPI's daemons, the rsh agents."""
+    result = podman("exec", name, "python", "-c", _PROCESSES)
+    return {int(pid): line for pid, line in json.loads(result.stdout).items()}
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +127,7 @@ def cluster(image, tiny_model):
     try:
         start(node_command("worker", tiny_model, None, EXACT), secret)
         start(node_command("leader", tiny_model, port, EXACT), secret)
-        wait_status(port, lambda code: code == 200, READY)
+        wait_status(port, lambda r: r.status_code == 200, READY)
         print(f"2-node lmi-dist cluster ready in {time.monotonic() - started:.0f} s")
         yield {"port": port, "secret": secret, "model": tiny_model, "url": f"http://127.0.0.1:{port}"}
     finally:
@@ -181,12 +192,12 @@ def test_a_container_with_a_wrong_secret_is_refused_and_the_cluster_keeps_servin
     words = node_command("worker", cluster["model"], None, {})
     words = [w.replace("sagelmi-worker", "sagelmi-intruder") for w in words]
     start(words, secrets.token_hex(16))
+    address = podman("inspect", "--format", "{{(index .NetworkSettings.Networks \"%s\").IPAddress}}" % NETWORK,
+                     "sagelmi-intruder").stdout.strip()  # while it runs: an exited container has none
     deadline = time.monotonic() + 120
     while podman("inspect", "--format", "{{.State.Status}}", "sagelmi-intruder").stdout.strip() == "running":
         assert time.monotonic() < deadline, logs("sagelmi-intruder")
         time.sleep(1)
-    address = podman("inspect", "--format", "{{(index .NetworkSettings.Networks \"%s\").IPAddress}}" % NETWORK,
-                     "sagelmi-intruder").stdout.strip()
     assert "the cluster secrets differ" in logs("sagelmi-intruder")
     assert int(podman("inspect", "--format", "{{.State.ExitCode}}", "sagelmi-intruder").stdout) == 1
     refused = [line for line in logs("sagelmi-leader").splitlines() if "refused a node" in line]
@@ -227,15 +238,16 @@ def test_killing_the_worker_container_ends_in_flight_requests_and_a_new_one_rest
     print(f"in-flight streams ended {seconds:.2f} s after the kill")
     assert seconds < 5
     assert all(error is not None for _, error in endings), endings  # cut with an error, not completed
-    ping = wait_status(cluster["port"], lambda code: code != 200, 10)
-    assert "waiting for worker node 1" in ping.text or "went away" in ping.text, ping.text
+    assert requests.get(f"{cluster['url']}/ping", timeout=5).status_code != 200
+    ping = wait_status(cluster["port"], lambda r: "waiting for worker node 1" in r.text, 10)
+    assert ping.status_code == 503 and "went away" in ping.text, ping.text
     time.sleep(2)
     assert not old & set(worker_processes("sagelmi-leader"))  # nothing of the old group is left
     assert requests.get(f"{cluster['url']}/ping", timeout=5).status_code != 200  # still waiting
 
     remove("sagelmi-worker")
     start(node_command("worker", cluster["model"], None, EXACT), cluster["secret"])
-    wait_status(cluster["port"], lambda code: code == 200, READY)
+    wait_status(cluster["port"], lambda r: r.status_code == 200, READY)
     _exact(cluster, vllm_server)
 
 
@@ -252,7 +264,7 @@ def mpi_cluster(image):
     try:
         start(node_command("worker", example, None, mpi, drop), secret)
         start(node_command("leader", example, port, mpi, drop), secret)
-        wait_status(port, lambda code: code == 200, 300)
+        wait_status(port, lambda r: r.status_code == 200, 300)
         yield f"http://127.0.0.1:{port}"
     finally:
         remove("sagelmi-leader", "sagelmi-worker")
