@@ -48,7 +48,7 @@ class Node:
 def _listen(config: ClusterConfig) -> socket.socket:
     host = config.node_address or "0.0.0.0"
     try:
-        sock = socket.create_server((host, config.port), reuse_port=False)
+        sock = socket.create_server((host, config.port))
     except OSError as exc:
         raise StartupError(f"cannot listen on the cluster port {host}:{config.port}: {exc.strerror}") from None
     return sock
@@ -216,7 +216,6 @@ class WorkerNode:
         self.config = config
         self.listener = listener  # the HTTP port
         self.stopping = stopping
-        self.registered = threading.Event()
         self._launches: set = set()
         self._lock = threading.Lock()
 
@@ -240,7 +239,6 @@ class WorkerNode:
                 raise StartupError(f"cluster: the leader at {leader} refused this node: {exc}") from None
             except OSError as exc:
                 log.debug("cluster: leader not reachable: %s", exc)
-            self.registered.clear()
             for _ in range(int(RETRY * 10)):
                 if self.stopping():
                     break
@@ -256,7 +254,6 @@ class WorkerNode:
         if not welcome:
             raise OSError("the leader closed the connection")
         log.info("cluster: registered with the leader at %s as worker node %s", self.config.leader, welcome["index"])
-        self.registered.set()
         stop = threading.Event()
 
         def beat() -> None:
@@ -342,10 +339,6 @@ def cluster_config(settings: Settings) -> ClusterConfig | None:
         raise StartupError(
             f"a cluster of {config.size} nodes runs each worker group as one mpirun across them: set "
             f"option.rolling_batch=lmi-dist (vLLM across the nodes) or option.mpi_mode=true (your model.py)"
-        )
-    if settings.mpi_hostfile:
-        raise StartupError(
-            "option.mpi_hostfile and a cluster (SAGELMI_CLUSTER_SIZE) both name the nodes: set one of them"
         )
     world = settings.pipeline_parallel_degree * (
         settings.tensor_parallel_degree if isinstance(settings.tensor_parallel_degree, int) else 0

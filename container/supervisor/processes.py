@@ -136,17 +136,18 @@ def mpirun_command(
     hosts: list[str] | None = None,
 ) -> list[str]:
     """``mpirun`` starting ``plan.world_size`` ranks of ``worker``; with ``hosts`` (a cluster's
-    ``host:slots``, the leader first), across those nodes, reaching them through
-    ``container.supervisor.rsh`` instead of ssh."""
+    ``host:slots``, the leader first), across those nodes (or those of the user's hostfile),
+    reaching them through ``container.supervisor.rsh`` instead of ssh."""
     command = [mpirun, "-np", str(plan.world_size)]
     if os.geteuid() == 0:
         command.append("--allow-run-as-root")
-    if hosts:
-        command += ["--host", ",".join(hosts), "--map-by", "slot"]
-        command += ["--mca", "plm_rsh_agent", f"{sys.executable} -m container.supervisor.rsh"]
-        command += ["--prtemca", "plm_ssh_no_tree_spawn", "1"]  # the leader reaches every node itself
-    elif settings.mpi_hostfile:
+    if settings.mpi_hostfile:  # the user's names for the nodes (in a cluster too, the leader first)
         command += ["--hostfile", settings.mpi_hostfile]
+    if hosts:
+        if not settings.mpi_hostfile:
+            command += ["--host", ",".join(hosts)]
+        command += ["--map-by", "slot", "--mca", "plm_rsh_agent", f"{sys.executable} -m container.supervisor.rsh"]
+        command += ["--prtemca", "plm_ssh_no_tree_spawn", "1"]  # the leader reaches every node itself
     command += settings.mpi_extra_args_list
     for name in sorted(env):
         if name in _NOT_FORWARDED or (hosts and name == "CUDA_VISIBLE_DEVICES"):

@@ -167,6 +167,15 @@ def test_mpirun_across_a_cluster_reaches_the_nodes_through_sagelmi_not_ssh(tmp_p
     assert exported == {"SAGELMI_CLUSTER_SIZE", "VLLM_CPU_KVCACHE_SPACE"}  # not the secret, not per-node values
 
 
+def test_a_users_hostfile_names_the_cluster_s_nodes_for_mpirun(tmp_path):
+    settings = resolve_settings({"OPTION_MPI_MODE": "true", "TENSOR_PARALLEL_DEGREE": "2",
+                                 "OPTION_MPI_HOSTFILE": "/opt/ml/model/hostfile"}, tmp_path)
+    command = supervisor.mpirun_command("/x/mpirun", settings, GroupPlan(0, (), 2, 1), ["w"], {},
+                                        hosts=["10.0.0.1:1", "10.0.0.2:1"])
+    assert command[command.index("--hostfile") + 1] == "/opt/ml/model/hostfile" and "--host" not in command
+    assert command[command.index("plm_rsh_agent") + 1].endswith(" -m container.supervisor.rsh")
+
+
 def test_the_leaderworkerset_manifest_of_the_docs_runs_one_image_with_one_environment():
     import re
 
