@@ -41,12 +41,29 @@ def single():
         yield [server.invoke({"inputs": row}).json()["outputs"] for row in ROWS]
 
 
-@pytest.fixture
-def cluster():
-    secret, cluster_port = secrets.token_hex(16), free_port()
+def _start_pair(secret: str, cluster_port: int) -> Server:
     worker = _worker(secret, cluster_port).start(wait_ready=False)
-    leader = Server(EXAMPLE, env=_env(secret, cluster_port, SAGELMI_NODE_ADDR="127.0.0.1")).start()
-    leader.secret, leader.cluster_port, leader.worker = secret, cluster_port, worker
+    leader = Server(EXAMPLE, env=_env(secret, cluster_port, SAGELMI_NODE_ADDR="127.0.0.1"), ready_timeout=60)
+    leader.worker = worker
+    try:
+        return leader.start()
+    except AssertionError:
+        worker.stop()
+        raise
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """One cluster for the module (the lost-node test, last, replaces its worker node). Two Open MPI
+    "nodes" on one host sometimes never finish MPI's start-up (seen once in a full run: the ranks
+    started, the group never became ready); two containers have not shown it. One more try then."""
+    secret, cluster_port = secrets.token_hex(16), free_port()
+    try:
+        leader = _start_pair(secret, cluster_port)
+    except AssertionError as first:
+        print(f"the first start of the emulated cluster failed, trying once more: {str(first)[-300:]}")
+        leader = _start_pair(secret, cluster_port)
+    leader.secret, leader.cluster_port = secret, cluster_port
     try:
         yield leader
     finally:
@@ -66,6 +83,15 @@ def test_the_example_across_two_nodes_answers_as_one_process(cluster, single):
     assert "worker node 1 registered from 127.0.0.2" in cluster.log()
     ping = requests.get(cluster.worker.url("/ping"), timeout=5)
     assert ping.status_code == 503 and "worker of the cluster led by 127.0.0.1" in ping.json()["error"]
+
+
+def test_a_node_with_another_secret_is_refused_and_the_cluster_keeps_serving(cluster, single):
+    intruder = _worker(secrets.token_hex(16), cluster.cluster_port, address="127.0.0.3").start(wait_ready=False)
+    assert intruder.process.wait(60) == 1
+    assert "start-up failed: cluster: the leader at 127.0.0.1" in intruder.log()
+    assert "the cluster secrets differ" in intruder.log()
+    assert "refused a node at 127.0.0.3: it does not know the cluster's secret" in cluster.log()
+    assert [g["outputs"] for g in _answers(cluster)] == single
 
 
 def test_a_lost_worker_node_is_waited_for_and_a_new_one_restores_the_group(cluster, single):
@@ -89,15 +115,6 @@ def test_a_lost_worker_node_is_waited_for_and_a_new_one_restores_the_group(clust
 
     cluster.worker = _worker(cluster.secret, cluster.cluster_port).start(wait_ready=False)
     cluster.wait_until(lambda r: r.status_code == 200, timeout=120)
-    assert [g["outputs"] for g in _answers(cluster)] == single
-
-
-def test_a_node_with_another_secret_is_refused_and_the_cluster_keeps_serving(cluster, single):
-    intruder = _worker(secrets.token_hex(16), cluster.cluster_port, address="127.0.0.3").start(wait_ready=False)
-    assert intruder.process.wait(60) == 1
-    assert "start-up failed: cluster: the leader at 127.0.0.1" in intruder.log()
-    assert "the cluster secrets differ" in intruder.log()
-    assert "refused a node at 127.0.0.3: it does not know the cluster's secret" in cluster.log()
     assert [g["outputs"] for g in _answers(cluster)] == single
 
 
