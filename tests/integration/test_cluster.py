@@ -118,6 +118,22 @@ def test_a_lost_worker_node_is_waited_for_and_a_new_one_restores_the_group(clust
     assert [g["outputs"] for g in _answers(cluster)] == single
 
 
+def test_a_restarted_leader_finds_its_worker_node_again(cluster, single):
+    """Last of the module's cluster: the leader stops (its group with it, on both nodes) and a new
+    one starts on the same address; the worker node, still running, registers with it."""
+    (group,) = cluster.group_pids()
+    old = set(processes(group)) | {group}
+    assert cluster.stop() == 0
+    time.sleep(1)
+    assert not old & set(parents())  # the group's ranks are gone on both nodes, prted included
+    assert cluster.worker.process.poll() is None  # the worker node stays up, waiting
+    env = _env(cluster.secret, cluster.cluster_port, SAGELMI_NODE_ADDR="127.0.0.1")
+    with Server(EXAMPLE, env=env, ready_timeout=60) as leader:
+        assert [g["outputs"] for g in _answers(leader)] == single
+        assert "worker node 1 registered from 127.0.0.2" in leader.log()
+    assert "registering again" in cluster.worker.log()
+
+
 def test_a_leader_whose_worker_never_comes_stops_after_the_timeout_naming_it():
     env = _env(secrets.token_hex(16), free_port(), SAGELMI_CLUSTER_JOIN_TIMEOUT="3")
     server = Server(EXAMPLE, env=env).start(wait_ready=False)
