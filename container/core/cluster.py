@@ -70,11 +70,8 @@ class ClusterConfig:
         found = _first(env, SIZE_NAMES)
         if found is None:
             return None
-        name, text = found
-        try:
-            size = int(text)
-        except ValueError:
-            raise ClusterError(f"{name}={text!r} is not a number of nodes") from None
+        name = found[0]
+        size = _number(env, name, 1, int)
         if size < 1:
             raise ClusterError(f"{name}={size}: a cluster has at least one node")
         if size == 1:

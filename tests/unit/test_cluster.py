@@ -40,7 +40,7 @@ def test_the_secret_can_be_a_file(tmp_path):
 
 
 @pytest.mark.parametrize("env,message", [
-    ({"SAGELMI_CLUSTER_SIZE": "two"}, "SAGELMI_CLUSTER_SIZE='two' is not a number of nodes"),
+    ({"SAGELMI_CLUSTER_SIZE": "two"}, "SAGELMI_CLUSTER_SIZE='two' is not a number"),
     ({"SAGELMI_CLUSTER_SIZE": "2"}, "needs the leader's address: set SAGELMI_LEADER_ADDR"),
     ({"SAGELMI_CLUSTER_SIZE": "2", "SAGELMI_LEADER_ADDR": "l"}, "needs a shared secret on every node"),
     ({"SAGELMI_CLUSTER_SIZE": "2", "SAGELMI_LEADER_ADDR": "l", "SAGELMI_CLUSTER_SECRET": "short"}, "too short"),
