@@ -60,6 +60,7 @@ class ClusterConfig:
     index: int | None = None  # this node's index (0: the leader), when the environment says
     node_address: str | None = None  # the address other nodes reach this one at, when set
     join_timeout: float = DEFAULT_JOIN_TIMEOUT
+    leader_variable: str = "SAGELMI_LEADER_ADDR"  # where the leader's address came from
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> ClusterConfig | None:
@@ -84,6 +85,7 @@ class ClusterConfig:
         return cls(
             size=size,
             leader=leader[1],
+            leader_variable=leader[0],
             secret=_secret(env),
             port=_number(env, "SAGELMI_CLUSTER_PORT", DEFAULT_PORT, int),
             index=_number(env, index[0], None, int) if (index := _first(env, INDEX_NAMES)) else None,
@@ -110,7 +112,7 @@ class ClusterConfig:
     def expected_name(self, index: int) -> str:
         """How a worker node is named in messages: LeaderWorkerSet's predictable hostname
         (``<leader's first label>-<index>.<the rest>``) when the leader's address is one."""
-        if os.environ.get("LWS_LEADER_ADDRESS") == self.leader and "." in self.leader:
+        if self.leader_variable == "LWS_LEADER_ADDRESS" and "." in self.leader:
             first, rest = self.leader.split(".", 1)
             return f"worker node {index} ({first}-{index}.{rest})"
         return f"worker node {index}"
@@ -161,13 +163,6 @@ class Channel:
         self._key = key
         self._out_label, self._in_label = outgoing, incoming
         self._sent = self._received = 0
-
-    @property
-    def peer(self) -> str:
-        try:
-            return self.sock.getpeername()[0]
-        except OSError:
-            return "?"
 
     @classmethod
     def connect(cls, sock: socket.socket, secret: bytes) -> Channel:

@@ -40,9 +40,7 @@ class Node:
     index: int
     address: str  # as the leader sees it: mpirun's --host
     hostname: str
-    slots: int
     channel: Channel
-    since: float
 
 
 def _listen(config: ClusterConfig) -> socket.socket:
@@ -145,8 +143,7 @@ class Leader:
                 channel.close()
                 return
             old = self.nodes.pop(index, None)
-            hostname, slots = str(hello.get("hostname", "?")), int(hello.get("slots", 1))
-            node = Node(index, address[0], hostname, slots, channel, time.monotonic())
+            node = Node(index, address[0], str(hello.get("hostname", "?")), channel)
             self.nodes[index] = node
             self.local_address = conn.getsockname()[0]
             self.lost.pop(index, None)
@@ -179,7 +176,7 @@ class Leader:
                 try:
                     node.channel.send({"type": "heartbeat"})
                 except OSError:
-                    pass  # its reader notices
+                    node.channel.close()  # its reader thread then ends the registration at once
 
 
 class _WorkerPing(http.server.BaseHTTPRequestHandler):
@@ -248,7 +245,7 @@ class WorkerNode:
         source = (self.config.node_address, 0) if self.config.node_address else None
         sock = socket.create_connection((self.config.leader, self.config.port), timeout=5, source_address=source)
         channel = Channel.connect(sock, self.config.secret)
-        channel.send({"type": "register", "index": self.config.index, "hostname": socket.gethostname(), "slots": 1})
+        channel.send({"type": "register", "index": self.config.index, "hostname": socket.gethostname()})
         sock.settimeout(LOST_AFTER)
         welcome = channel.receive()
         if not welcome:
@@ -304,8 +301,8 @@ class WorkerNode:
             closed.set()
 
         threading.Thread(target=watch_leader, name="cluster-launch-watch", daemon=True).start()
-        while process.poll() is None and not closed.is_set():
-            time.sleep(0.1)
+        while process.poll() is None and not closed.wait(0.1):
+            pass
         code = process.poll()
         if code is None:
             log.info("cluster: the leader's side closed; stopping what it started here")

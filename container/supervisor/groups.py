@@ -12,7 +12,7 @@ from pathlib import Path
 
 from container.core import proc
 from container.core.devices import GroupPlan
-from container.core.launch import GroupNote, WorkerLaunch, encode_launch, read_note, write_note
+from container.core.launch import GroupNote, WorkerLaunch, encode_launch, write_note
 from container.core.protocol import WorkerState
 from container.core.settings import Settings
 from container.frontend.group_client import GroupClient
@@ -57,6 +57,7 @@ class WorkerGroup:
         self.plan = plan
         self.cluster = cluster  # a cluster's leader: the group spans its nodes
         self.cluster_losses = 0  # the leader's count of lost nodes when this start began
+        self._waiting_for = ""  # the missing nodes this group last said it waits for
         self.environment = environment or {}  # what LMI options set (engine_environment)
         self.settings = settings
         self.mpirun = mpirun
@@ -133,6 +134,7 @@ class WorkerGroup:
         self.incarnation += 1
         if self.cluster is not None:
             self.cluster_losses = self.cluster.losses
+            self._waiting_for = ""
         env = self._env()
         command = self.command(env)
         self.process = _start(command, env=env, cwd=self.settings.model_dir)
@@ -214,7 +216,8 @@ class WorkerGroup:
         if self.cluster.complete():
             return True
         reason = f"waiting for {self.cluster.describe_missing()} to register again"
-        if (read_note(self.note_path) or GroupNote()).last_exit != reason:
+        if self._waiting_for != reason:  # said once, not rewritten at every check
+            self._waiting_for = reason
             log.warning("%s: %s", self.name, reason)
             write_note(self.note_path, GroupNote(last_exit=reason, crash_loop=self.crash_loop, restarts=self.crashes))
         return False

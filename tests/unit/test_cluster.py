@@ -63,9 +63,9 @@ def test_the_leader_is_index_zero_or_the_node_whose_address_it_is():
     assert not ClusterConfig.from_env(worker).is_leader()
 
 
-def test_leaderworkerset_names_a_missing_worker_by_its_hostname(monkeypatch):
-    monkeypatch.setenv("LWS_LEADER_ADDRESS", "llama-0.llama.default")
-    config = ClusterConfig(size=3, leader="llama-0.llama.default", secret=b"x" * 16)
+def test_leaderworkerset_names_a_missing_worker_by_its_hostname():
+    config = ClusterConfig.from_env({"LWS_GROUP_SIZE": "3", "LWS_LEADER_ADDRESS": "llama-0.llama.default",
+                                     "SAGELMI_CLUSTER_SECRET": SECRET})
     assert config.expected_name(2) == "worker node 2 (llama-0-2.llama.default)"
 
 
