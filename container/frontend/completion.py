@@ -1,11 +1,14 @@
-"""One completion line per request, written when its answer has ended.
+"""Each request from its arrival to its completion line, written when its answer has ended.
 
-The app hands every answered request's response a ``Completion`` to call when the
-server closes it (``Response.call_on_close``: after the last byte was handed to the
-connection, or once the client was found gone), which is when a stream's relay has
-ended too. It logs the line (route, status, outcome, duration, time to the first
-byte, body bytes, tokens in and out when the worker group counted them), observes
-the duration histograms and ends the request's span.
+``RequestLog.begin`` starts an ``Exchange`` when a request arrives (its id, its
+span); ``RequestLog.finish`` observes its time to the status line and gives the
+``Completion`` the server calls when it closes the response (after the last byte
+was handed to the connection, or once the client was found gone), which is when a
+stream's relay has ended too. The ``Completion`` logs the line (route, status,
+outcome, duration, time to the first byte, body bytes, tokens in and out when the
+worker group counted them), observes the duration histograms and ends the request's
+span. The handler's routes (``container/frontend/invocations.py``) and Flask's
+(``container/frontend/app.py``) both use it.
 
 Outcomes: ``completed`` (the answer went out whole; its status may still be a
 4xx), ``client_gone`` (the client left first: 499, or a stream cut short),
@@ -17,13 +20,17 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from container.core.logs import request_id_var
+from container.core.tracing import Headers, Tracer
 from container.frontend.metrics import FrontendMetrics
 
 log = logging.getLogger("sagelmi.frontend")
+
+INFERENCE_ID = "X-Amzn-SageMaker-Inference-Id"  # the request's id: the client's, else a new one; echoed
 
 
 @dataclass
@@ -36,6 +43,58 @@ class Answer:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     queue_wait: float | None = None  # admission to the handler call beginning in the group
+
+
+@dataclass
+class Exchange:
+    """One request, from its arrival (``RequestLog.begin``) to its completion line."""
+
+    request_id: str
+    method: str
+    path: str
+    route: str  # the route's pattern (the path of a handler's route)
+    started: float  # time.monotonic() at the request's arrival
+    span: Any = None
+    answer: Answer | None = None  # what the relay learnt (a request relayed to a worker group)
+
+
+class RequestLog:
+    """Starts and ends the ``Exchange`` of every request the frontend logs."""
+
+    def __init__(self, metrics: FrontendMetrics, tracer: Tracer | None) -> None:
+        self.metrics = metrics
+        self.tracer = tracer
+
+    def begin(self, headers: Headers, method: str, path: str, route: str, traced: bool = True) -> Exchange:
+        """A request arrived: its id (the client's ``INFERENCE_ID``, else a new one) becomes
+        the context's for the log, and with tracing on (and ``traced``) its span starts."""
+        request_id = headers.get(INFERENCE_ID) or uuid.uuid4().hex
+        request_id_var.set(request_id)
+        exchange = Exchange(request_id, method, path, route, time.monotonic())
+        if self.tracer is not None and traced:
+            attributes = {"http.request.method": method, "url.path": path, "http.route": route}
+            exchange.span = self.tracer.start(f"{method} {route}", headers, attributes, server=True)
+            exchange.span.set_attribute("sagelmi.request_id", request_id)
+        return exchange
+
+    def finish(self, exchange: Exchange, status: int, body_bytes: int | None) -> Completion:
+        """Its status line is about to go out: observe the time to it, and return what
+        to call once the response is closed (``body_bytes``: a whole body's length)."""
+        first_byte = time.monotonic() - exchange.started
+        self.metrics.observe(exchange.route, status, first_byte)
+        return Completion(
+            self.metrics,
+            exchange.request_id,
+            exchange.method,
+            exchange.path,
+            exchange.route,
+            status,
+            exchange.started,
+            first_byte,
+            exchange.answer,
+            body_bytes,
+            exchange.span,
+        )
 
 
 def outcome_of(status: int) -> str:

@@ -3,12 +3,13 @@
 
 ``GroupClient`` owns a background thread that (re)connects to the group's Unix
 socket and reads every message from it. Status messages update ``state``;
-answers are handed to the ``PendingRequest`` of their request id. Request
-threads queue their frames for a sender thread, which writes whatever is
-queued in one write, and wait on their own ``PendingRequest``, which
-merges the chunks that arrive while its reader is busy, so a slow client never
-makes a queue grow one entry per token. Once a stream's headers are out, the
-reader thread writes its chunks to the client itself (``attach``).
+answers are handed to the ``PendingRequest`` of their request id. A request
+thread writes its frame itself when no other write is queued or under way and
+the socket takes it at once; otherwise the frame goes to a sender thread, which
+writes whatever is queued in one write. Request threads wait on their own
+``PendingRequest``, which merges the chunks that arrive while its reader is
+busy, so a slow client never makes a queue grow one entry per token. Once a
+stream's headers are out, the reader thread writes its chunks to the client itself (``attach``).
 
 When the connection drops, every request in flight on it fails at once with
 503 and the client keeps trying to reconnect (a restarted group binds the same
@@ -272,6 +273,7 @@ class GroupClient:
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
         self._outbox: list[tuple[socket.socket, bytes]] = []  # frames for the sender thread, in order
+        self._writing = False  # a thread is writing to the socket: the others queue behind it
         self._outbox_ready = threading.Condition()
         self._pending: dict[str, PendingRequest] = {}
         self._stopped = threading.Event()
@@ -362,13 +364,30 @@ class GroupClient:
         self._send(sock, encode(Cancel(id=request_id)))
 
     def _send(self, sock: socket.socket, frame: bytes) -> None:
-        """Queue ``frame`` for ``sock``; the sender thread writes it. A request
-        thread never waits for the socket (or, around a blocking write, for the
-        GIL while holding a lock the next sender needs: that convoy held new
-        requests for up to seconds at 32-64 streams)."""
+        """Write ``frame`` to ``sock`` now if nothing is queued or being written and the
+        socket takes it without waiting; otherwise queue it (what was not taken) for the
+        sender thread. A request thread never waits for the socket, and never holds a
+        lock around a system call (a thread that holds a lock the others need and then
+        waits for the GIL after its write: that convoy held new requests for up to
+        seconds at 32-64 streams). At one stream this saves waking the sender thread."""
         with self._outbox_ready:
-            self._outbox.append((sock, frame))
-            self._outbox_ready.notify()
+            if self._outbox or self._writing:
+                self._outbox.append((sock, frame))
+                self._outbox_ready.notify()
+                return
+            self._writing = True
+        try:
+            sent = sock.send(frame, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            sent = 0
+        except OSError:
+            sent = len(frame)  # the connection broke: the reader thread notices, and fails its requests
+        with self._outbox_ready:
+            self._writing = False
+            if sent < len(frame):  # the rest goes before anything queued meanwhile
+                self._outbox.insert(0, (sock, frame[sent:]))
+            if self._outbox:
+                self._outbox_ready.notify()
 
     def _send_queued(self) -> None:
         """The sender thread: writes what is queued, in order, every frame queued
@@ -377,19 +396,24 @@ class GroupClient:
         the reader thread to notice the broken connection."""
         while True:
             with self._outbox_ready:
-                while not self._outbox and not self._stopped.is_set():
+                while (not self._outbox or self._writing) and not self._stopped.is_set():
                     self._outbox_ready.wait()
                 if self._stopped.is_set():
                     return
                 queued, self._outbox = self._outbox, []
+                self._writing = True
             sock = self._sock
             frames = [frame for target, frame in queued if target is sock]
-            if not frames or sock is None:  # no connection: no frame is queued for it
-                continue
             try:
-                sock.sendall(b"".join(frames))
+                if frames and sock is not None:  # no connection: no frame is queued for it
+                    sock.sendall(b"".join(frames))
             except OSError:
                 pass
+            finally:
+                with self._outbox_ready:
+                    self._writing = False
+                    if self._outbox:
+                        self._outbox_ready.notify()
 
     # -- reader thread
     def _set_state(self, state: WorkerState, detail: str = "") -> None:

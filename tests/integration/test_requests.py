@@ -115,6 +115,22 @@ def test_unknown_route_and_wrong_method(server):
     assert r.status_code == 405 and r.json()["code"] == 405
 
 
+def test_the_handlers_routes_answer_other_methods_as_before(server):
+    """The handler's routes are served in front of Flask (container/frontend/invocations.py);
+    Flask still answers the methods they do not take."""
+    r = requests.put(server.url("/v1/chat/completions"), timeout=10)
+    assert r.status_code == 405 and "PUT is not allowed on /v1/chat/completions" in r.text
+    r = requests.options(server.url("/invocations"), timeout=10)
+    assert r.status_code == 200 and "POST" in r.headers["Allow"]
+    get = requests.get(server.url("/v1/models"), timeout=10)
+    head = requests.head(server.url("/v1/models"), timeout=10)
+    assert head.status_code == get.status_code and head.content == b""
+    assert head.headers["X-Amzn-SageMaker-Inference-Id"] != get.headers["X-Amzn-SageMaker-Inference-Id"]
+    r = requests.post(server.url("/invocations?x=1"), json={"inputs": "q"}, timeout=10)
+    assert r.status_code == 200 and r.headers["Content-Length"] == str(len(r.content))
+    assert r.json()["echo"] == {"inputs": "q"}
+
+
 def test_full_queue_is_503_and_queued_requests_still_finish(server):
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         slow = [pool.submit(server.invoke, {"sleep": 1.5}) for _ in range(4)]

@@ -11,7 +11,7 @@ from gunicorn.http import wsgi
 from gunicorn.http.parser import RequestParser
 
 from container.core.errors import ClientClosedRequest
-from container.frontend.app import ClientSink
+from container.frontend.invocations import ClientSink
 from container.frontend.body import WSGI_RESPONSE
 from container.frontend.server import GunicornBridge
 from container.frontend.group_client import PendingRequest

@@ -1,0 +1,432 @@
+"""The routes the handler answers (SageMaker's ``/invocations`` and the OpenAI-compatible
+ones), relayed to worker groups through the ``Router``.
+
+They are served by a WSGI app of their own in front of Flask (``HandlerRoutes``): a
+request on one of them with its method is answered here, everything else (other
+methods, ``/ping``, the management routes ...) goes on to Flask, whose dispatch (its
+contexts, URL matching, hooks and response objects) cost about 200 µs a request, more
+than the rest of the relay at one stream (docs/benchmarks/README.md, issue 31).
+
+Request path: read the body (413 past the limit, without reading it), admit (503 when
+the queue is full or the server is draining), pick a worker group, send, wait for the
+head (504 after ``predict_timeout``), then either return the body or stream it chunk by
+chunk (HTTP/1.1 chunked) as the group produces it. A client that disconnects mid-stream
+cancels its request in the group.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import select
+import socket
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+from werkzeug.datastructures import EnvironHeaders
+from werkzeug.http import HTTP_STATUS_CODES
+from werkzeug.wsgi import get_content_length
+
+from container.core.errors import (
+    ClientClosedRequest,
+    GatewayTimeout,
+    QueueFull,
+    ServingError,
+    describe,
+    envelope_for,
+    is_openai_path,
+)
+from container.core.launch import FrontendLaunch
+from container.core.logs import request_id_var
+from container.core.protocol import Invoke
+from container.core.sessions import SESSION_ID
+from container.core.tracing import TRACEPARENT, TRACESTATE, Headers, Tracer
+from container.frontend.body import WSGI_RESPONSE, read_body
+from container.frontend.completion import INFERENCE_ID, Answer, Completion, Exchange, RequestLog
+from container.frontend.group_client import GroupClient, PendingRequest
+from container.frontend.poison import RequestStoppedEngine, fingerprint
+from container.frontend.router import Router
+
+log = logging.getLogger("sagelmi.frontend")
+
+# The handler's routes and the method each answers (Flask answers the others on these paths: 405, OPTIONS, HEAD)
+ROUTES = {
+    "/invocations": "POST",
+    "/v1/chat/completions": "POST",
+    "/v1/completions": "POST",
+    "/v1/models": "GET",
+    "/tokenize": "POST",
+    "/detokenize": "POST",
+    "/v1/embeddings": "POST",
+    "/v1/score": "POST",
+    "/v1/rerank": "POST",
+}
+CLIENT_CHECK_INTERVAL = 0.5  # how often a request waiting on its group checks that its client is still there
+CUSTOM_ATTRIBUTES = "X-Amzn-SageMaker-Custom-Attributes"
+GROUP_HEADER = "X-Sagelmi-Group"  # which worker group answered (sticky sessions can be checked with it)
+DEFAULT_CONTENT_TYPE = "text/html; charset=utf-8"  # what an answer without one is sent with (as Flask's were)
+
+
+@dataclass
+class Reply:
+    """An answer to send: a whole body, or the chunks of a stream."""
+
+    status: int
+    headers: dict[str, str] = field(default_factory=dict)
+    body: bytes | Iterator[bytes] = b""
+
+
+def error_reply(path: str, exc: BaseException) -> Reply:
+    """The error in the envelope of the route the client called."""
+    status, message, error = describe(exc)
+    body = json.dumps(envelope_for(path, status, message, error)).encode()
+    return Reply(status, {"Content-Type": "application/json"}, body)
+
+
+def count_refusal(metrics, exc: ServingError) -> None:
+    """The counters of requests refused before they reached a group."""
+    if isinstance(exc, RequestStoppedEngine):
+        metrics.poison_refused.inc()
+    elif isinstance(exc, QueueFull):
+        metrics.queue_full.inc()
+
+
+def request_properties(
+    headers: Iterable[tuple[str, str]], request_id: str, trace_headers: dict[str, str] | None = None
+) -> dict[str, str]:
+    """The handler's ``Input`` properties, as DJL Serving builds them: the
+    headers (a repeated one joined with ", "), the ``k=v`` pairs of the custom
+    attributes header (in place of the header itself) and ``requestId``. With
+    tracing on, ``trace_headers`` (the frontend span's W3C headers) replace the
+    client's, as every hop of a trace does."""
+    props: dict[str, str] = {}
+    for name, value in headers:
+        if trace_headers and name.lower() in (TRACEPARENT, TRACESTATE):
+            continue
+        if name.lower() == CUSTOM_ATTRIBUTES.lower():
+            for pair in value.split(";"):
+                key, sep, val = pair.partition("=")
+                if sep and key.strip():
+                    props[key.strip()] = val.strip()
+            continue
+        props[name] = f"{props[name]}, {value}" if name in props else value
+    props["requestId"] = request_id
+    if trace_headers:
+        props.update(trace_headers)
+    return props
+
+
+def _in_band_error(exc: ServingError, content_type: str, path: str) -> bytes:
+    """An error after a 200 stream began: sent as the stream's last item. A
+    server-sent-events stream on an OpenAI route then ends as vLLM's does: the
+    error event, then ``data: [DONE]``."""
+    status, message, error = describe(exc)
+    line = json.dumps(envelope_for(path, status, message, error))
+    if not content_type.startswith("text/event-stream"):
+        return f"{line}\n".encode()
+    event = f"data: {line}\n\n"
+    if is_openai_path(path):
+        event += "data: [DONE]\n\n"
+    return event.encode()
+
+
+def client_gone(sock: socket.socket | None) -> bool:
+    """Whether the client closed its connection (it is readable, and at its end)."""
+    if sock is None:
+        return False
+    try:
+        poller = select.poll()  # not select(): descriptors past 1024 are common with many threads
+        poller.register(sock, select.POLLIN)
+        if not poller.poll(0):
+            return False
+        return sock.recv(1, socket.MSG_PEEK) == b""
+    except BlockingIOError:
+        return False
+    except (OSError, ValueError):
+        return True
+
+
+class ClientSink:
+    """The client's socket of a streamed answer whose headers gunicorn has sent,
+    for ``PendingRequest.attach``: frames chunks as gunicorn does (HTTP/1.1
+    chunked, or raw for an HTTP/1.0 client)."""
+
+    def __init__(self, sock: socket.socket, chunked: bool) -> None:
+        self.sock = sock
+        self.chunked = chunked
+
+    @classmethod
+    def of(cls, environ: dict) -> ClientSink | None:
+        """The sink of this request, if it is served by gunicorn over a plain
+        blocking socket and its headers are sent; otherwise ``None`` (the request
+        thread writes everything)."""
+        response = environ.get(WSGI_RESPONSE)
+        sock = environ.get("gunicorn.socket")
+        if response is None or not getattr(response, "headers_sent", False):
+            return None
+        if not isinstance(sock, socket.socket) or sock.gettimeout() is not None:
+            return None
+        return cls(sock, bool(response.chunked))
+
+    def frame(self, data: bytes) -> bytes:
+        return b"%X\r\n%s\r\n" % (len(data), data) if self.chunked else data
+
+    def send_nowait(self, frame: bytes) -> int:
+        return self.sock.send(frame, socket.MSG_DONTWAIT)
+
+    def send_all(self, frame: bytes) -> None:
+        self.sock.sendall(frame)
+
+
+class Invocation:
+    """One request in flight: owns its queue slot until the answer is sent.
+
+    While it waits for its group, it looks every ``CLIENT_CHECK_INTERVAL`` at the
+    client's connection: a client that left has its request cancelled then,
+    not only when the next piece of a stream fails to reach it (an engine may
+    deliver nothing for seconds)."""
+
+    def __init__(
+        self,
+        router: Router,
+        launch: FrontendLaunch,
+        environ: dict,
+        headers: Headers,
+        request_id: str,
+        trace_headers: dict[str, str] | None = None,
+    ) -> None:
+        self.router = router
+        self.launch = launch
+        self.environ = environ  # the stream is written after the request's call returned
+        self.headers = headers
+        self.request_id = request_id
+        self.client = environ.get("gunicorn.socket")
+        self.path = environ.get("PATH_INFO", "")
+        self.query = environ.get("QUERY_STRING", "")
+        self.wire_id = uuid.uuid4().hex
+        self.group: GroupClient | None = None
+        self.pending: PendingRequest | None = None
+        self._released = False
+        self.answer = Answer()  # what the completion line says
+        self.trace_headers = trace_headers  # the frontend span's: the worker's span is its child
+
+    @property
+    def submitted(self) -> PendingRequest:
+        """The request in its group: ``run`` submits it before anything waits on it."""
+        assert self.pending is not None, "the request is not submitted yet"
+        return self.pending
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self.router.release()
+
+    def abandon(self) -> None:
+        if self.group is not None:
+            self.group.cancel(self.wire_id)
+
+    def run(self) -> Reply:
+        body = read_body(
+            self.environ, get_content_length(self.environ), self.launch.max_payload_bytes, self.launch.body_read_timeout
+        )
+        print_ = fingerprint(f"{self.path}?{self.query}", body)
+        self.router.poison.check(print_)
+        self.router.admit()
+        admitted = time.monotonic()
+        streaming = False
+        try:
+            session_id = self.headers.get(SESSION_ID)
+            self.group = self.router.pick_for(session_id)
+            incarnation = self.group.incarnation
+            self.pending = self.group.submit(
+                Invoke(
+                    id=self.wire_id,
+                    properties=request_properties(self.headers.items(), self.request_id, self.trace_headers),
+                    body=body,
+                    path=self.path,
+                    query=self.query,
+                ),
+                tag=(print_, self.request_id, self.path),
+            )
+            try:
+                self._await(self.pending.wait_head_for, "no answer from the model")
+                head = self.pending.wait_head(0)
+                if head.started:  # the same clock in every process of the machine
+                    self.answer.queue_wait = head.started - admitted
+                headers = self.router.sessions.observe(session_id, self.group, incarnation, head.code, head.headers)
+                headers[GROUP_HEADER] = self.group.name
+                if head.stream:
+                    streaming = self.answer.streamed = True
+                    return Reply(head.code, headers, self._relay(headers.get("content-type", "")))
+                body = self._body()
+                self._count_tokens()
+                return Reply(head.code, headers, body)
+            except ServingError:
+                self.abandon()
+                raise
+        finally:
+            if not streaming:
+                self.release()
+
+    def _await(self, wait: Callable[[float], bool], what: str) -> None:
+        """Wait (``wait(seconds)``, True once ready) up to ``predict_timeout``;
+        raises ``GatewayTimeout``, or ``ClientClosedRequest`` as soon as the
+        client is seen gone. Time counts from the request's last message: a
+        stream the reader thread writes itself moves on without waking this
+        thread."""
+        deadline = time.monotonic() + self.launch.predict_timeout
+        pending = self.submitted
+        progress = pending.progress
+        while not wait(min(CLIENT_CHECK_INTERVAL, max(deadline - time.monotonic(), 0))):
+            if pending.progress != progress:
+                progress = pending.progress
+                deadline = time.monotonic() + self.launch.predict_timeout
+            elif time.monotonic() >= deadline:
+                raise GatewayTimeout(f"{what} within {self.launch.predict_timeout:g}s (option.predict_timeout)")
+            if client_gone(self.client):
+                raise ClientClosedRequest("the client closed the connection before the answer was ready")
+
+    def _next(self) -> bytes | None:
+        """The next piece of the answer (``None`` at its end), within ``predict_timeout``."""
+        self._await(self.submitted.wait_data_for, "the model sent nothing")
+        return self.submitted.next_data(0)
+
+    def _body(self) -> bytes:
+        parts = []
+        while (data := self._next()) is not None:
+            parts.append(data)
+        return b"".join(parts)
+
+    def _count_tokens(self) -> None:
+        end = self.submitted.end
+        if end is not None:
+            self.answer.prompt_tokens, self.answer.completion_tokens = end.prompt_tokens, end.completion_tokens
+
+    def _relay(self, content_type: str) -> Iterator[bytes]:
+        request_id_var.set(self.request_id)
+        finished = False
+        in_band = b""
+        try:
+            first = True
+            while (data := self._next()) is not None:
+                yield data
+                if first:  # the headers are out: the reader thread can write the rest
+                    first = False
+                    if (sink := ClientSink.of(self.environ)) is not None:
+                        self.submitted.attach(sink)
+            finished = True
+            self.answer.outcome = "completed"
+        except ClientClosedRequest:
+            pass  # cancelled below, as when a write finds the client gone
+        except ServingError as exc:
+            finished = True
+            self.answer.outcome = "timeout" if isinstance(exc, GatewayTimeout) else "error"
+            if isinstance(exc, GatewayTimeout):
+                self.abandon()
+            log.warning("stream ended with an error: %s", exc)
+            try:
+                self.submitted.take_over()
+            except ClientClosedRequest:
+                self.answer.outcome = "client_gone"
+                return  # the client is gone too
+            in_band = _in_band_error(exc, content_type, self.path)
+            yield in_band
+        finally:
+            if not finished:
+                log.info("client went away during the stream; cancelling the request")
+                self.answer.outcome = "client_gone"
+                self.abandon()
+            self.answer.bytes = self.submitted.body_bytes + len(in_band)
+            self._count_tokens()
+            self.release()
+
+
+class _Closing:
+    """A response body whose ``close`` (gunicorn calls it once the response is sent,
+    or abandoned) closes the stream, then writes the completion line."""
+
+    __slots__ = ("body", "completion")
+
+    def __init__(self, body: Iterable[bytes], completion: Completion) -> None:
+        self.body = body
+        self.completion = completion
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(self.body)
+
+    def close(self) -> None:
+        try:
+            close = getattr(self.body, "close", None)
+            if close is not None:
+                close()
+        finally:
+            self.completion()
+
+
+class HandlerRoutes:
+    """WSGI middleware in front of Flask that serves the handler's ``ROUTES``."""
+
+    def __init__(
+        self,
+        router: Router,
+        launch: FrontendLaunch,
+        requests: RequestLog,
+        tracer: Tracer | None,
+        fallback: Callable,
+    ) -> None:
+        self.router = router
+        self.launch = launch
+        self.requests = requests
+        self.tracer = tracer
+        self.fallback = fallback  # Flask's WSGI app
+
+    def __call__(self, environ: dict, start_response: Callable) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "")
+        method = environ["REQUEST_METHOD"]
+        if ROUTES.get(path) != method:
+            return self.fallback(environ, start_response)
+        headers = EnvironHeaders(environ)
+        exchange = self.requests.begin(headers, method, path, path)
+        try:
+            try:
+                reply = self.serve(environ, headers, exchange)
+            except ServingError as exc:
+                count_refusal(self.requests.metrics, exc)
+                reply = error_reply(path, exc)
+            except Exception:
+                log.exception("unexpected error")
+                reply = error_reply(path, ServingError())
+            return self.respond(reply, exchange, start_response)
+        finally:
+            request_id_var.set("-")
+
+    def serve(self, environ: dict, headers: Headers, exchange: Exchange) -> Reply:
+        """Relay the request to a worker group: its answer, or its stream (raises what the relay refuses)."""
+        span = exchange.span
+        trace_headers = self.tracer.headers_of(span) if self.tracer is not None and span is not None else None
+        invocation = Invocation(self.router, self.launch, environ, headers, exchange.request_id, trace_headers)
+        exchange.answer = invocation.answer
+        return invocation.run()
+
+    def respond(self, reply: Reply, exchange: Exchange, start_response: Callable) -> Iterable[bytes]:
+        headers = list(reply.headers.items())
+        if not any(name.lower() == "content-type" for name, _ in headers):
+            headers.append(("Content-Type", DEFAULT_CONTENT_TYPE))
+        body: Iterable[bytes]
+        if isinstance(reply.body, bytes):
+            body, length = (reply.body,), len(reply.body)
+            if not (100 <= reply.status < 200 or reply.status in (204, 304)):
+                headers.append(("Content-Length", str(length)))
+        else:
+            body, length = reply.body, None
+        headers.append((INFERENCE_ID, exchange.request_id))
+        completion = self.requests.finish(exchange, reply.status, length)
+        status = f"{reply.status} {HTTP_STATUS_CODES.get(reply.status, 'unknown').upper()}"
+        try:
+            start_response(status, headers)
+        except BaseException:
+            _Closing(body, completion).close()
+            raise
+        return _Closing(body, completion)
