@@ -40,6 +40,15 @@ def generator_item(item: Any) -> Any:
     return item if isinstance(item, (str, bytes, bytearray, memoryview)) else json_line(item)
 
 
+def item_data(output: Output, item: Any) -> tuple[bytes, bool]:
+    """The bytes of a streamed item, and whether it is the stream's last: an LMI async-mode
+    ``Output`` chunk (async_utils) says so (``last=True``), any other item is formatted by
+    ``output``."""
+    if isinstance(item, Output):
+        return chunk_of(item)
+    return output.format_stream_item(item), False
+
+
 class Calls:
     def __init__(self, loop: asyncio.AbstractEventLoop, executor: ThreadPoolExecutor, mpi: bool) -> None:
         self.loop = loop
@@ -75,13 +84,10 @@ class Calls:
         stream = output.stream_content
         if hasattr(stream, "__aiter__"):
             async for item in cast(AsyncIterator[Any], stream):
-                if isinstance(item, Output):  # LMI async mode: a chunk (async_utils), ending with last=True
-                    data, last = chunk_of(item)
-                    yield data
-                    if last:
-                        break
-                else:
-                    yield output.format_stream_item(item)
+                data, last = item_data(output, item)
+                yield data
+                if last:
+                    break
             return
         items: asyncio.Queue = asyncio.Queue()
         room = threading.Semaphore(STREAM_QUEUE)  # the generator runs at most this far ahead of its sender
@@ -143,10 +149,22 @@ class Calls:
         streaming = output.stream_content is not None
         started = seen.started if seen is not None else 0.0
         await conn.send(Head(id=rid, code=output.code, headers=headers, stream=streaming, started=started))
-        if streaming:
+        if streaming and hasattr(output.stream_content, "__aiter__"):
+            # stream() inlined: an async generator's pass per token costs as much as the rest of its relay
+            fmt = output.format_stream_item
+            async for item in cast(AsyncIterator[Any], output.stream_content):
+                if isinstance(item, Output):
+                    data, last = chunk_of(item)
+                else:
+                    data, last = fmt(item), False
+                if data and conn.add_chunk(rid, data):
+                    await conn.wait_writable()
+                if last:
+                    break
+        elif streaming:
             async for data in self.stream(output, cancelled):
-                if data:
-                    await conn.send(Chunk(id=rid, data=data))
+                if data and conn.add_chunk(rid, data):
+                    await conn.wait_writable()
         else:
             body = output.body()
             if body:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
+from time import monotonic
 
 from container.core.protocol import FRAME_HEADER, Chunk, Fail, Message, ProtocolError, decode, encode, frame_length
 
@@ -53,33 +53,51 @@ class Connection:
         self._open: dict[str, _Body] = {}  # request id -> its body, while it is its last queued message
         self._queued = 0  # bytes queued (about)
         self._added = False  # a frame was queued since the last pass
-        self._since = 0.0  # when the first queued frame was
-        self._loop = asyncio.get_running_loop()
+        self._due = 0.0  # when the queue leaves at the latest: its first frame's time + COALESCE_SECONDS
+        self._call_soon = asyncio.get_running_loop().call_soon
+        self._pass_soon = self._pass  # bound once: it is scheduled once a loop pass
 
     async def send(self, message: Message) -> None:
         """Queue ``message``; raises ``PeerGone`` once the connection is closed."""
-        if not self._queue:
-            self._since = time.monotonic()  # not loop.time(): uvloop's counts whole milliseconds
-            self._loop.call_soon(self._pass)
-        self._added = True
         if type(message) is Chunk:
-            body = self._open.get(message.id)
-            if body is not None:
-                body.parts.append(message.data)
-            else:
-                self._open[message.id] = body = _Body(message.id, message.data)
-                self._queue.append(body)
-            self._queued += len(message.data)
+            if self.add_chunk(message.id, message.data):
+                await self.wait_writable()
+            return
+        if not self._queue:
+            self._due = monotonic() + COALESCE_SECONDS  # not loop.time(): uvloop's counts whole milliseconds
+            self._call_soon(self._pass_soon)
+        self._added = True
+        request_id = getattr(message, "id", None)
+        if request_id is not None:
+            self._open.pop(request_id, None)
+        frame = encode(message)
+        self._queue.append(frame)
+        self._queued += len(frame)
+        if self.writer.transport.get_write_buffer_size() > WRITE_HIGH_WATER or self.writer.is_closing():
+            await self.wait_writable()
+
+    def add_chunk(self, request_id: str, data: bytes) -> bool:
+        """Queue a piece of request ``request_id``'s body, merged with the piece queued
+        right before it, without a coroutine or a ``Chunk`` per token (a stream's items
+        come here: ``Calls.send_output``). True when the caller must ``wait_writable``
+        before the next one: the frontend reads too slowly, or the connection closed."""
+        if not self._queue:
+            self._due = monotonic() + COALESCE_SECONDS
+            self._call_soon(self._pass_soon)
+        self._added = True
+        body = self._open.get(request_id)
+        if body is not None:
+            body.parts.append(data)
         else:
-            request_id = getattr(message, "id", None)
-            if request_id is not None:
-                self._open.pop(request_id, None)
-            frame = encode(message)
-            self._queue.append(frame)
-            self._queued += len(frame)
+            self._open[request_id] = body = _Body(request_id, data)
+            self._queue.append(body)
+        self._queued += len(data)
+        return self.writer.transport.get_write_buffer_size() > WRITE_HIGH_WATER or self.writer.is_closing()
+
+    async def wait_writable(self) -> None:
+        """Wait until the frontend has read enough; raises ``PeerGone`` once the connection is closed."""
         try:
-            if self.writer.transport.get_write_buffer_size() > WRITE_HIGH_WATER:
-                await self.writer.drain()  # the frontend reads too slowly: wait for it
+            await self.writer.drain()
         except (ConnectionError, OSError) as exc:
             raise PeerGone(str(exc)) from None
         if self.writer.is_closing():
@@ -88,9 +106,9 @@ class Connection:
     def _pass(self) -> None:
         """Between two passes of the loop: write, unless the last pass queued more and
         the queue is still small and young."""
-        if self._added and self._queued < COALESCE_BYTES and time.monotonic() - self._since < COALESCE_SECONDS:
+        if self._added and self._queued < COALESCE_BYTES and monotonic() < self._due:
             self._added = False
-            self._loop.call_soon(self._pass)
+            self._call_soon(self._pass_soon)
             return
         self._flush()
 
@@ -133,6 +151,12 @@ class DroppedAnswers:
     async def send(self, message: Message) -> None:
         if isinstance(message, Fail):
             log.warning("this rank's answer was an error (rank 0 answers the client): %s", message.error)
+
+    def add_chunk(self, request_id: str, data: bytes) -> bool:
+        return False
+
+    async def wait_writable(self) -> None:
+        pass
 
     def close(self) -> None:
         pass

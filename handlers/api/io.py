@@ -408,6 +408,8 @@ class Output:
         """One streamed item as bytes, as LMI sends it."""
         if self.stream_output_formatter is not None:
             item = self.stream_output_formatter(item)
+        if type(item) is bytes:  # the common case first: a token's line, once per token
+            return item
         if isinstance(item, str):
             return item.encode("utf-8")
         if isinstance(item, (bytes, bytearray, memoryview)):

@@ -116,3 +116,35 @@ def test_send_now_writes_at_once_after_what_is_queued():
         return read()
 
     assert run(scenario) == [[Chunk(id="a", data=b"tok"), Status(state=WorkerState.DOWN, detail="bye")]]
+
+
+def test_a_stream_waits_for_a_frontend_that_reads_too_slowly_and_stops_once_it_is_gone():
+    """``add_chunk`` (a stream's tokens) asks its sender to wait past the high-water mark;
+    ``wait_writable`` returns once the frontend has read, and raises ``PeerGone`` once it is gone."""
+
+    async def scenario(conn, read):
+        piece = b"x" * (1 << 16)
+        added = 0
+        while not conn.add_chunk("a", piece):  # nobody reads: the socket and then the transport fill up
+            added += 1
+            for _ in range(3):
+                await asyncio.sleep(0)  # the pass that writes what was queued
+            assert added < 1000, "never asked to wait"
+        waiting = asyncio.ensure_future(conn.wait_writable())
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not waiting.done()
+        received = 0
+        while not waiting.done():  # the frontend reads: the sender goes on
+            received += sum(len(m.data) for batch in read() for m in batch)
+            await asyncio.sleep(0.001)
+        await waiting
+        conn.add_chunk("a", piece)
+        conn.writer.transport.abort()  # the connection is gone
+        try:
+            await conn.wait_writable()
+        except connection.PeerGone:
+            return received > 0
+        return False
+
+    assert run(scenario)
