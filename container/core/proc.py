@@ -83,18 +83,20 @@ def descendants(roots: list[int], table: dict[int, int] | None = None) -> list[i
     return found
 
 
-# The nice value of the processes a handler starts (the engine's): below the worker's and the
-# frontend's 0, so that the request path, which needs little CPU but at once, is never kept
-# waiting by an engine that busy-waits between its steps; an engine with the CPU to itself still
-# gets all of it. See docs/architecture.md.
+# The nice value of the processes a handler starts (the engine's) while the worker is busy:
+# below the worker's and the frontend's 0, so that the request path, which needs little CPU but
+# at once, is not kept waiting by an engine that busy-waits between its steps; an engine with the
+# CPU to itself still gets all of it. When is in container/worker/priority.py.
 ENGINE_NICE = 10
 
 
-def lower_priority(pids: list[int], nice: int = ENGINE_NICE) -> None:
-    """Give every thread of ``pids`` at least ``nice`` (never a higher priority than it has).
+def set_nice(pids: list[int], nice: int) -> None:
+    """Give every thread of ``pids`` the nice value ``nice``.
 
     Linux keeps a nice value per thread, and a new thread takes its creator's, so each existing
-    thread is set; the threads they start later inherit it."""
+    thread is set; the threads they start later inherit it. Processes and threads that ended
+    meanwhile are skipped. Raises ``PermissionError`` when a thread would get a higher priority
+    than it has and this process may not give it (no ``CAP_SYS_NICE``)."""
     for pid in pids:
         try:
             tids = [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
@@ -102,9 +104,9 @@ def lower_priority(pids: list[int], nice: int = ENGINE_NICE) -> None:
             continue
         for tid in tids:
             try:
-                if os.getpriority(os.PRIO_PROCESS, tid) < nice:
+                if os.getpriority(os.PRIO_PROCESS, tid) != nice:
                     os.setpriority(os.PRIO_PROCESS, tid, nice)
-            except OSError:  # the thread ended meanwhile
+            except ProcessLookupError:  # the thread ended meanwhile
                 continue
 
 

@@ -16,6 +16,7 @@ handler answers each item under ``batch_<i>.<key>``.
 
 from __future__ import annotations
 
+import os
 import re
 import struct
 from collections.abc import AsyncIterator
@@ -26,9 +27,21 @@ from urllib.parse import parse_qsl
 
 from container.core.errors import AnswerError, HandlerError, InputError
 from container.core.protocol import Invoke
+from container.core.settings import Settings
 from handlers.api import Input, Output
 
 _BATCH_KEY = re.compile(r"^batch_(\d+)\.(.*)$", re.S)
+
+
+def common_properties(settings: Settings, tensor_parallel_degree: int) -> dict[str, Any]:
+    """What LMI's Python engine adds to the properties of every call."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    on_gpu = visible not in ("", "-1") and not settings.use_mpi
+    common: dict[str, Any] = {"device_id": "0" if on_gpu else "-1", "model_dir": settings.model_dir, "cluster_size": 1}
+    if settings.use_mpi:
+        common["tensor_parallel_degree"] = tensor_parallel_degree
+        common["pipeline_parallel_degree"] = settings.pipeline_parallel_degree
+    return common
 
 
 def _content_type(properties: dict[str, str]) -> str:

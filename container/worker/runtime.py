@@ -62,7 +62,8 @@ from container.worker.batching import Batcher
 from container.worker.calls import Calls
 from container.worker.connection import Connection, DroppedAnswers, PeerGone
 from container.worker.observe import Observer
-from container.worker.requests import batch_input, request_input, split_batch, to_output
+from container.worker.priority import EnginePriority
+from container.worker.requests import batch_input, common_properties, request_input, split_batch, to_output
 from handlers.api import Input, Output
 from handlers.api.context import Formatters, WorkerContext, set_current
 from handlers.api.engine import Engine
@@ -98,6 +99,7 @@ class Worker:
         self.adapters = AdapterTable(self.loop)  # LoRA adapters the frontend registered (rank 0)
         self.calls = Calls(self.loop, self.executor, self.mpi)
         self.observer = Observer(self.settings.traces_exporter, f"worker-{context.launch.group}")
+        self.priority: EnginePriority | None = None  # of what the handler started, once it has loaded
         set_current(context, self.loop, Formatters())
 
     # The context's relay, as the handler API types it, is the worker's own (container.worker.ranks)
@@ -177,7 +179,7 @@ class Worker:
             # Import on the loop's thread: some libraries insist on the main thread.
             self.handler = load_handler(self.settings)
             set_current(self.context, self.loop, self.handler.formatters)
-            self.common = self._common_properties()
+            self.common = common_properties(self.settings, self.context.launch.tensor_parallel_degree)
             if self.handler.engine is not None:
                 self.engine = await self.handler.engine.start(self.context, self.handler.formatters)
                 self.calls.handler_loaded(self.engine.handle, self.handler.kind)
@@ -220,23 +222,9 @@ class Worker:
         log.info("model ready in %.1fs", time.monotonic() - started)
         engine = proc.descendants([os.getpid()])
         if engine:  # what the handler started (vLLM's EngineCore and workers ...)
-            proc.lower_priority(engine)
-            log.info("%d process(es) the handler started run at nice %d", len(engine), proc.ENGINE_NICE)
+            self.priority = EnginePriority(self.loop, engine, adaptive=not self.mpi)
+            log.info("%d process(es) the handler started %s", len(engine), self.priority.describe())
         return await self._set_own_state(WorkerState.READY)
-
-    def _common_properties(self) -> dict[str, Any]:
-        """What LMI's Python engine adds to the properties of every call."""
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
-        on_gpu = visible not in ("", "-1") and not self.settings.use_mpi
-        common: dict[str, Any] = {
-            "device_id": "0" if on_gpu else "-1",
-            "model_dir": self.settings.model_dir,
-            "cluster_size": 1,
-        }
-        if self.settings.use_mpi:
-            common["tensor_parallel_degree"] = self.context.launch.tensor_parallel_degree
-            common["pipeline_parallel_degree"] = self.settings.pipeline_parallel_degree
-        return common
 
     # -- state: this rank's, and (on rank 0) the group's
     async def _set_own_state(self, state: WorkerState, detail: str = "") -> bool:
@@ -397,6 +385,8 @@ class Worker:
         # Not create_task(context=...): that argument is Python 3.11's, and 3.10 is supported
         task = contextvars.copy_context().run(start)
         conn.tasks[message.id] = task
+        if self.priority is not None and message.path != METRICS_PATH:  # what the engine's priority follows
+            self.priority.follow(task)
         return task
 
     def _start_batch(self, batch: list[tuple[Connection | DroppedAnswers, Invoke]]) -> asyncio.Task:
@@ -439,6 +429,9 @@ class Worker:
             await asyncio.wait({task})  # the batch's slot is free once it is answered
             return
         output = None
+        serving = asyncio.current_task()
+        if self.priority is not None and serving is not None:
+            self.priority.follow(serving, len(batch))
         try:
             output = to_output(await self.calls.call(batch_input([message for _, message in batch], self.common)))
             answers = split_batch(output, len(batch))

@@ -13,7 +13,15 @@ import time
 import pytest
 
 from tests.e2e.conftest import ENGINE_READY_TIMEOUT, VLLM_CPU_ENV
-from tests.server import REPO, Server, clean_env, drop_stream_and_wait_until_idle, nice_of_threads, processes
+from tests.server import (
+    REPO,
+    RawStream,
+    Server,
+    clean_env,
+    drop_stream_and_wait_until_idle,
+    nice_of_threads,
+    processes,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -129,13 +137,38 @@ def test_a_killed_engine_worker_leaves_no_engine_processes_behind(tiny_model):
     assert _gone(restarted), "a normal stop left engine processes behind"
 
 
-def test_the_engine_runs_below_the_request_path(vllm_server):
-    """vLLM's EngineCore and its worker busy-wait between steps: every one of their threads
-    runs at nice 10 (container.core.proc.ENGINE_NICE), the model worker's at 0."""
-    (worker,) = vllm_server.worker_pids()
+def _engine_nice(worker: int) -> set[int]:
     engine = processes(worker)
     del engine[worker]
     assert any("VLLM::EngineCore" in command for command in engine.values()), engine
-    for pid in engine:
-        assert nice_of_threads(pid) == {10}
+    return set().union(*(nice_of_threads(pid) for pid in engine))
+
+
+def test_the_engine_runs_below_the_request_path_while_it_serves_many(vllm_server):
+    """vLLM's EngineCore and its worker busy-wait between steps: with more than SHARED_UP_TO
+    requests in flight, every one of their threads runs at nice 10 (ENGINE_NICE), the model
+    worker's at 0; RESTORE_AFTER seconds after the burst they share the CPU at nice 0 again.
+    (The hold at one request is tests/unit/test_engine_priority.py's: one answer of the tiny
+    model lasts about a second.)"""
+    from container.core.proc import ENGINE_NICE
+    from container.worker.priority import RESTORE_AFTER, SHARED_UP_TO
+
+    (worker,) = vllm_server.worker_pids()
+    deadline = time.monotonic() + RESTORE_AFTER + 30  # a burst of an earlier test may still be held
+    while _engine_nice(worker) != {0}:
+        assert time.monotonic() < deadline, "the engine did not get nice 0 back"
+        time.sleep(0.2)
+    body = {"inputs": PROMPT, "stream": True, "parameters": {"max_new_tokens": 900, "ignore_eos": True}}
+    streams = [RawStream(vllm_server.port, "/invocations", body) for _ in range(SHARED_UP_TO + 1)]
+    for stream in streams:
+        stream.read_lines(1)
+    assert _engine_nice(worker) == {ENGINE_NICE}
     assert nice_of_threads(worker) == {0}
+    for stream in streams:
+        stream.close()
+    ended = time.monotonic()
+    time.sleep(RESTORE_AFTER / 2)
+    assert _engine_nice(worker) == {ENGINE_NICE}, "given back before RESTORE_AFTER"
+    while _engine_nice(worker) != {0}:
+        assert time.monotonic() < ended + RESTORE_AFTER + 10, "the engine did not get nice 0 back"
+        time.sleep(0.2)
