@@ -16,6 +16,20 @@ Conversation, per request id:
                     or   Fail              the request failed (before or after Head)
     frontend -> rank 0   Cancel            abandon it (client gone, timeout)
 
+A streamed answer (``Head.stream``) holds its body until the frontend, having sent the
+HTTP headers, says where it goes (exactly once):
+
+    frontend -> rank 0   Attach            on the descriptor channel, with the client's
+                                           socket: rank 0 writes the body to it itself,
+                                           sends Progress at most once a second meanwhile,
+                                           and End / Fail once it has stopped writing;
+                    or   Attach            on the socket, ``direct=False``: the body comes
+                                           as Chunks
+
+The descriptor channel is a second Unix socket beside rank 0's (``fd_channel_path``), of
+``SOCK_SEQPACKET`` messages, each an ``Attach`` payload with one file descriptor
+(``SCM_RIGHTS``; ``send_with_fd`` / ``receive_with_fd``).
+
 An ``Invoke`` for ``METRICS_PATH`` is answered by rank 0 itself (Head, Chunk,
 End) with the Prometheus text of its process, including the engine's metrics.
 
@@ -40,7 +54,10 @@ Between the ranks of an MPI group (rank 0 is the leader, the others follow):
 
 from __future__ import annotations
 
+import array
 import enum
+import os
+import socket
 import struct
 from typing import Union
 
@@ -99,13 +116,32 @@ class End(msgspec.Struct, tag="end", frozen=True, omit_defaults=True):
     id: str
     prompt_tokens: int | None = None  # what the engine counted, when it did (the frontend logs them)
     completion_tokens: int | None = None
+    body_bytes: int = 0  # body bytes rank 0 wrote to the client itself (an Attach with the socket)
 
 
-class Fail(msgspec.Struct, tag="fail", frozen=True):
+class Attach(msgspec.Struct, tag="attach", frozen=True, omit_defaults=True):
+    """Where a streamed answer's body goes, once the frontend has sent its HTTP headers: the
+    client's socket (sent with it on the descriptor channel; framed as HTTP/1.1 chunks when
+    ``chunked``), or, ``direct=False``, the frontend (as Chunks)."""
+
+    id: str
+    direct: bool = False
+    chunked: bool = True
+
+
+class Progress(msgspec.Struct, tag="progress", frozen=True):
+    """Rank 0 is writing request ``id``'s body to the client itself (at most once a second):
+    the frontend's ``predict_timeout`` counts from the last one."""
+
+    id: str
+
+
+class Fail(msgspec.Struct, tag="fail", frozen=True, omit_defaults=True):
     id: str
     code: int
     message: str
     error: str
+    body_bytes: int = 0  # body bytes rank 0 wrote to the client itself before the failure
 
 
 class WorkerState(str, enum.Enum):
@@ -162,6 +198,8 @@ Message = Union[  # noqa: UP007 (a runtime alias msgspec decodes with; kept in o
     Head,
     Chunk,
     End,
+    Attach,
+    Progress,
     Fail,
     Status,
     Broadcast,
@@ -230,3 +268,42 @@ class FrameBuffer:
     def pending_bytes(self) -> int:
         """Bytes of an incomplete frame still waiting for the rest."""
         return len(self._data)
+
+
+FD_CHANNEL_SUFFIX = ".fd"
+
+
+def fd_channel_path(socket_path: str) -> str:
+    """The descriptor channel of the rank 0 listening on ``socket_path``."""
+    return socket_path + FD_CHANNEL_SUFFIX
+
+
+def send_with_fd(sock: socket.socket, message: Attach, fd: int) -> None:
+    """Send ``message`` and a duplicate of ``fd`` as one descriptor-channel message."""
+    sock.sendmsg([_encoder.encode(message)], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+
+
+_FD_SPACE = socket.CMSG_SPACE(array.array("i").itemsize)
+
+
+def receive_with_fd(sock: socket.socket) -> tuple[Message, int | None] | None:
+    """One descriptor-channel message and the descriptor that came with it (the caller
+    owns it and must close it); ``None`` once the peer has closed the channel. Raises
+    ``BlockingIOError`` when nothing is waiting, ``ProtocolError`` for bad bytes (the
+    descriptor is closed then)."""
+    data, ancillary, _flags, _address = sock.recvmsg(1 << 16, _FD_SPACE)
+    fds = array.array("i")
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+    if not data and not fds:
+        return None
+    try:
+        message = decode(data)
+    except ProtocolError:
+        for fd in fds:
+            os.close(fd)
+        raise
+    for extra in fds[1:]:  # one descriptor a message: any other is closed
+        os.close(extra)
+    return message, (fds[0] if fds else None)

@@ -23,7 +23,8 @@ from pathlib import Path
 from container.core.errors import Conflict, InputError, NotFound, ServingError
 from container.core.launch import ModelInfo
 from container.core.protocol import Message, RegisterAdapter, UnregisterAdapter
-from container.frontend.group_client import GroupClient, WorkerFailed
+from container.frontend.group_client import GroupClient
+from container.frontend.pending import WorkerFailed
 
 log = logging.getLogger("sagelmi.adapters")
 

@@ -16,6 +16,7 @@ cancels its request in the group.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import select
@@ -45,7 +46,8 @@ from container.core.sessions import SESSION_ID
 from container.core.tracing import TRACEPARENT, TRACESTATE, Headers, Tracer
 from container.frontend.body import WSGI_RESPONSE, read_body
 from container.frontend.completion import INFERENCE_ID, Answer, Completion, Exchange, RequestLog
-from container.frontend.group_client import GroupClient, PendingRequest
+from container.frontend.group_client import GroupClient
+from container.frontend.pending import PendingRequest, WorkerFailed
 from container.frontend.poison import RequestStoppedEngine, fingerprint
 from container.frontend.router import Router
 
@@ -64,6 +66,7 @@ ROUTES = {
     "/v1/rerank": "POST",
 }
 CLIENT_CHECK_INTERVAL = 0.5  # how often a request waiting on its group checks that its client is still there
+STOP_CONFIRM_TIMEOUT = 2.0  # how long a timed-out stream waits for its group to stop writing to the client
 CUSTOM_ATTRIBUTES = "X-Amzn-SageMaker-Custom-Attributes"
 GROUP_HEADER = "X-Sagelmi-Group"  # which worker group answered (sticky sessions can be checked with it)
 DEFAULT_CONTENT_TYPE = "text/html; charset=utf-8"  # what an answer without one is sent with (as Flask's were)
@@ -223,9 +226,17 @@ class Invocation:
             self._released = True
             self.router.release()
 
-    def abandon(self) -> None:
+    def abandon(self, confirm: bool = False) -> None:
         if self.group is not None:
-            self.group.cancel(self.wire_id)
+            self.group.cancel(self.wire_id, confirm)
+
+    def _group_stopped_writing(self) -> bool:
+        """After cancelling a body the group wrote to the client itself: whether it said it
+        stopped (nothing else may be written to the client before)."""
+        stopped = self.submitted.wait_done_for(STOP_CONFIRM_TIMEOUT)
+        if self.group is not None:
+            self.group.forget(self.wire_id)
+        return stopped
 
     def run(self) -> Reply:
         body = read_body(
@@ -308,23 +319,28 @@ class Invocation:
         request_id_var.set(self.request_id)
         finished = False
         in_band = b""
+        pending = self.submitted
         try:
-            first = True
+            yield b""  # gunicorn sends the headers and nothing else: the body is the group's to write
+            assert self.group is not None  # run() picked it
+            self.group.attach(pending, ClientSink.of(self.environ))
             while (data := self._next()) is not None:
                 yield data
-                if first:  # the headers are out: the reader thread can write the rest
-                    first = False
-                    if (sink := ClientSink.of(self.environ)) is not None:
-                        self.submitted.attach(sink)
             finished = True
             self.answer.outcome = "completed"
         except ClientClosedRequest:
             pass  # cancelled below, as when a write finds the client gone
         except ServingError as exc:
             finished = True
+            if isinstance(exc, WorkerFailed) and exc.status == ClientClosedRequest.status:
+                self.answer.outcome = "client_gone"  # the group found the client gone while writing to it
+                return
             self.answer.outcome = "timeout" if isinstance(exc, GatewayTimeout) else "error"
             if isinstance(exc, GatewayTimeout):
-                self.abandon()
+                self.abandon(confirm=pending.direct)
+                if pending.direct and not self._group_stopped_writing():
+                    # bytes of ours could land in the middle of its: close the connection instead
+                    raise BrokenPipeError(errno.EPIPE, "the group did not stop writing the stream") from None
             log.warning("stream ended with an error: %s", exc)
             try:
                 self.submitted.take_over()
@@ -337,7 +353,9 @@ class Invocation:
             if not finished:
                 log.info("client went away during the stream; cancelling the request")
                 self.answer.outcome = "client_gone"
-                self.abandon()
+                self.abandon(confirm=pending.direct)
+                if pending.direct:  # its last word says how much of the body it wrote
+                    self._group_stopped_writing()
             self.answer.bytes = self.submitted.body_bytes + len(in_band)
             self._count_tokens()
             self.release()

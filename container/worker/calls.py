@@ -148,8 +148,29 @@ class Calls:
         headers = {k: v for k, v in output.headers().items() if k.lower() not in _HOP_BY_HOP}
         streaming = output.stream_content is not None
         started = seen.started if seen is not None else 0.0
+        if streaming:  # its body waits for the frontend's Attach (container.worker.direct)
+            conn.expect_stream(rid)
         await conn.send(Head(id=rid, code=output.code, headers=headers, stream=streaming, started=started))
-        if streaming and hasattr(output.stream_content, "__aiter__"):
+        body_bytes = 0
+        if streaming:
+            try:
+                await self._send_stream(conn, rid, output, cancelled)
+            except Exception:
+                await conn.finish_stream(rid)  # what came before the handler's error goes out first
+                raise
+            body_bytes = await conn.finish_stream(rid)
+        else:
+            body = output.body()
+            if body:
+                await conn.send(Chunk(id=rid, data=body))
+        usage = seen.usage if seen is not None else None
+        prompt, completion = (usage.prompt_tokens, usage.completion_tokens) if usage is not None else (None, None)
+        await conn.send(End(id=rid, prompt_tokens=prompt, completion_tokens=completion, body_bytes=body_bytes))
+
+    async def _send_stream(
+        self, conn: Connection | DroppedAnswers, rid: str, output: Output, cancelled: threading.Event
+    ) -> None:
+        if hasattr(output.stream_content, "__aiter__"):
             # stream() inlined: an async generator's pass per token costs as much as the rest of its relay
             fmt = output.format_stream_item
             async for item in cast(AsyncIterator[Any], output.stream_content):
@@ -158,22 +179,13 @@ class Calls:
                 else:
                     data, last = fmt(item), False
                 if data and conn.add_chunk(rid, data):
-                    await conn.wait_writable()
+                    await conn.wait_writable(rid)
                 if last:
                     break
-        elif streaming:
+        else:
             async for data in self.stream(output, cancelled):
                 if data and conn.add_chunk(rid, data):
-                    await conn.wait_writable()
-        else:
-            body = output.body()
-            if body:
-                await conn.send(Chunk(id=rid, data=body))
-        usage = seen.usage if seen is not None else None
-        if usage is None or (usage.prompt_tokens is None and usage.completion_tokens is None):
-            await conn.send(End(id=rid))
-        else:
-            await conn.send(End(id=rid, prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens))
+                    await conn.wait_writable(rid)
 
     async def _peek_chunks(self, output: Output) -> Output:
         stream = aiter(cast(AsyncIterator[Any], output.stream_content))  # chunked: an async stream

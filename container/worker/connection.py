@@ -7,11 +7,22 @@ import asyncio
 import logging
 from time import monotonic
 
-from container.core.protocol import FRAME_HEADER, Chunk, Fail, Message, ProtocolError, decode, encode, frame_length
+from container.core.protocol import (
+    FRAME_HEADER,
+    Attach,
+    Chunk,
+    Fail,
+    Message,
+    Progress,
+    ProtocolError,
+    decode,
+    encode,
+    frame_length,
+)
+from container.worker.direct import WRITE_HIGH_WATER, DirectBody
 
 log = logging.getLogger("sagelmi.worker")
 
-WRITE_HIGH_WATER = 1 << 16  # bytes buffered towards the frontend before senders wait (then vLLM merges deltas)
 COALESCE_BYTES = 1 << 14  # a write leaves once this much is queued, even while the loop keeps adding to it
 COALESCE_SECONDS = 0.0002  # ... or once its first frame has been queued this long (checked between loop passes)
 
@@ -43,18 +54,24 @@ class Connection:
     the first queued frame is ``COALESCE_SECONDS`` old (a loop that keeps producing, as a
     handler streaming faster than its client reads). A lone token on an idle loop leaves two
     passes after it was sent. Consecutive chunks of one request merge into one ``Chunk``:
-    the frontend decodes one frame for them, and writes them to its client at once."""
+    the frontend decodes one frame for them, and writes them to its client at once.
+
+    A streamed answer's body (``expect_stream``) waits for the frontend's ``Attach``; with the
+    client's socket it is written there on the same passes (``container.worker.direct``)."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader = reader
         self.writer = writer
         self.tasks: dict[str, asyncio.Task] = {}
+        self._loop = asyncio.get_running_loop()
+        self._bodies: dict[str, DirectBody] = {}  # streamed answers not relayed to the frontend
+        self._touched: list[DirectBody] = []  # bodies with pieces for the next write
         self._queue: list[bytes | _Body] = []  # frames, and bodies still open to more chunks
         self._open: dict[str, _Body] = {}  # request id -> its body, while it is its last queued message
         self._queued = 0  # bytes queued (about)
         self._added = False  # a frame was queued since the last pass
         self._due = 0.0  # when the queue leaves at the latest: its first frame's time + COALESCE_SECONDS
-        self._call_soon = asyncio.get_running_loop().call_soon
+        self._call_soon = self._loop.call_soon
         self._pass_soon = self._pass  # bound once: it is scheduled once a loop pass
 
     async def send(self, message: Message) -> None:
@@ -63,7 +80,7 @@ class Connection:
             if self.add_chunk(message.id, message.data):
                 await self.wait_writable()
             return
-        if not self._queue:
+        if not self._queue and not self._touched:
             self._due = monotonic() + COALESCE_SECONDS  # not loop.time(): uvloop's counts whole milliseconds
             self._call_soon(self._pass_soon)
         self._added = True
@@ -80,8 +97,27 @@ class Connection:
         """Queue a piece of request ``request_id``'s body, merged with the piece queued
         right before it, without a coroutine or a ``Chunk`` per token (a stream's items
         come here: ``Calls.send_output``). True when the caller must ``wait_writable``
-        before the next one: the frontend reads too slowly, or the connection closed."""
-        if not self._queue:
+        before the next one: the frontend (or the client) reads too slowly, or the
+        connection closed."""
+        body = self._bodies.get(request_id)
+        if body is not None:
+            if body.state == DirectBody.DIRECT:
+                if not body.parts:
+                    self._touch(body)
+                self._added = True
+                self._queued += len(data)
+            return body.add(data)
+        return self._relay_chunk(request_id, data)
+
+    def _touch(self, body: DirectBody) -> None:
+        if not self._queue and not self._touched:
+            self._due = monotonic() + COALESCE_SECONDS
+            self._call_soon(self._pass_soon)
+        self._added = True
+        self._touched.append(body)
+
+    def _relay_chunk(self, request_id: str, data: bytes) -> bool:
+        if not self._queue and not self._touched:
             self._due = monotonic() + COALESCE_SECONDS
             self._call_soon(self._pass_soon)
         self._added = True
@@ -94,8 +130,68 @@ class Connection:
         self._queued += len(data)
         return self.writer.transport.get_write_buffer_size() > WRITE_HIGH_WATER or self.writer.is_closing()
 
-    async def wait_writable(self) -> None:
-        """Wait until the frontend has read enough; raises ``PeerGone`` once the connection is closed."""
+    # -- streamed answers' bodies
+    def expect_stream(self, request_id: str) -> None:
+        """Hold request ``request_id``'s body until the frontend's ``Attach`` says where it goes."""
+        self._bodies[request_id] = DirectBody(request_id, self._loop)
+
+    def attach(self, message: Attach, fd: int | None) -> bool:
+        """Send the body where ``message`` says: to the client's socket ``fd`` (which this
+        connection then owns), or to the frontend. False when no body waits for it."""
+        body = self._bodies.get(message.id)
+        if body is None or body.state != DirectBody.WAITING:
+            return False
+        if fd is None:
+            del self._bodies[message.id]
+            for data in body.relay():
+                self._relay_chunk(message.id, data)
+            return True
+        body.open(fd, message.chunked)
+        if body.parts:
+            self._touch(body)
+        return True
+
+    async def finish_stream(self, request_id: str) -> int:
+        """Once the frontend said where the body goes, write the rest of it, wait until the
+        client took it and let go of its socket: the body bytes written to the client here
+        (0 when relayed). The record stays for ``direct_bytes`` until ``drop_stream``."""
+        body = self._bodies.get(request_id)
+        if body is None:
+            return 0
+        await body.until_attached()
+        if self._bodies.get(request_id) is not body:
+            return 0  # relayed meanwhile
+        await body.drain()
+        body.close()
+        return body.sent
+
+    def direct_bytes(self, request_id: str) -> int:
+        """The body bytes of ``request_id`` written to the client here so far."""
+        body = self._bodies.get(request_id)
+        return body.sent if body is not None else 0
+
+    def stop_stream(self, request_id: str) -> bool:
+        """Stop writing a body at once (the request is cancelled); True if it went to the client
+        from here (the frontend waits for a last word then)."""
+        body = self._bodies.get(request_id)
+        if body is None:
+            return False
+        body.close()
+        return body.sock_used
+
+    def drop_stream(self, request_id: str) -> None:
+        """Forget a body once its request is over (stopping it first, if it is still written)."""
+        body = self._bodies.pop(request_id, None)
+        if body is not None:
+            body.close()
+
+    async def wait_writable(self, request_id: str | None = None) -> None:
+        """Wait until the frontend (or, for a body written here, the client) has read enough;
+        raises ``PeerGone`` once the connection is closed, ``ClientGone`` once the client is."""
+        body = self._bodies.get(request_id) if request_id is not None else None
+        if body is not None:
+            await body.wait_room()
+            return
         try:
             await self.writer.drain()
         except (ConnectionError, OSError) as exc:
@@ -122,6 +218,13 @@ class Connection:
             pass
 
     def _flush(self) -> None:
+        if self._touched:
+            touched, self._touched = self._touched, []
+            now = monotonic()
+            for body in touched:
+                body.write()
+                if body.progress_due(now):
+                    self._queue.append(encode(Progress(id=body.id)))
         queue, self._queue = self._queue, []
         self._open.clear()
         self._queued = 0
@@ -139,6 +242,8 @@ class Connection:
         return decode(await self.reader.readexactly(frame_length(header)))
 
     def close(self) -> None:
+        for request_id in list(self._bodies):
+            self.drop_stream(request_id)
         self.writer.close()
 
 
@@ -155,7 +260,22 @@ class DroppedAnswers:
     def add_chunk(self, request_id: str, data: bytes) -> bool:
         return False
 
-    async def wait_writable(self) -> None:
+    def expect_stream(self, request_id: str) -> None:
+        pass
+
+    async def finish_stream(self, request_id: str) -> int:
+        return 0
+
+    def direct_bytes(self, request_id: str) -> int:
+        return 0
+
+    def stop_stream(self, request_id: str) -> bool:
+        return False
+
+    def drop_stream(self, request_id: str) -> None:
+        pass
+
+    async def wait_writable(self, request_id: str | None = None) -> None:
         pass
 
     def close(self) -> None:

@@ -39,13 +39,14 @@ from typing import TYPE_CHECKING, Any, cast
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from container.core import logs, proc
-from container.core.errors import ServiceUnavailable, describe, one_line
+from container.core.errors import ClientClosedRequest, ServiceUnavailable, describe, one_line
 from container.core.metrics_text import merge
 from container.core.protocol import (
     EXIT_ENGINE_DEAD,
     EXIT_LOAD_FAILED,
     EXIT_RANK_LOST,
     METRICS_PATH,
+    Attach,
     Cancel,
     Fail,
     Invoke,
@@ -61,6 +62,7 @@ from container.worker.adapters import AdapterTable
 from container.worker.batching import Batcher
 from container.worker.calls import Calls
 from container.worker.connection import Connection, DroppedAnswers, PeerGone
+from container.worker.direct import DescriptorChannel
 from container.worker.observe import Observer
 from container.worker.priority import EnginePriority
 from container.worker.requests import batch_input, common_properties, request_input, split_batch, to_output
@@ -116,6 +118,7 @@ class Worker:
         for sig in (signal.SIGTERM, signal.SIGINT):
             self.loop.add_signal_handler(sig, self.stopping.set)
         server = await self._listen() if self.context.rank == 0 else None
+        channel = DescriptorChannel(self.loop, self.context.launch.socket_path, self.connections) if server else None
         code = 0
         loading = asyncio.create_task(self._load())
         stop = asyncio.create_task(self.stopping.wait())
@@ -139,6 +142,8 @@ class Worker:
                 self.batcher.stop()
             if server is not None:
                 server.close()
+            if channel is not None:
+                channel.close()
             conns: list[Connection | DroppedAnswers] = [*self.connections, self.dropped]
             for conn in conns:
                 for task in conn.tasks.values():
@@ -350,6 +355,8 @@ class Worker:
             elif (leader := self._relay()) is not None:
                 leader.send(message)
             self._start_request(conn, message)
+        elif isinstance(message, Attach) and isinstance(conn, Connection):  # the body goes to the frontend
+            conn.attach(message, None)
         elif isinstance(message, (RegisterAdapter, UnregisterAdapter)):
             self.adapters.receive(conn, message)
         elif isinstance(message, InvokeBatch):  # another rank: the batch rank 0 formed
@@ -408,6 +415,8 @@ class Worker:
         except asyncio.CancelledError:
             cancelled.set()
             log.info("request abandoned: cancelled by the frontend")
+            if conn.stop_stream(rid):  # the frontend writes to the client again once it knows this stopped
+                await self._fail(conn, rid, ClientClosedRequest("cancelled by the frontend"), quiet=True)
         except PeerGone as exc:
             cancelled.set()
             log.warning("connection lost while answering: %s", exc)
@@ -416,6 +425,7 @@ class Worker:
             seen.outcome = "error"
             await self._fail(conn, rid, exc)
         finally:
+            conn.drop_stream(rid)
             conn.tasks.pop(rid, None)
             self.observer.end(seen, cancelled.is_set())
             await self._finalize(output)
@@ -464,7 +474,7 @@ class Worker:
             else:
                 log.info("rejected with %s: %s", status, detail)
         try:
-            await conn.send(Fail(id=rid, code=status, message=summary, error=detail))
+            await conn.send(Fail(id=rid, code=status, message=summary, error=detail, body_bytes=conn.direct_bytes(rid)))
         except PeerGone:
             pass
 

@@ -176,7 +176,7 @@ def test_what_a_group_leaves_behind_goes_with_it():
 
 
 ENGINE_LIKE = """
-import subprocess, sys
+import subprocess, sys, time
 from djl_python import Input, Output
 
 engine = None
@@ -187,21 +187,33 @@ def handle(inputs: Input):
         engine = subprocess.Popen([sys.executable, "-c", "import threading, time; "
                                    "threading.Thread(target=time.sleep, args=(600,)).start(); time.sleep(600)"])
         return None
+    time.sleep(inputs.get_as_json().get("sleep", 0))
     return Output().add_as_json({"engine": engine.pid})
 """
 
 
-def test_what_the_handler_starts_runs_below_the_request_path(tmp_path):
+def test_what_the_handler_starts_runs_below_the_request_path_while_it_serves_many(tmp_path):
     """Once the model is loaded, every thread of the processes the handler started (an
-    engine's) runs at nice 10; the worker, the frontend and the supervisor stay at 0."""
+    engine's) runs at nice 0 while at most SHARED_UP_TO requests are in flight, and at nice
+    10 (ENGINE_NICE) while more are; the worker, the frontend and the supervisor stay at 0."""
+    from container.core.proc import ENGINE_NICE
+    from container.worker.priority import SHARED_UP_TO
+
     (tmp_path / "model.py").write_text(ENGINE_LIKE)
-    with Server(tmp_path) as server:
+    with Server(tmp_path, env={"OPTION_SYNC_HANDLER_THREADS": "8"}) as server:
         engine = server.invoke({"inputs": "x"}).json()["engine"]
         deadline = time.monotonic() + 10
         while len(os.listdir(f"/proc/{engine}/task")) < 2:  # its second thread has started
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        assert nice_of_threads(engine) == {10}
+        assert nice_of_threads(engine) == {0}
+        with concurrent.futures.ThreadPoolExecutor(SHARED_UP_TO + 1) as pool:
+            calls = [pool.submit(server.invoke, {"sleep": 2}) for _ in range(SHARED_UP_TO + 1)]
+            deadline = time.monotonic() + 1.5
+            while nice_of_threads(engine) != {ENGINE_NICE}:
+                assert time.monotonic() < deadline, "the engine did not go below the request path"
+                time.sleep(0.05)
+            assert all(call.result().status_code == 200 for call in calls)
         (worker,) = server.worker_pids()
         frontend = [pid for pid, parent in parents().items() if parent == server.process.pid and pid != worker]
         for pid in (worker, server.process.pid, *frontend):

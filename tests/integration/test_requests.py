@@ -4,6 +4,7 @@ import concurrent.futures
 import json
 import time
 
+import psutil
 import pytest
 import requests
 
@@ -186,11 +187,33 @@ def test_a_plain_generator_stops_when_its_client_goes_away(server, tmp_path):
 
 def test_a_stream_that_keeps_sending_outlives_predict_timeout(server, tmp_path):
     """predict_timeout (3 s here) bounds the wait for each piece, not the stream:
-    a stream the frontend's reader thread writes straight to the client is no
-    less alive for not waking its request thread."""
+    a stream the worker writes straight to the client is no less alive for not
+    passing through the frontend (its Progress messages say so)."""
     stream = RawStream(server.port, "/invocations", {"lines_forever": str(tmp_path / "marker")})
     try:
         lines = stream.read_lines(100)  # one line every 50 ms: 5 s
         assert [json.loads(line) for line in lines] == [{"outputs": f"line {n}\n"} for n in range(100)]
     finally:
         stream.close()
+
+
+def test_a_streamed_body_goes_from_the_worker_to_the_client_without_the_frontend(server, tmp_path):
+    """Once the headers are out, the frontend hands the client's socket to the worker, which
+    writes the body itself: during the stream the worker holds a TCP connection to the
+    client's address, and lets go of it when the stream ends."""
+    stream = RawStream(server.port, "/invocations", {"lines_forever": str(tmp_path / "marker")})
+    client = stream.conn.sock.getsockname()
+    (worker,) = server.worker_pids()
+
+    def held() -> bool:
+        return any(c.raddr and tuple(c.raddr) == client for c in psutil.Process(worker).net_connections("tcp"))
+
+    try:
+        assert len(stream.read_lines(2)) == 2
+        assert held()
+    finally:
+        stream.close()
+    deadline = time.monotonic() + 5
+    while held():
+        assert time.monotonic() < deadline, "the worker kept the client's socket after the stream"
+        time.sleep(0.05)

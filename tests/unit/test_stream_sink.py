@@ -14,7 +14,7 @@ from container.core.errors import ClientClosedRequest
 from container.frontend.invocations import ClientSink
 from container.frontend.body import WSGI_RESPONSE
 from container.frontend.server import GunicornBridge
-from container.frontend.group_client import PendingRequest
+from container.frontend.pending import PendingRequest
 from container.core.protocol import Chunk, End, Fail, Head
 
 
