@@ -169,7 +169,7 @@ class ClientSink:
         sock = environ.get("gunicorn.socket")
         if response is None or not getattr(response, "headers_sent", False):
             return None
-        if not isinstance(sock, socket.socket) or sock.gettimeout() is not None:
+        if type(sock) is not socket.socket or sock.gettimeout() is not None:  # plain: not TLS, blocking
             return None
         return cls(sock, bool(response.chunked))
 
