@@ -9,6 +9,7 @@ under load, a container with a wrong secret, and a model.py in MPI mode across t
 from __future__ import annotations
 
 import concurrent.futures
+import ipaddress
 import json
 import os
 import secrets
@@ -191,9 +192,11 @@ def test_a_worker_node_answers_ping_as_a_cluster_worker_never_200(cluster):
 def test_a_container_with_a_wrong_secret_is_refused_and_the_cluster_keeps_serving(cluster, vllm_server):
     words = node_command("worker", cluster["model"], None, {})
     words = [w.replace("sagelmi-worker", "sagelmi-intruder") for w in words]
+    # An address of its own: the container exits within a second, and an exited one has none to inspect
+    subnet = podman("network", "inspect", "--format", "{{range .Subnets}}{{.Subnet}}{{end}}", NETWORK).stdout
+    address = str(ipaddress.ip_network(subnet.strip())[200])
+    words[words.index(IMAGE):words.index(IMAGE)] = ["--ip", address]
     start(words, secrets.token_hex(16))
-    address = podman("inspect", "--format", "{{(index .NetworkSettings.Networks \"%s\").IPAddress}}" % NETWORK,
-                     "sagelmi-intruder").stdout.strip()  # while it runs: an exited container has none
     deadline = time.monotonic() + 120
     while podman("inspect", "--format", "{{.State.Status}}", "sagelmi-intruder").stdout.strip() == "running":
         assert time.monotonic() < deadline, logs("sagelmi-intruder")
