@@ -43,7 +43,9 @@ AWS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_
 class ThrottlingProxy:
     """A TCP proxy on 127.0.0.1 that sends the server's bytes to each client connection at most
     ``bytes_per_s`` a second (0: as fast as they come), and samples how many connections are
-    sending at once (bytes within the last ``RECENT`` seconds): the most since ``most_active``
+    sending at once: bytes within the last ``RECENT`` seconds, not counting a connection that
+    went quiet before another one began sending (one download handed to the next pooled
+    connection is one at a time, however quick the hand-over); the most since ``most_active``
     was last cleared."""
 
     RECENT = 0.05
@@ -52,6 +54,7 @@ class ThrottlingProxy:
         self.target_port = target_port
         self.rate = bytes_per_s
         self.last_sent: dict[int, float] = {}
+        self.began: dict[int, float] = {}  # when each connection's current run of bytes began
         self.most_active = 0
         self.loop = asyncio.new_event_loop()
         self.port = 0
@@ -71,7 +74,10 @@ class ThrottlingProxy:
         while True:
             await asyncio.sleep(0.01)
             now = time.monotonic()
-            self.most_active = max(self.most_active, sum(1 for t in self.last_sent.values() if now - t < self.RECENT))
+            recent = {name: t for name, t in self.last_sent.items() if now - t < self.RECENT}
+            latest_start = max((self.began[name] for name in recent), default=now)
+            sending = sum(1 for t in recent.values() if t >= latest_start)
+            self.most_active = max(self.most_active, sending)
 
     async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -89,7 +95,10 @@ class ThrottlingProxy:
         try:
             while data := await reader.read(1 << 16):
                 if name:
-                    self.last_sent[name] = time.monotonic()
+                    now = time.monotonic()
+                    if now - self.last_sent.get(name, 0.0) >= self.RECENT:
+                        self.began[name] = now
+                    self.last_sent[name] = now
                 writer.write(data)
                 await writer.drain()
                 sent += len(data)
@@ -101,6 +110,7 @@ class ThrottlingProxy:
             pass
         finally:
             self.last_sent.pop(name, None)
+            self.began.pop(name, None)
             try:
                 writer.write_eof()
             except OSError:
