@@ -148,13 +148,25 @@ def mpirun_command(
             command += ["--host", ",".join(hosts)]
         command += ["--map-by", "slot", "--mca", "plm_rsh_agent", f"{sys.executable} -m container.supervisor.rsh"]
         command += ["--prtemca", "plm_ssh_no_tree_spawn", "1"]  # the leader reaches every node itself
-    command += settings.mpi_extra_args_list
+    extra = settings.mpi_extra_args_list
+    if not any(_names_binding(word) for word in extra):
+        # A rank is a Python process with threads of its own, and the engine places its threads
+        # itself (vLLM's CPU build by VLLM_CPU_OMP_THREADS_BIND). Open MPI's default binds each
+        # rank to one core, on every node that node's first: two nodes sharing a host (the
+        # emulated cluster) put both ranks on core 0, where rank 0's polling starved rank 1.
+        command += ["--bind-to", "none"]
+    command += extra
     for name in sorted(env):
         if name in _NOT_FORWARDED or (hosts and name == "CUDA_VISIBLE_DEVICES"):
             continue  # each node's own (devices, place in the cluster); the secret never travels
         if name in _FORWARDED_NAMES or name.startswith(_FORWARDED_PREFIXES):
             command += ["-x", name]
     return command + worker + ["--mpi"]
+
+
+def _names_binding(word: str) -> bool:
+    """Whether an ``option.mpi_extra_args`` word sets Open MPI's binding (then it is the user's)."""
+    return word.lstrip("-").split("=")[0] in ("bind-to", "bind_to") or "binding_policy" in word
 
 
 def install_requirements(model_dir: Path) -> None:

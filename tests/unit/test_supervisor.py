@@ -22,6 +22,14 @@ def test_mpirun_command_starts_tp_x_pp_ranks_with_the_users_arguments(tmp_path):
     exported = {command[i + 1] for i, word in enumerate(command) if word == "-x"}
     assert exported == {"CUDA_VISIBLE_DEVICES", "VLLM_CPU_KVCACHE_SPACE", "HF_TOKEN", "PATH"}  # not SECRET_THING
     assert command[-4:] == ["python", "-m", "w", "--mpi"]
+    assert command[command.index("--bind-to") + 1] == "none"  # the engine places its threads, not Open MPI
+
+
+@pytest.mark.parametrize("extra", ["--bind-to core", "--bind-to=socket", "--mca hwloc_base_binding_policy core"])
+def test_a_users_binding_in_mpi_extra_args_replaces_bind_to_none(tmp_path, extra):
+    settings = resolve_settings({"OPTION_MPI_EXTRA_ARGS": extra}, tmp_path)
+    command = supervisor.mpirun_command("/x/mpirun", settings, GroupPlan(0, (), 2, 1), ["w"], {})
+    assert "none" not in command and command[-len(extra.split()) - 2:-2] == extra.split()
 
 
 def test_a_missing_mpirun_says_how_to_install_it(monkeypatch):
