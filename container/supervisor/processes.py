@@ -166,7 +166,7 @@ def mpirun_command(
 
 def _names_binding(word: str) -> bool:
     """Whether an ``option.mpi_extra_args`` word sets Open MPI's binding (then it is the user's)."""
-    return word.lstrip("-").split("=")[0] in ("bind-to", "bind_to") or "binding_policy" in word
+    return word.lstrip("-").split("=")[0] == "bind-to" or "binding_policy" in word
 
 
 def install_requirements(model_dir: Path) -> None:

@@ -81,8 +81,9 @@ def test_the_example_across_two_nodes_answers_as_one_process(cluster, single):
     assert {g["world_size"] for g in got} == {2}
     assert [g["outputs"] for g in got] == single
     assert "worker node 1 registered from 127.0.0.2" in cluster.log()
-    ranks = {mpi_rank(pid): pid for family in (cluster.group_pids()[0], cluster.worker.process.pid)
-             for pid, cmd in processes(family).items() if "container.worker" in cmd and mpi_rank(pid) is not None}
+    ranks = {rank: pid for family in (cluster.group_pids()[0], cluster.worker.process.pid)
+             for pid, cmd in processes(family).items()
+             if "container.worker" in cmd and (rank := mpi_rank(pid)) is not None}
     assert sorted(ranks) == [0, 1]
     for pid in ranks.values():  # not Open MPI's default, each node's first core (both ranks on core 0 here)
         assert os.sched_getaffinity(pid) == os.sched_getaffinity(0)

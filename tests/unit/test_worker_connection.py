@@ -5,6 +5,7 @@ import asyncio
 import socket
 import time
 
+import pytest
 import uvloop
 
 from container.core.protocol import Chunk, End, FrameBuffer, Head, Status, WorkerState
@@ -40,9 +41,14 @@ def run(scenario):
     return uvloop.run(main())
 
 
-def test_a_lone_token_leaves_two_loop_passes_after_it_was_sent(monkeypatch):
-    monkeypatch.setattr(connection, "COALESCE_SECONDS", 60.0)  # the quiet pass alone, however slow a pass is here
+@pytest.fixture
+def quiet_pass_only(monkeypatch):
+    """The quiet-pass rule alone: under load a pass can outlast COALESCE_SECONDS (CI at bcca408
+    wrote "12" and then "3"); the time rule has tests of its own below."""
+    monkeypatch.setattr(connection, "COALESCE_SECONDS", 60.0)
 
+
+def test_a_lone_token_leaves_two_loop_passes_after_it_was_sent(quiet_pass_only):
     async def scenario(conn, read):
         await conn.send(Chunk(id="a", data=b"tok"))
         await asyncio.sleep(0)
@@ -54,10 +60,7 @@ def test_a_lone_token_leaves_two_loop_passes_after_it_was_sent(monkeypatch):
     assert run(scenario) == [[Chunk(id="a", data=b"tok")]]
 
 
-def test_a_pass_that_adds_nothing_sends_what_was_gathered_as_one_frame_per_request_in_order(monkeypatch):
-    # the quiet pass alone: under load a pass can outlast COALESCE_SECONDS (CI at bcca408 wrote "12" and "3")
-    monkeypatch.setattr(connection, "COALESCE_SECONDS", 60.0)
-
+def test_a_pass_that_adds_nothing_sends_what_was_gathered_as_one_frame_per_request_in_order(quiet_pass_only):
     async def scenario(conn, read):
         await conn.send(Head(id="a", code=200, headers={}, stream=True))
         for data in (b"1", b"2"):
