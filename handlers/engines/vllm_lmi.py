@@ -18,11 +18,13 @@ from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOu
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from container.core.errors import InputError, ServiceUnavailable
-from handlers.api import Output, prepend
+from handlers.api import Output
 from handlers.engines.lmi_schema import Formatter, Generation, LmiRequest, TokenInfo, finish_reason, parse_request
 from handlers.engines.vllm_adapters import Adapters
+from handlers.engines.vllm_observe import counted
 
 log = logging.getLogger("sagelmi.vllm")
+ENGINE_STOPPED = "the engine stopped; the worker group is being restarted, retry"
 
 
 class LmiFront:
@@ -56,8 +58,9 @@ class LmiFront:
                     )
                 )
                 return Output().add_as_json(self.formatter.body(list(generations), request))
-            outputs = self._generate(request.prompts[0], sampling, tag, loras[0])
-            first = await anext(outputs)  # errors before the first token become a 400, not a broken stream
+            # what the engine refuses (a prompt too long, a grammar it cannot make) is a 400, not a
+            # broken stream; the headers then go out while the engine works on the first token
+            outputs = await self._submit(request.prompts[0], sampling, tag, loras[0])
         except InputError as exc:
             if structured:  # the engine could not make a grammar of it (an invalid schema, regex ...)
                 raise InputError(f"parameters.structured_outputs: {_engine_message(str(exc))}") from None
@@ -65,21 +68,40 @@ class LmiFront:
         return (
             Output()
             .add_property("content-type", self.formatter.stream_content_type)
-            .add_stream_content(self._stream(request, first, outputs), None)
+            .add_stream_content(self._stream(request, outputs), None)
         )
 
-    async def _generate(
+    async def _submit(
         self, prompt: str, sampling, request_id: str, lora: LoRARequest | None = None
     ) -> AsyncIterator[Any]:
+        """Hand one prompt to the engine; its outputs as they come. What the engine refuses
+        is raised here, before any of them."""
         engine_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
         try:
-            async for output in self.engine.generate(prompt, sampling, engine_id, lora_request=lora):
+            collector = await self.engine.add_request(engine_id, prompt, sampling, lora_request=lora)
+        except EngineDeadError:
+            raise ServiceUnavailable(ENGINE_STOPPED) from None
+        except Exception as exc:
+            # a request refused on its way to the engine core (a value msgpack cannot carry)
+            # may stay in vLLM's output processor: abort frees it
+            await self._abort(engine_id)
+            if isinstance(exc, VLLMClientError):
+                raise InputError(str(exc)) from None
+            raise
+        return counted(self._outputs(collector, engine_id), sampling)
+
+    async def _outputs(self, collector, engine_id: str) -> AsyncIterator[Any]:
+        """The engine's outputs for one request, to the last; the engine stops working on it
+        if this ends any other way (the client left, the stream was closed, an error)."""
+        finished = False
+        try:
+            while not finished:
+                output = collector.get_nowait() or await collector.get()
+                finished = output.finished
                 yield output
         except EngineDeadError:
-            raise ServiceUnavailable("the engine stopped; the worker group is being restarted, retry") from None
-        except Exception as exc:
-            # vLLM aborts only what its own generate() registered: a request refused on its way
-            # to the engine core (a value msgpack cannot carry) stays in its output processor.
+            raise ServiceUnavailable(ENGINE_STOPPED) from None
+        except BaseException as exc:  # cancelled, closed early (GeneratorExit) or failed
             await self._abort(engine_id)
             if isinstance(exc, VLLMClientError):
                 raise InputError(str(exc)) from None
@@ -95,7 +117,7 @@ class LmiFront:
         self, prompt: str, sampling, request_id: str, top_n: int, lora: LoRARequest | None = None
     ) -> Generation:
         gen = Generation(prompt=prompt)
-        async for output in self._generate(prompt, sampling, request_id, lora):
+        async for output in await self._submit(prompt, sampling, request_id, lora):
             self._absorb(gen, output, top_n)
         return gen
 
@@ -129,10 +151,10 @@ class LmiFront:
             gen.finish_reason = finish_reason(completion.finish_reason, completion.stop_reason)
         return new
 
-    async def _stream(self, request: LmiRequest, first, outputs: AsyncIterator[Any]) -> AsyncIterator[bytes]:
+    async def _stream(self, request: LmiRequest, outputs: AsyncIterator[Any]) -> AsyncIterator[bytes]:
         gen = Generation(prompt=request.prompts[0])
         params = request.parameters
-        async for output in prepend(first, outputs):
+        async for output in outputs:
             tokens = self._absorb(gen, output, params.top_n_tokens)
             for i, token in enumerate(tokens):
                 yield self.formatter.stream_item(token, gen, params, last=output.finished and i == len(tokens) - 1)

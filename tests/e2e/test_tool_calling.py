@@ -202,6 +202,11 @@ def test_an_invalid_schema_is_a_400_naming_the_field(server, client):
         assert answer.status_code == 400, answer.text
         assert answer.json()["error"].startswith(field), answer.text
         assert "/project/" not in answer.text and ".cc:" not in answer.text
+    # a stream's headers go out once the engine has taken the request: one it refuses is still a 400
+    streamed = requests.post(server.url("/invocations"), timeout=120, json={
+        "inputs": "Hello", "stream": True, "parameters": {"structured_outputs": {"json": bad}}})
+    assert streamed.status_code == 400, streamed.text
+    assert streamed.json()["error"].startswith("parameters.structured_outputs: "), streamed.text
     with pytest.raises(openai.BadRequestError, match="nonsense"):
         client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=10, response_format={
             "type": "json_schema", "json_schema": {"name": "bad", "schema": bad}})

@@ -19,8 +19,10 @@ from tests.server import (
     Server,
     clean_env,
     drop_stream_and_wait_until_idle,
+    metric,
     nice_of_threads,
     processes,
+    wait_idle,
 )
 
 pytestmark = pytest.mark.slow
@@ -102,6 +104,33 @@ def test_32_concurrent_streams_each_get_exactly_the_tokens_asked_for(vllm_server
 def test_a_dropped_stream_leaves_no_request_in_the_engine(vllm_server, body):
     seconds, generated = drop_stream_and_wait_until_idle(vllm_server, "/invocations", body, tokens=8000)
     print(f"engine empty {1000 * seconds:.0f} ms after the client went away, {generated:.0f} tokens generated")
+
+
+def test_an_lmi_stream_has_its_headers_while_it_waits_for_the_engine(vllm_server):
+    """A stream's status and headers go out once the engine has taken the request, not with its
+    first token (they travel while the engine works on it): with every place in the engine taken
+    by a long stream, one more is answered 200 while it still waits for a place; what the engine
+    refuses is still a 400 (tests/e2e/test_vllm_lmi.py)."""
+    places = 64  # OPTION_MAX_ROLLING_BATCH_SIZE of the shared server (tests/conftest.py)
+    body = {"inputs": PROMPT, "stream": True, "parameters": {"max_new_tokens": 4000, "ignore_eos": True}}
+    streams: list[RawStream] = []
+    try:
+        for _ in range(places):
+            streams.append(RawStream(vllm_server.port, "/invocations", body))
+        streams.append(waiting := RawStream(vllm_server.port, "/invocations", body, timeout=20))
+        assert waiting.response.status == 200
+        assert waiting.response.getheader("content-type") == "application/jsonlines"
+        # vLLM's gauges follow its steps: once they show every place taken, the last stream is the
+        # one still waiting (none of the others can have finished 4000 tokens meanwhile)
+        deadline = time.monotonic() + 60
+        while metric(vllm_server, "vllm:num_requests_running") < places:
+            assert time.monotonic() < deadline, "the engine never ran all its places"
+            time.sleep(0.2)
+        assert metric(vllm_server, "vllm:num_requests_waiting") == 1
+    finally:
+        for stream in streams:
+            stream.close()
+    wait_idle(vllm_server)
 
 
 def test_unknown_option_stops_start_up_naming_it(tiny_model):
