@@ -12,6 +12,7 @@ from container.core.protocol import (
     Attach,
     Chunk,
     Fail,
+    Head,
     Message,
     Progress,
     ProtocolError,
@@ -56,8 +57,10 @@ class Connection:
     passes after it was sent. Consecutive chunks of one request merge into one ``Chunk``:
     the frontend decodes one frame for them, and writes them to its client at once.
 
-    A streamed answer's body (``expect_stream``) waits for the frontend's ``Attach``; with the
-    client's socket it is written there on the same passes (``container.worker.direct``)."""
+    A streamed answer's ``Head`` leaves at once, with what was queued before it: the frontend's
+    hand-over of the client's socket then runs while the handler starts the answer. Its body
+    (``expect_stream``) waits for the frontend's ``Attach``; with the client's socket it is
+    written there on the same passes (``container.worker.direct``)."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader = reader
@@ -90,6 +93,10 @@ class Connection:
         frame = encode(message)
         self._queue.append(frame)
         self._queued += len(frame)
+        if type(message) is Head and message.stream:
+            # at once: the frontend sends the headers and hands the client's socket over while the
+            # handler goes on (vLLM's add_request, the prefill), not after its first token
+            self._flush()
         if self.writer.transport.get_write_buffer_size() > WRITE_HIGH_WATER or self.writer.is_closing():
             await self.wait_writable()
 

@@ -62,7 +62,7 @@ def test_a_lone_token_leaves_two_loop_passes_after_it_was_sent(quiet_pass_only):
 
 def test_a_pass_that_adds_nothing_sends_what_was_gathered_as_one_frame_per_request_in_order(quiet_pass_only):
     async def scenario(conn, read):
-        await conn.send(Head(id="a", code=200, headers={}, stream=True))
+        await conn.send(Head(id="a", code=200, headers={}, stream=False))
         for data in (b"1", b"2"):
             await conn.send(Chunk(id="a", data=data))
             await conn.send(Chunk(id="b", data=data.upper()))
@@ -76,7 +76,7 @@ def test_a_pass_that_adds_nothing_sends_what_was_gathered_as_one_frame_per_reque
 
     assert run(scenario) == [
         [
-            Head(id="a", code=200, headers={}, stream=True),
+            Head(id="a", code=200, headers={}, stream=False),
             Chunk(id="a", data=b"123"),
             Chunk(id="b", data=b"12"),
             End(id="a"),
@@ -102,6 +102,25 @@ def keep_producing(item: bytes, block: float = 0.0):
         return batches, passes
 
     return scenario
+
+
+def test_a_streams_head_leaves_at_once_with_what_was_queued_before_it(quiet_pass_only):
+    """The frontend hands the client's socket over while the handler goes on (vLLM's add_request
+    and prefill) instead of after the loop's next quiet pass; a whole answer's head still waits."""
+    async def scenario(conn, read):
+        await conn.send(Chunk(id="a", data=b"last"))
+        await conn.send(Head(id="b", code=200, headers={}, stream=True))
+        at_once = read()
+        await conn.send(Head(id="c", code=200, headers={}, stream=False))
+        held = read()
+        for _ in range(3):
+            await asyncio.sleep(0)
+        return at_once, held, read()
+
+    at_once, held, later = run(scenario)
+    assert at_once == [[Chunk(id="a", data=b"last"), Head(id="b", code=200, headers={}, stream=True)]]
+    assert held == []
+    assert later == [[Head(id="c", code=200, headers={}, stream=False)]]
 
 
 def test_a_loop_that_keeps_producing_writes_once_enough_is_queued(monkeypatch):
