@@ -132,6 +132,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Each server in a process group of its own (stopped as one), in this session: where Linux shares CPU
+# time between sessions (autogroup), a client in a session of its own waited, runnable, for the whole
+# of a 64-token answer while the server's session spun (both servers alike, in some trials and not
+# others), and time to first token measured the scheduler. One session is how a container runs.
+OWN_GROUP: dict = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
+
+
 def start_server(name: str, command: list[str], env: dict, port: int, timeout: float = 300,
                  cwd: Path = REPO) -> Server:
     """Start a server (in ``cwd``, by default this checkout) and wait for GET /ping to answer 200; the time
@@ -139,8 +146,7 @@ def start_server(name: str, command: list[str], env: dict, port: int, timeout: f
     print(f"starting {name} ...", flush=True)
     log = tempfile.NamedTemporaryFile(prefix=f"bench-{name}-", suffix=".log", delete=False)
     started = time.monotonic()
-    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                               cwd=cwd)
+    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, **OWN_GROUP)
     server = Server(name, port, process, log.name)
     while time.monotonic() - started < timeout:
         if process.poll() is not None:
@@ -439,7 +445,7 @@ trials (psutil), per 1,000 output tokens. Tokens per engine step (prompt and out
 steps, from vLLM's `vllm:iteration_tokens_total` on each server's `GET /metrics`) tells how well the
 engine batched: near the number of streams when every stream is in each step, a few when the engine
 ran many small steps (requests reaching it one by one). The load generator (Python threads) runs on
-the same machine.
+the same machine, in the same session as both servers (one autogroup, as in a container).
 
 - **vLLM** is vLLM's own OpenAI server (`python -m vllm.entrypoints.openai.api_server`).
 - **sagelmi** is `sagelmi serve` with the built-in vLLM handler: gunicorn + Flask frontend, a model
