@@ -4,22 +4,33 @@ traces on its own (``option.otlp_traces_endpoint``), the request reaches vLLM wi
 span's ``traceparent`` as ``trace_headers``, so vLLM's ``llm_request`` span joins the request's
 trace. Every route goes through it: vLLM's OpenAI serving classes call ``generate``; LMI's front
 calls ``add_request`` (its stream's headers go out once the engine has taken the request) and
-counts the outputs with ``counted``."""
+counts the outputs with ``counted``.
+
+An OpenAI stream's head waits for the engine too (``started``): vLLM's serving classes add
+the request on the stream's first item, and the worker sends the head as soon as the handler
+returns, which wakes the frontend for the headers and the socket's hand-over. Asked for
+first, the engine has the request before they take the CPU: on 2 cores, the head going first
+put the frontend's work and the worker's in series before the prefill (issue 31)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
+from contextvars import ContextVar
 from typing import Any
 
 from vllm.sampling_params import RequestOutputKind
 
 from handlers.api.usage import RequestUsage, current_usage
 
+# Set (to None) once the engine has taken a request of the stream being started (``started``)
+_taken: ContextVar[asyncio.Future | None] = ContextVar("sagelmi_engine_taken", default=None)
+
 
 def observe_generate(engine: Any, tracing: bool) -> None:
     """Wrap ``engine.generate`` and ``engine.add_request`` (an ``AsyncLLM``'s, or one like it)
     in place. vLLM's ``generate`` calls ``add_request`` through the instance, so both ways in
-    carry the trace headers."""
+    carry the trace headers, and both say when the engine has a stream's request (``started``)."""
     generate, add_request = engine.generate, engine.add_request
 
     async def observed(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
@@ -27,15 +38,64 @@ def observe_generate(engine: Any, tracing: bool) -> None:
         async for output in counted(generate(*args, **kwargs), params):
             yield output
 
-    async def traced(*args: Any, **kwargs: Any) -> Any:
-        usage = current_usage.get()
-        if usage is not None and usage.trace_headers and not kwargs.get("trace_headers"):
-            kwargs["trace_headers"] = usage.trace_headers
-        return await add_request(*args, **kwargs)
+    async def taken(*args: Any, **kwargs: Any) -> Any:
+        if tracing:
+            usage = current_usage.get()
+            if usage is not None and usage.trace_headers and not kwargs.get("trace_headers"):
+                kwargs["trace_headers"] = usage.trace_headers
+        result = await add_request(*args, **kwargs)
+        waiter = _taken.get()
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+        return result
 
     engine.generate = observed
-    if tracing:
-        engine.add_request = traced
+    engine.add_request = taken
+
+
+async def started(stream: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """``stream`` (an answer that adds its request to the engine on its first item, as vLLM's
+    serving classes' do) with that item asked for, returned once the engine has taken the
+    request or the item came (or failed) first. Its chunks, errors and cancellation are the
+    stream's own."""
+    loop = asyncio.get_running_loop()
+    taken = loop.create_future()
+    token = _taken.set(taken)
+    try:
+        first = loop.create_task(_first(stream))  # in a copy of this context: it sees ``taken``
+    finally:
+        _taken.reset(token)
+    try:
+        await asyncio.wait((first, taken), return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        first.cancel()  # the request is cancelled: so is its engine request (vLLM aborts it)
+        raise
+    return _Started(first, stream)
+
+
+async def _first(stream: AsyncIterator[Any]) -> Any:
+    return await anext(stream)
+
+
+class _Started:
+    """An async stream whose first item is being fetched already (``first``, a task), without a
+    generator's pass per item on top of the stream's."""
+
+    __slots__ = ("_first", "_rest")
+
+    def __init__(self, first: asyncio.Task, rest: AsyncIterator[Any]) -> None:
+        self._first: asyncio.Task | None = first
+        self._rest = rest
+
+    def __aiter__(self) -> _Started:
+        return self
+
+    def __anext__(self) -> Any:
+        first = self._first
+        if first is None:
+            return self._rest.__anext__()
+        self._first = None
+        return first  # awaited by the caller: the item, or the stream's end or error
 
 
 def counted(outputs: AsyncIterator[Any], params: Any) -> AsyncIterator[Any]:

@@ -28,6 +28,7 @@ from container.core.chat_options import ChatOptions, chat_template
 from container.core.errors import AnswerError, InputError, NotFound, OpenAIError, OpenAIErrorInfo, is_openai_path
 from handlers.api import Output
 from handlers.engines.chat_setup import check_parsers
+from handlers.engines.vllm_observe import started
 
 log = logging.getLogger("sagelmi.vllm")
 
@@ -162,6 +163,7 @@ class OpenAIFront:
             return _openai_error(path, result.error.code, result.error.message, result.error.type, result.error.param)
         if hasattr(result, "model_dump_json"):
             return Output().add_property("content-type", "application/json").add(result.model_dump_json())
+        stream = await started(result)  # the head goes out once the engine has the request
         return (
-            Output().add_property("content-type", "text/event-stream; charset=utf-8").add_stream_content(result, None)
+            Output().add_property("content-type", "text/event-stream; charset=utf-8").add_stream_content(stream, None)
         )
