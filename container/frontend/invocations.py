@@ -19,7 +19,6 @@ from __future__ import annotations
 import errno
 import json
 import logging
-import select
 import socket
 import time
 import uuid
@@ -135,20 +134,23 @@ def _in_band_error(exc: ServingError, content_type: str, path: str) -> bytes:
     return event.encode()
 
 
-def client_gone(sock: socket.socket | None) -> bool:
-    """Whether the client closed its connection (it is readable, and at its end)."""
-    if sock is None:
-        return False
+def client_waiting(sock: socket.socket) -> bool | None:
+    """What the client of a connection did that the server has not read yet: True when it sent
+    more (a next request), False when it closed the connection, None when neither (or the
+    socket cannot be peeked without gunicorn: TLS). One non-blocking peek."""
+    if type(sock) is not socket.socket:
+        return None
     try:
-        poller = select.poll()  # not select(): descriptors past 1024 are common with many threads
-        poller.register(sock, select.POLLIN)
-        if not poller.poll(0):
-            return False
-        return sock.recv(1, socket.MSG_PEEK) == b""
+        return bool(sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
     except BlockingIOError:
+        return None
+    except OSError:
         return False
-    except (OSError, ValueError):
-        return True
+
+
+def client_gone(sock: socket.socket | None) -> bool:
+    """Whether the client closed its connection."""
+    return sock is not None and client_waiting(sock) is False
 
 
 class ClientSink:

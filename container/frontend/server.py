@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import logging
 import signal
-import socket
 import sys
 import threading
 from pathlib import Path
@@ -32,6 +31,7 @@ from container.core.errors import InputError, envelope_for, scrub
 from container.core.launch import FrontendLaunch, decode_frontend_launch
 from container.frontend.app import create_app
 from container.frontend.body import CLOSE_CONNECTION, WSGI_RESPONSE
+from container.frontend.invocations import client_waiting
 
 log = logging.getLogger("sagelmi.frontend")
 
@@ -92,20 +92,6 @@ def write_json_error(sock, status: int, reason: str, mesg: str) -> None:
     util.write_nonblock(sock, head + body)
 
 
-def _client_waiting(sock) -> bool | None:
-    """After an answer on a kept-alive connection: True when the client's next request has
-    begun to arrive, False when it closed the connection, None when it has not done
-    either yet (or the socket cannot be peeked without gunicorn's help: TLS)."""
-    if type(sock) is not socket.socket:
-        return None
-    try:
-        return bool(sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
-    except BlockingIOError:
-        return None
-    except OSError:
-        return False
-
-
 class DrainingWorker(ThreadWorker):
     """A gthread worker that answers 503 while draining instead of refusing
     connections, stops once its requests are done, and answers the requests it
@@ -130,7 +116,7 @@ class DrainingWorker(ThreadWorker):
         served in this thread, without the main loop's wake-up and another thread's."""
         keepalive = super().handle(conn)
         while keepalive is True and self.alive and not conn.is_http2:
-            waiting = _client_waiting(conn.sock)
+            waiting = client_waiting(conn.sock)
             if waiting is None:
                 break  # the main loop waits for its next request
             if not waiting:
