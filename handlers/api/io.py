@@ -22,7 +22,7 @@ import datetime
 import io
 import json
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterable
 from typing import Any
 
 from container.core.errors import InputError, InvalidJSON
@@ -417,8 +417,41 @@ class Output:
         return bytes(self._encode_json(item))
 
 
-async def prepend(first: object, rest: AsyncIterator) -> AsyncIterator:
+def prepend(first: object, rest: AsyncIterator) -> AsyncIterator:
     """``first``, then the items of ``rest``: a stream whose first item was looked at."""
-    yield first
-    async for item in rest:
-        yield item
+    return Ahead(_Ready(first), rest)
+
+
+class Ahead:
+    """An async stream whose first item is ``first`` (an awaitable: an item already taken, or a
+    task taking it, whose end or error is then the stream's) and the rest ``rest``'s, without a
+    generator's pass per item on top of ``rest``'s."""
+
+    __slots__ = ("_first", "_rest")
+
+    def __init__(self, first: Awaitable, rest: AsyncIterator) -> None:
+        self._first: Awaitable | None = first
+        self._rest = rest
+
+    def __aiter__(self) -> Ahead:
+        return self
+
+    def __anext__(self) -> Awaitable:
+        first = self._first
+        if first is None:
+            return self._rest.__anext__()
+        self._first = None
+        return first
+
+
+class _Ready:
+    """An awaitable that gives ``value`` at once."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+    def __await__(self) -> Generator[None, None, object]:
+        yield from ()  # a generator that never suspends
+        return self.value

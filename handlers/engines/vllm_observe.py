@@ -21,6 +21,7 @@ from typing import Any
 
 from vllm.sampling_params import RequestOutputKind
 
+from handlers.api.io import Ahead
 from handlers.api.usage import RequestUsage, current_usage
 
 # Set (to None) once the engine has taken a request of the stream being started (``started``)
@@ -33,10 +34,10 @@ def observe_generate(engine: Any, tracing: bool) -> None:
     carry the trace headers, and both say when the engine has a stream's request (``started``)."""
     generate, add_request = engine.generate, engine.add_request
 
-    async def observed(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+    def observed(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        # not a generator of its own: a pass per output on top of vLLM's, on every token
         params = args[1] if len(args) > 1 else kwargs.get("sampling_params")
-        async for output in counted(generate(*args, **kwargs), params):
-            yield output
+        return counted(generate(*args, **kwargs), params)
 
     async def taken(*args: Any, **kwargs: Any) -> Any:
         if tracing:
@@ -70,32 +71,11 @@ async def started(stream: AsyncIterator[Any]) -> AsyncIterator[Any]:
     except BaseException:
         first.cancel()  # the request is cancelled: so is its engine request (vLLM aborts it)
         raise
-    return _Started(first, stream)
+    return Ahead(first, stream)
 
 
 async def _first(stream: AsyncIterator[Any]) -> Any:
     return await anext(stream)
-
-
-class _Started:
-    """An async stream whose first item is being fetched already (``first``, a task), without a
-    generator's pass per item on top of the stream's."""
-
-    __slots__ = ("_first", "_rest")
-
-    def __init__(self, first: asyncio.Task, rest: AsyncIterator[Any]) -> None:
-        self._first: asyncio.Task | None = first
-        self._rest = rest
-
-    def __aiter__(self) -> _Started:
-        return self
-
-    def __anext__(self) -> Any:
-        first = self._first
-        if first is None:
-            return self._rest.__anext__()
-        self._first = None
-        return first  # awaited by the caller: the item, or the stream's end or error
 
 
 def counted(outputs: AsyncIterator[Any], params: Any) -> AsyncIterator[Any]:

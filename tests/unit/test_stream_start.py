@@ -96,3 +96,38 @@ def test_a_request_cancelled_while_its_stream_starts_cancels_the_engine_request(
         assert engine.aborted == ["r1"] and engine.added == []
 
     asyncio.run(scenario())
+
+
+def test_the_engines_stream_is_not_wrapped_in_a_generator_of_ours_when_nothing_counts_it():
+    async def scenario():
+        engine = Engine(["a"])
+        inner = Engine.generate.__get__(engine)  # the engine's own, before observe_generate
+        observe_generate(engine, tracing=False)
+        engine.admit.set()
+        stream = engine.generate("prompt", None, "r1")  # no request usage here: a warm-up's call
+        assert stream.ag_code is inner("prompt", None, "r1").ag_code  # vLLM's generator itself
+        assert await drain(stream) == ["a"]
+
+    asyncio.run(scenario())
+
+
+def test_prepend_puts_an_item_taken_before_the_rest_and_passes_the_rests_end_on():
+    from handlers.api import prepend
+
+    async def rest():
+        yield 2
+        raise ValueError("the stream failed")
+
+    async def scenario():
+        stream = prepend(1, rest())
+        assert await anext(stream) == 1
+        assert await anext(stream) == 2
+        with pytest.raises(ValueError, match="the stream failed"):
+            await anext(stream)
+        assert await drain(prepend("only", drain_empty())) == ["only"]
+
+    async def drain_empty():
+        return
+        yield
+
+    asyncio.run(scenario())
