@@ -11,6 +11,7 @@ from container.core.protocol import (
     FRAME_HEADER,
     Attach,
     Chunk,
+    End,
     Fail,
     Head,
     Message,
@@ -60,7 +61,10 @@ class Connection:
     A streamed answer's ``Head`` leaves at once, with what was queued before it: the frontend's
     hand-over of the client's socket then runs while the handler starts the answer. Its body
     (``expect_stream``) waits for the frontend's ``Attach``; with the client's socket it is
-    written there on the same passes (``container.worker.direct``)."""
+    written there on the same passes (``container.worker.direct``). Its ``End`` leaves at once
+    too: the frontend ends the client's response on it, and its work for the request (the
+    response's end, the completion line) is then done sooner, before the client's next
+    request rather than during it. A whole answer's ``End`` waits for the quiet pass."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader = reader
@@ -96,6 +100,8 @@ class Connection:
         if type(message) is Head and message.stream:
             # at once: the frontend sends the headers and hands the client's socket over while the
             # handler goes on (vLLM's add_request, the prefill), not after its first token
+            self._flush()
+        elif type(message) is End and message.id in self._bodies:  # a stream's (its record stays until drop_stream)
             self._flush()
         if self.writer.transport.get_write_buffer_size() > WRITE_HIGH_WATER or self.writer.is_closing():
             await self.wait_writable()

@@ -123,6 +123,25 @@ def test_a_streams_head_leaves_at_once_with_what_was_queued_before_it(quiet_pass
     assert later == [[Head(id="c", code=200, headers={}, stream=False)]]
 
 
+def test_a_streams_end_leaves_at_once_and_a_whole_answers_waits(quiet_pass_only):
+    """The frontend ends the client's response on a stream's End: the sooner it has it, the
+    sooner its work for that request is done (before the client's next request, not during it)."""
+    async def scenario(conn, read):
+        conn.expect_stream("s")  # a streamed answer (its body goes to the client's socket)
+        await conn.send(End(id="s", body_bytes=5))
+        at_once = read()
+        await conn.send(End(id="w"))  # a whole answer's, after its body: the quiet pass sends it
+        held = read()
+        for _ in range(3):
+            await asyncio.sleep(0)
+        return at_once, held, read()
+
+    at_once, held, later = run(scenario)
+    assert at_once == [[End(id="s", body_bytes=5)]]
+    assert held == []
+    assert later == [[End(id="w")]]
+
+
 def test_a_loop_that_keeps_producing_writes_once_enough_is_queued(monkeypatch):
     monkeypatch.setattr(connection, "COALESCE_SECONDS", 60.0)
     (([chunk],), passes) = run(keep_producing(b"x" * 1000))
