@@ -97,11 +97,10 @@ class Connection:
         frame = encode(message)
         self._queue.append(frame)
         self._queued += len(frame)
-        if type(message) is Head and message.stream:
-            # at once: the frontend sends the headers and hands the client's socket over while the
-            # handler goes on (vLLM's add_request, the prefill), not after its first token
-            self._flush()
-        elif type(message) is End and message.id in self._bodies:  # a stream's (its record stays until drop_stream)
+        if (type(message) is Head and message.stream) or (type(message) is End and request_id in self._bodies):
+            # a stream's head or end, at once: on the head the frontend sends the headers and hands
+            # the client's socket over while the handler goes on (vLLM's add_request, the prefill);
+            # on the end it ends the client's response (a body's record stays until drop_stream)
             self._flush()
         if self.writer.transport.get_write_buffer_size() > WRITE_HIGH_WATER or self.writer.is_closing():
             await self.wait_writable()
