@@ -58,8 +58,9 @@ class Connection:
     passes after it was sent. Consecutive chunks of one request merge into one ``Chunk``:
     the frontend decodes one frame for them, and writes them to its client at once.
 
-    A streamed answer's ``Head`` leaves at once, with what was queued before it: the frontend's
-    hand-over of the client's socket then runs while the handler starts the answer. Its body
+    A streamed answer's ``Head`` leaves at once, with the frames queued before it (the bodies
+    written to clients here still wait for the pass): the frontend's hand-over of the client's
+    socket then runs while the handler starts the answer. Its body
     (``expect_stream``) waits for the frontend's ``Attach``; with the client's socket it is
     written there on the same passes (``container.worker.direct``). Its ``End`` leaves at once
     too: the frontend ends the client's response on it, and its work for the request (the
@@ -101,7 +102,7 @@ class Connection:
             # a stream's head or end, at once: on the head the frontend sends the headers and hands
             # the client's socket over while the handler goes on (vLLM's add_request, the prefill);
             # on the end it ends the client's response (a body's record stays until drop_stream)
-            self._flush()
+            self._write_frames()
         if self.writer.transport.get_write_buffer_size() > WRITE_HIGH_WATER or self.writer.is_closing():
             await self.wait_writable()
 
@@ -228,6 +229,18 @@ class Connection:
             self._flush()
         except (ConnectionError, OSError):
             pass
+
+    def _write_frames(self) -> None:
+        """Write the frames queued for the frontend, in order, and leave the bodies written to
+        clients here for the pass: the other streams' pieces keep coalescing (each write of a
+        stream's body is a send of its own; a stream starting or ending every few passes, as
+        at 64 streams of a fast handler, otherwise split every stream's writes)."""
+        queue, self._queue = self._queue, []
+        self._open.clear()
+        if queue and not self.writer.is_closing():
+            data = b"".join(item if isinstance(item, bytes) else item.frame() for item in queue)
+            self._queued = max(0, self._queued - len(data))
+            self.writer.write(data)
 
     def _flush(self) -> None:
         if self._touched:
