@@ -250,12 +250,9 @@ class Connection:
                 body.write()
                 if body.progress_due(now):
                     self._queue.append(encode(Progress(id=body.id)))
-        queue, self._queue = self._queue, []
-        self._open.clear()
+        self._write_frames()
         self._queued = 0
         self._added = False
-        if queue and not self.writer.is_closing():
-            self.writer.write(b"".join(item if isinstance(item, bytes) else item.frame() for item in queue))
 
     async def receive(self) -> Message | None:
         try:

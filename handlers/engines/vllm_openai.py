@@ -76,10 +76,9 @@ def tokenize_short_prompts_inline(renderer: Any) -> bool:
     several threads (its pool of copies, which counts one for the loop: ``engine.generate`` of a
     text prompt tokenizes there already); False, and nothing changed, for any other. Tokens,
     offsets and errors are the renderer's own: the same method runs, on another thread."""
-    tokenize = getattr(renderer, "_tokenize_prompt", None)
-    offloaded = getattr(renderer, "_tokenize_prompt_async", None)
-    if tokenize is None or offloaded is None or not isinstance(renderer.tokenizer, ThreadSafeHFTokenizerMixin):
+    if not isinstance(renderer.tokenizer, ThreadSafeHFTokenizerMixin):
         return False
+    tokenize, offloaded = renderer._tokenize_prompt, renderer._tokenize_prompt_async
 
     async def tokenize_prompt(prompt: Any, params: Any) -> Any:
         text = prompt.get("prompt")
