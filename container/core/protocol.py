@@ -26,6 +26,21 @@ HTTP headers, says where it goes (exactly once):
                     or   Attach            on the socket, ``direct=False``: the body comes
                                            as Chunks
 
+A body rank 0 writes to an HTTP/1.1 client itself ends in one of two ways. Where the
+client's socket takes the rest at once, rank 0 says so first, then writes the rest with
+the chunked body's end, then lets go of the socket:
+
+    rank 0 -> frontend   Ending            the answer is whole (its tokens, its body bytes):
+                                           the frontend ends the request on its side (its
+                                           completion line) and writes nothing more to the
+                                           client, not even the chunked body's end
+    rank 0 -> frontend   End               rank 0 has written it all and let go of the socket
+                                           (only then may anything else go to the client)
+
+Otherwise (a client that has not taken everything yet, an HTTP/1.0 client) rank 0 writes
+the rest, lets go of the socket and sends End with the body bytes; the frontend writes the
+chunked body's end.
+
 The descriptor channel is a second Unix socket beside rank 0's (``fd_channel_path``), of
 ``SOCK_SEQPACKET`` messages, each an ``Attach`` payload with one file descriptor
 (``SCM_RIGHTS``; ``send_with_fd`` / ``receive_with_fd``).
@@ -119,6 +134,17 @@ class End(msgspec.Struct, tag="end", frozen=True, omit_defaults=True):
     body_bytes: int = 0  # body bytes rank 0 wrote to the client itself (an Attach with the socket)
 
 
+class Ending(msgspec.Struct, tag="ending", frozen=True, omit_defaults=True):
+    """A body rank 0 writes to the client is whole and its last bytes, with the chunked
+    body's end, go to the client now; the End that follows says rank 0 has let go of the
+    socket (module docstring)."""
+
+    id: str
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    body_bytes: int = 0  # the whole body's bytes (the End after it adds none)
+
+
 class Attach(msgspec.Struct, tag="attach", frozen=True, omit_defaults=True):
     """Where a streamed answer's body goes, once the frontend has sent its HTTP headers: the
     client's socket (sent with it on the descriptor channel; framed as HTTP/1.1 chunks when
@@ -198,6 +224,7 @@ Message = Union[  # noqa: UP007 (a runtime alias msgspec decodes with; kept in o
     Head,
     Chunk,
     End,
+    Ending,
     Attach,
     Progress,
     Fail,

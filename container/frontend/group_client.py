@@ -40,6 +40,7 @@ from container.core.protocol import (
     Cancel,
     Chunk,
     End,
+    Ending,
     Fail,
     FrameBuffer,
     Head,
@@ -321,7 +322,7 @@ class GroupClient:
                     self._set_state(message.state, message.detail)
                     self.last_words = message.detail if message.state is WorkerState.DOWN else ""
                 else:  # rank 0 answers with these (its InvokeBatch and Broadcast go to the other ranks)
-                    answer = cast("Head | Chunk | End | Fail", message)
+                    answer = cast("Head | Chunk | Ending | End | Fail", message)
                     batches.setdefault(answer.id, []).append(answer)
             for request_id, messages in batches.items():
                 pending = self._pending.get(request_id)

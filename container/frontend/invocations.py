@@ -78,6 +78,7 @@ class Reply:
     status: int
     headers: dict[str, str] = field(default_factory=dict)
     body: bytes | Iterator[bytes] = b""
+    after: Callable[[], None] | None = None  # called after the completion line (_Closing)
 
 
 def error_reply(path: str, exc: BaseException) -> Reply:
@@ -272,7 +273,7 @@ class Invocation:
                 headers[GROUP_HEADER] = self.group.name
                 if head.stream:
                     streaming = self.answer.streamed = True
-                    return Reply(head.code, headers, self._relay(headers.get("content-type", "")))
+                    return Reply(head.code, headers, self._relay(headers.get("content-type", "")), self._let_go)
                 body = self._body()
                 self._count_tokens()
                 return Reply(head.code, headers, body)
@@ -312,8 +313,25 @@ class Invocation:
             parts.append(data)
         return b"".join(parts)
 
+    def _let_go(self) -> None:
+        """After a stream whose group ended the body itself (``Ending``), once the completion
+        line is written: wait until the group has let go of the client's socket (its ``End``)
+        before gunicorn may write to it again (the answer to a request the client sent
+        before this one's end, on a kept-alive connection). A group that does not say so in
+        ``STOP_CONFIRM_TIMEOUT``, or failed meanwhile, has the connection closed instead."""
+        pending = self.submitted
+        if pending.ending is None:
+            return
+        if pending.wait_done_for(STOP_CONFIRM_TIMEOUT) and pending.end is not None:
+            return
+        if self.group is not None:
+            self.group.forget(self.wire_id)
+        response = self.environ.get(WSGI_RESPONSE)
+        if response is not None:
+            response.force_close()
+
     def _count_tokens(self) -> None:
-        end = self.submitted.end
+        end = self.submitted.ending or self.submitted.end
         if end is not None:
             self.answer.prompt_tokens, self.answer.completion_tokens = end.prompt_tokens, end.completion_tokens
 
@@ -329,6 +347,8 @@ class Invocation:
             while (data := self._next()) is not None:
                 yield data
             finished = True
+            if pending.ending is not None:
+                _body_ended_by_group(self.environ)
             self.answer.outcome = "completed"
         except ClientClosedRequest:
             pass  # cancelled below, as when a write finds the client gone
@@ -363,15 +383,26 @@ class Invocation:
             self.release()
 
 
+def _body_ended_by_group(environ: dict) -> None:
+    """The group wrote the chunked body's end itself (``Ending``): gunicorn's response writes
+    nothing more and keeps the connection (its close writes the last chunk of a chunked
+    response, and keeps the connection only with a length or chunked)."""
+    response = environ.get(WSGI_RESPONSE)
+    if response is not None:
+        response.chunked = False
+        response.response_length = response.sent
+
+
 class _Closing:
     """A response body whose ``close`` (gunicorn calls it once the response is sent,
     or abandoned) closes the stream, then writes the completion line."""
 
-    __slots__ = ("body", "completion")
+    __slots__ = ("after", "body", "completion")
 
-    def __init__(self, body: Iterable[bytes], completion: Completion) -> None:
+    def __init__(self, body: Iterable[bytes], completion: Completion, after: Callable[[], None] | None = None) -> None:
         self.body = body
         self.completion = completion
+        self.after = after
 
     def __iter__(self) -> Iterator[bytes]:
         return iter(self.body)
@@ -382,7 +413,11 @@ class _Closing:
             if close is not None:
                 close()
         finally:
-            self.completion()
+            try:
+                self.completion()
+            finally:
+                if self.after is not None:
+                    self.after()
 
 
 class HandlerRoutes:
@@ -447,6 +482,6 @@ class HandlerRoutes:
         try:
             start_response(status, headers)
         except BaseException:
-            _Closing(body, completion).close()
+            _Closing(body, completion, reply.after).close()
             raise
-        return _Closing(body, completion)
+        return _Closing(body, completion, reply.after)

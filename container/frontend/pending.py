@@ -11,7 +11,7 @@ import time
 from typing import Protocol
 
 from container.core.errors import ClientClosedRequest, GatewayTimeout, ServingError
-from container.core.protocol import Chunk, End, Fail, Head, Progress
+from container.core.protocol import Chunk, End, Ending, Fail, Head, Progress
 
 
 class WorkerFailed(ServingError):
@@ -65,18 +65,21 @@ class PendingRequest:
         self.progress = 0  # batches delivered: a stream written by the reader still shows it is alive
         self.body_bytes = 0  # body bytes received, whoever writes them to the client
         self.end: End | None = None  # the answer's End (with the tokens the group counted)
+        self.ending: Ending | None = None  # the group ends the body it writes itself (protocol: Ending)
         self.direct = False  # the group writes the body to the client's socket itself (GroupClient.attach)
 
     # -- reader thread side
     def deliver(self, messages: list) -> None:
         """Take a batch of this request's messages; wake its thread once, and
         only if it has something to do."""
-        head, data, last = None, [], None
-        for message in messages:  # a Head first, then chunks or Progress, then at most one End or Fail
+        head, data, ending, last = None, [], None, None
+        for message in messages:  # a Head first, then chunks or Progress, an Ending, at most one End or Fail
             if isinstance(message, Chunk):
                 data.append(message.data)
             elif isinstance(message, Head):
                 head = message
+            elif isinstance(message, Ending):
+                ending = message
             elif not isinstance(message, Progress):  # a Progress only counts as progress
                 last = message
         with self._cond:
@@ -88,6 +91,9 @@ class PendingRequest:
                 self.body_bytes += len(joined)
                 if not self._write_direct(joined):
                     self._chunks.append(joined)
+            if ending is not None:
+                self.ending = ending
+                self.body_bytes += ending.body_bytes
             if isinstance(last, End):
                 self._finished = True
                 self.end = last
@@ -131,7 +137,9 @@ class PendingRequest:
         return self._head is not None or self._error is not None
 
     def has_data(self) -> bool:
-        return bool(self._chunks or self._unsent) or self._finished or self._error is not None
+        if self._chunks or self._unsent or self._finished:
+            return True
+        return self._error is not None or self.ending is not None
 
     def wait_head_for(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for the ``Head`` (or an error); False if it did not come."""
@@ -215,6 +223,8 @@ class PendingRequest:
                 self._chunks.clear()
                 self._writing = True
                 return data
+            elif self.ending is not None:  # the group writes the body's end; its End follows
+                return None
             elif self._error is not None:
                 raise self._error
             elif self._finished:

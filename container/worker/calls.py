@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
-from container.core.protocol import Chunk, End, Head
+from container.core.protocol import Chunk, End, Ending, Head
 from container.worker.connection import Connection, DroppedAnswers
 from container.worker.observe import Observation
 from container.worker.requests import chunk_of
@@ -26,6 +26,12 @@ from handlers.api import Input, Output, json_line, prepend
 STREAM_QUEUE = 64  # items a synchronous generator may run ahead of its sender
 _HOP_BY_HOP = {"content-length", "transfer-encoding", "connection", "keep-alive"}
 _END = object()
+
+
+def _tokens(seen: Observation | None) -> tuple[int | None, int | None]:
+    """The prompt and completion tokens the engine counted for the request, when it did."""
+    usage = seen.usage if seen is not None else None
+    return (usage.prompt_tokens, usage.completion_tokens) if usage is not None else (None, None)
 
 
 def _timed(handle: Callable[[Input], Any], seen: Observation, inputs: Input) -> Any:
@@ -158,13 +164,17 @@ class Calls:
             except Exception:
                 await conn.finish_stream(rid)  # what came before the handler's error goes out first
                 raise
-            body_bytes = await conn.finish_stream(rid)
+            prompt, completion = _tokens(seen)
+
+            def ending(whole: int) -> Ending:
+                return Ending(id=rid, prompt_tokens=prompt, completion_tokens=completion, body_bytes=whole)
+
+            body_bytes = await conn.finish_stream(rid, ending)
         else:
             body = output.body()
             if body:
                 await conn.send(Chunk(id=rid, data=body))
-        usage = seen.usage if seen is not None else None
-        prompt, completion = (usage.prompt_tokens, usage.completion_tokens) if usage is not None else (None, None)
+        prompt, completion = _tokens(seen)
         await conn.send(End(id=rid, prompt_tokens=prompt, completion_tokens=completion, body_bytes=body_bytes))
 
     async def _send_stream(

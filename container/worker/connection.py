@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from time import monotonic
 
 from container.core.protocol import (
@@ -12,6 +13,7 @@ from container.core.protocol import (
     Attach,
     Chunk,
     End,
+    Ending,
     Fail,
     Head,
     Message,
@@ -47,6 +49,9 @@ class PeerGone(Exception):
     error of the handler's: a handler's own ``OSError`` is a 424 like any other)."""
 
 
+_STREAM_ENDS = (End, Ending)  # what ends a stream's body written here: the frontend gets it at once
+
+
 class Connection:
     """One connection from the frontend (or the supervisor) to rank 0.
 
@@ -62,8 +67,8 @@ class Connection:
     written to clients here still wait for the pass): the frontend's hand-over of the client's
     socket then runs while the handler starts the answer. Its body
     (``expect_stream``) waits for the frontend's ``Attach``; with the client's socket it is
-    written there on the same passes (``container.worker.direct``). Its ``End`` leaves at once
-    too: the frontend ends the client's response on it, and its work for the request (the
+    written there on the same passes (``container.worker.direct``). Its ``Ending`` and ``End``
+    leave at once too (``finish_stream``): the frontend's work for the request (the
     response's end, the completion line) is then done sooner, before the client's next
     request rather than during it. A whole answer's ``End`` waits for the quiet pass."""
 
@@ -98,7 +103,7 @@ class Connection:
         frame = encode(message)
         self._queue.append(frame)
         self._queued += len(frame)
-        if (type(message) is Head and message.stream) or (type(message) is End and request_id in self._bodies):
+        if (type(message) is Head and message.stream) or (type(message) in _STREAM_ENDS and request_id in self._bodies):
             # a stream's head or end, at once: on the head the frontend sends the headers and hands
             # the client's socket over while the handler goes on (vLLM's add_request, the prefill);
             # on the end it ends the client's response (a body's record stays until drop_stream)
@@ -164,16 +169,30 @@ class Connection:
             self._touch(body)
         return True
 
-    async def finish_stream(self, request_id: str) -> int:
+    async def finish_stream(self, request_id: str, ending: Callable[[int], Ending] | None = None) -> int:
         """Once the frontend said where the body goes, write the rest of it, wait until the
         client took it and let go of its socket: the body bytes written to the client here
-        (0 when relayed). The record stays for ``direct_bytes`` until ``drop_stream``."""
+        (0 when relayed). The record stays for ``direct_bytes`` until ``drop_stream``.
+
+        With ``ending`` (the answer is whole), where the rest goes out at once
+        (``DirectBody.ends_at_once``), the frontend gets ``ending(the body's bytes)`` first
+        and rank 0 writes the rest with the chunked body's end itself (``write(last=True)``);
+        0 is returned then (the ``Ending`` counted the bytes). The frontend's work at the end
+        of a request (its completion line) then runs while the last bytes go out, not after
+        them: the client has them before the frontend learnt of them, and its next request
+        came in the middle of that work (issue 31)."""
         body = self._bodies.get(request_id)
         if body is None:
             return 0
         await body.until_attached()
         if self._bodies.get(request_id) is not body:
             return 0  # relayed meanwhile
+        if ending is not None and body.ends_at_once():
+            await self.send(ending(body.sent + body.pending))  # written at once (send)
+            body.write(last=True)
+            await body.drain()
+            body.close()
+            return 0
         await body.drain()
         body.close()
         return body.sent
@@ -285,7 +304,7 @@ class DroppedAnswers:
     def expect_stream(self, request_id: str) -> None:
         pass
 
-    async def finish_stream(self, request_id: str) -> int:
+    async def finish_stream(self, request_id: str, ending: Callable[[int], Ending] | None = None) -> int:
         return 0
 
     def direct_bytes(self, request_id: str) -> int:

@@ -31,6 +31,7 @@ log = logging.getLogger("sagelmi.worker")
 
 WRITE_HIGH_WATER = 1 << 16  # bytes not yet taken by the client before the stream waits (vLLM merges deltas)
 PROGRESS_INTERVAL = 1.0  # seconds between two Progress messages of a body written directly
+END_OF_CHUNKS = b"0\r\n\r\n"  # the last chunk of an HTTP/1.1 chunked body (no trailers)
 
 
 class ClientGone(ClientClosedRequest):
@@ -83,18 +84,28 @@ class DirectBody:
         self.pending += len(data)
         return self.gone or self.pending + len(self.backlog) > WRITE_HIGH_WATER
 
-    def write(self) -> None:
-        """Write what is queued (one chunk for all of it), without waiting for the client."""
-        if self.state != self.DIRECT or self.gone or not self.parts:
+    def write(self, last: bool = False) -> None:
+        """Write what is queued (one chunk for all of it), without waiting for the client;
+        ``last``: with the chunked body's end after it, in the same write."""
+        if self.state != self.DIRECT or self.gone or not (self.parts or last):
             return
         data = self.parts[0] if len(self.parts) == 1 else b"".join(self.parts)
         self.parts, self.pending = [], 0
         self.sent += len(data)
-        frame = b"%X\r\n%s\r\n" % (len(data), data) if self.chunked else data
+        frame = data
+        if self.chunked:
+            frame = b"%X\r\n%s\r\n" % (len(data), data) if data else b""
+            if last:
+                frame += END_OF_CHUNKS
         if self.backlog:  # behind what the client has not taken yet
             self.backlog += frame
             return
         self._send(frame)
+
+    def ends_at_once(self) -> bool:
+        """Whether the rest of the body and the chunked body's end go out now, in one write:
+        attached, chunked (HTTP/1.1), the client there and nothing of ours waiting for it."""
+        return self.state == self.DIRECT and self.chunked and not self.gone and not self.backlog
 
     def progress_due(self, now: float) -> bool:
         if self.state != self.DIRECT or now - self.last_progress < PROGRESS_INTERVAL:

@@ -217,3 +217,70 @@ def test_a_streamed_body_goes_from_the_worker_to_the_client_without_the_frontend
     while held():
         assert time.monotonic() < deadline, "the worker kept the client's socket after the stream"
         time.sleep(0.05)
+
+
+def _read_responses(sock, count: int) -> list[tuple[int, dict[str, str], bytes]]:
+    """``count`` HTTP/1.1 responses read off one connection in order (status, headers, body),
+    chunked bodies decoded; fails on anything between them that is not a response."""
+    buffer = b""
+
+    def need(size: int) -> None:
+        nonlocal buffer
+        while len(buffer) < size:
+            data = sock.recv(65536)
+            assert data, f"the connection closed after {len(responses)} response(s): {buffer[:200]!r}"
+            buffer += data
+
+    def line() -> bytes:
+        nonlocal buffer
+        while b"\r\n" not in buffer:
+            need(len(buffer) + 1)
+        head, _, buffer = buffer.partition(b"\r\n")
+        return head
+
+    responses = []
+    while len(responses) < count:
+        status = line()
+        assert status.startswith(b"HTTP/1.1 "), f"not a response: {status!r}"
+        headers = {}
+        while header := line():
+            name, _, value = header.decode().partition(":")
+            headers[name.strip().lower()] = value.strip()
+        body = b""
+        if headers.get("transfer-encoding") == "chunked":
+            while size := int(line(), 16):
+                need(size + 2)
+                body, buffer = body + buffer[:size], buffer[size + 2:]
+            assert line() == b""  # no trailers
+        else:
+            need(int(headers["content-length"]))
+            length = int(headers["content-length"])
+            body, buffer = buffer[:length], buffer[length:]
+        responses.append((int(status.split()[1]), headers, body))
+    return responses
+
+
+def test_a_streamed_answer_ends_once_and_the_kept_alive_connection_serves_the_next_requests(server, tmp_path):
+    """The worker ends the chunked body it writes itself (protocol: Ending) and the frontend
+    writes nothing after it: requests one after the other, and requests sent before the
+    previous answer ended (pipelined), all get whole answers on one connection, each
+    chunked body ended once (a second end would be read here as garbage before the next
+    status line)."""
+    import socket
+
+    gate = tmp_path / "gate"
+    gate.write_text("open")
+    payload = json.dumps({"lines": ["a", "b", "c"], "gate": str(gate)}).encode()
+    post = (b"POST /invocations HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+    ping = b"GET /ping HTTP/1.1\r\nHost: test\r\n\r\n"
+    expected = b"".join(json.dumps({"outputs": f"{x}\n"}).encode() + b"\n" for x in "abc")
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        for _ in range(3):
+            sock.sendall(post)
+            ((status, headers, body),) = _read_responses(sock, 1)
+            assert (status, headers["transfer-encoding"], body) == (200, "chunked", expected)
+        sock.sendall(post + post + ping)
+        answers = _read_responses(sock, 3)
+    assert [(status, body) for status, _, body in answers[:2]] == [(200, expected)] * 2
+    assert answers[2][0] == 200

@@ -10,7 +10,7 @@ import socket
 import pytest
 import uvloop
 
-from container.core.protocol import Attach, End, FrameBuffer, Head, Progress, send_with_fd
+from container.core.protocol import Attach, End, Ending, FrameBuffer, Head, Progress, send_with_fd
 from container.worker import direct
 from container.worker.connection import Connection
 from container.worker.direct import ClientGone, DescriptorChannel
@@ -100,6 +100,65 @@ def test_the_body_waits_for_the_attach_then_goes_to_the_client_as_http_chunks_an
     assert written == chunked(b"one two three")  # what was held and what this pass added: one chunk
     assert sent == len(b"one two three")
     assert frontend == [Head(id="r", code=200, headers={}, stream=True), End(id="r", body_bytes=sent)]
+
+
+def test_a_whole_answer_tells_the_frontend_first_then_ends_the_chunked_body_itself():
+    """With an ``ending`` (the answer is whole) and the client keeping up, the frontend gets the
+    Ending (the body's bytes, the tokens) at once and rank 0 writes the rest with the chunked
+    body's end in one write; the End after it counts no bytes again. The frontend's end of the
+    request then runs while the last bytes go out (issue 31)."""
+
+    async def scenario(sides: Sides):
+        conn = sides.conn
+        conn.expect_stream("r")
+        await conn.send(Head(id="r", code=200, headers={}, stream=True))
+        assert conn.attach(Attach(id="r", direct=True), os.dup(sides.server.fileno()))
+        conn.add_chunk("r", b"one ")
+        await passes()
+        first = sides.to_client()
+        conn.add_chunk("r", b"two")
+        sent = await conn.finish_stream("r", lambda whole: Ending(id="r", completion_tokens=2, body_bytes=whole))
+        last = sides.to_client()
+        await conn.send(End(id="r", completion_tokens=2, body_bytes=sent))
+        await passes()
+        return first, last, sent, sides.to_frontend()
+
+    first, last, sent, frontend = run(scenario)
+    assert first == chunked(b"one ")
+    assert last == chunked(b"two") + b"0\r\n\r\n"  # the rest and the end, in one write
+    assert sent == 0
+    assert frontend == [
+        Head(id="r", code=200, headers={}, stream=True),
+        Ending(id="r", completion_tokens=2, body_bytes=len(b"one two")),
+        End(id="r", completion_tokens=2, body_bytes=0),
+    ]
+
+
+def test_an_http_1_0_body_or_one_the_client_has_not_taken_yet_ends_without_an_ending():
+    """Where the body is not chunked, or the client has not taken what was written before (a
+    backlog), rank 0 writes the rest and lets go of the socket first, and the End counts the
+    bytes; the frontend ends the response (the chunked body's end), as before."""
+
+    async def scenario(sides: Sides):
+        conn = sides.conn
+        conn.expect_stream("r")
+        conn.attach(Attach(id="r", direct=True, chunked=False), os.dup(sides.server.fileno()))
+        conn.add_chunk("r", b"raw tail")
+        endings: list[int] = []
+        sent = await conn.finish_stream("r", lambda whole: endings.append(whole))  # type: ignore[arg-type,return-value]
+        waiting = direct.DirectBody("s", asyncio.get_running_loop())
+        waiting.open(os.dup(sides.server.fileno()), chunked=True)
+        fresh = waiting.ends_at_once()
+        waiting.backlog = b"not taken yet"
+        behind = waiting.ends_at_once()
+        waiting.backlog = b""
+        waiting.close()
+        return endings, sent, sides.to_frontend(), sides.to_client(), fresh, behind
+
+    endings, sent, frontend, client, fresh, behind = run(scenario)
+    assert endings == [] and frontend == []
+    assert sent == len(b"raw tail") and client == b"raw tail"
+    assert fresh and not behind
 
 
 def test_another_streams_head_or_end_leaves_at_once_without_writing_a_running_streams_pieces():

@@ -166,3 +166,36 @@ def test_after_take_over_the_reader_leaves_every_chunk_to_the_request_thread():
     pending.take_over()  # e.g. to write an in-band error of its own
     pending.deliver([Chunk(id="r1", data=b"late\n")])
     assert pending.wait_data_for(0) and pending.next_data(0) == b"late\n"
+
+
+def test_a_body_the_group_ends_itself_gets_no_second_end_and_keeps_the_connection(monkeypatch):
+    """On the group's Ending the relay ends (the group writes the rest and the chunked body's
+    end to the client): gunicorn's response then writes nothing more and keeps the connection,
+    once the group's End says it let go of the socket; without that End in time the
+    connection is closed instead (nothing of the next answer may land before the group's
+    last bytes)."""
+    from container.core.protocol import Ending
+    from container.frontend import invocations
+
+    monkeypatch.setattr(invocations, "STOP_CONFIRM_TIMEOUT", 0.05)
+    results = []
+    for end_comes in (True, False):
+        resp, environ, client = gunicorn_stream()
+        resp.write(b"")  # the headers
+        headers = read_until(client, b"\r\n\r\n")
+        pending = PendingRequest("r1")
+        pending.deliver([Head(id="r1", code=200, headers={}, stream=True), Ending(id="r1", completion_tokens=3, body_bytes=9)])
+        assert pending.next_data(0) is None and not pending.done  # the relay ends; the request is not over
+        assert pending.body_bytes == 9 and pending.ending.completion_tokens == 3
+        invocation = invocations.Invocation(None, None, environ, {}, "r1")  # type: ignore[arg-type]
+        invocation.pending = pending
+        invocations._body_ended_by_group(environ)
+        resp.close()
+        if end_comes:
+            pending.deliver([End(id="r1", completion_tokens=3)])
+        invocation._let_go()
+        client.settimeout(0.2)
+        with pytest.raises(TimeoutError):
+            client.recv(16)  # gunicorn wrote nothing after the headers
+        results.append((headers.startswith(b"HTTP/1.1 200"), pending.body_bytes, resp.should_close()))
+    assert results == [(True, 9, False), (True, 9, True)]
