@@ -11,11 +11,12 @@ from gunicorn.http import wsgi
 from gunicorn.http.parser import RequestParser
 
 from container.core.errors import ClientClosedRequest
+from container.frontend import invocations
 from container.frontend.invocations import ClientSink
 from container.frontend.body import WSGI_RESPONSE
 from container.frontend.server import GunicornBridge
 from container.frontend.pending import PendingRequest
-from container.core.protocol import Chunk, End, Fail, Head
+from container.core.protocol import Chunk, End, Ending, Fail, Head
 
 
 def read_until(sock: socket.socket, ending: bytes, timeout: float = 5) -> bytes:
@@ -174,9 +175,6 @@ def test_a_body_the_group_ends_itself_gets_no_second_end_and_keeps_the_connectio
     once the group's End says it let go of the socket; without that End in time the
     connection is closed instead (nothing of the next answer may land before the group's
     last bytes)."""
-    from container.core.protocol import Ending
-    from container.frontend import invocations
-
     monkeypatch.setattr(invocations, "STOP_CONFIRM_TIMEOUT", 0.05)
     results = []
     for end_comes in (True, False):
@@ -184,7 +182,8 @@ def test_a_body_the_group_ends_itself_gets_no_second_end_and_keeps_the_connectio
         resp.write(b"")  # the headers
         headers = read_until(client, b"\r\n\r\n")
         pending = PendingRequest("r1")
-        pending.deliver([Head(id="r1", code=200, headers={}, stream=True), Ending(id="r1", completion_tokens=3, body_bytes=9)])
+        head = Head(id="r1", code=200, headers={}, stream=True)
+        pending.deliver([head, Ending(id="r1", completion_tokens=3, body_bytes=9)])
         assert pending.next_data(0) is None and not pending.done  # the relay ends; the request is not over
         assert pending.body_bytes == 9 and pending.ending.completion_tokens == 3
         invocation = invocations.Invocation(None, None, environ, {}, "r1")  # type: ignore[arg-type]
