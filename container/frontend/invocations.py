@@ -234,8 +234,8 @@ class Invocation:
             self.group.cancel(self.wire_id, confirm)
 
     def _group_stopped_writing(self) -> bool:
-        """After cancelling a body the group wrote to the client itself: whether it said it
-        stopped (nothing else may be written to the client before)."""
+        """After cancelling a body the group wrote to the client itself, or after its ``Ending``:
+        whether it said it stopped (nothing else may be written to the client before)."""
         stopped = self.submitted.wait_done_for(STOP_CONFIRM_TIMEOUT)
         if self.group is not None:
             self.group.forget(self.wire_id)
@@ -320,12 +320,8 @@ class Invocation:
         before this one's end, on a kept-alive connection). A group that does not say so in
         ``STOP_CONFIRM_TIMEOUT``, or failed meanwhile, has the connection closed instead."""
         pending = self.submitted
-        if pending.ending is None:
+        if pending.ending is None or (self._group_stopped_writing() and pending.end is not None):
             return
-        if pending.wait_done_for(STOP_CONFIRM_TIMEOUT) and pending.end is not None:
-            return
-        if self.group is not None:
-            self.group.forget(self.wire_id)
         response = self.environ.get(WSGI_RESPONSE)
         if response is not None:
             response.force_close()

@@ -187,15 +187,14 @@ class Connection:
         await body.until_attached()
         if self._bodies.get(request_id) is not body:
             return 0  # relayed meanwhile
+        told = False  # the Ending counted the bytes
         if ending is not None and body.ends_at_once():
             await self.send(ending(body.sent + body.pending))  # written at once (send)
             body.write(last=True)
-            await body.drain()
-            body.close()
-            return 0
+            told = True
         await body.drain()
         body.close()
-        return body.sent
+        return 0 if told else body.sent
 
     def direct_bytes(self, request_id: str) -> int:
         """The body bytes of ``request_id`` written to the client here so far."""

@@ -71,6 +71,13 @@ def run(scenario):
     return uvloop.run(main())
 
 
+async def started(sides: Sides, request_id: str = "r") -> None:
+    """A stream's start as rank 0 makes it: its body expected, its Head sent, the client's socket attached."""
+    sides.conn.expect_stream(request_id)
+    await sides.conn.send(Head(id=request_id, code=200, headers={}, stream=True))
+    assert sides.conn.attach(Attach(id=request_id, direct=True), os.dup(sides.server.fileno()))
+
+
 async def passes(count: int = 3) -> None:
     for _ in range(count):
         await asyncio.sleep(0)
@@ -110,9 +117,7 @@ def test_a_whole_answer_tells_the_frontend_first_then_ends_the_chunked_body_itse
 
     async def scenario(sides: Sides):
         conn = sides.conn
-        conn.expect_stream("r")
-        await conn.send(Head(id="r", code=200, headers={}, stream=True))
-        assert conn.attach(Attach(id="r", direct=True), os.dup(sides.server.fileno()))
+        await started(sides)
         conn.add_chunk("r", b"one ")
         await passes()
         first = sides.to_client()
@@ -168,9 +173,7 @@ def test_another_streams_head_or_end_leaves_at_once_without_writing_a_running_st
 
     async def scenario(sides: Sides):
         conn = sides.conn
-        conn.expect_stream("r")
-        await conn.send(Head(id="r", code=200, headers={}, stream=True))
-        assert conn.attach(Attach(id="r", direct=True), os.dup(sides.server.fileno()))
+        await started(sides)
         conn.add_chunk("r", b"one ")
         conn.expect_stream("s")
         await conn.send(Head(id="s", code=200, headers={}, stream=True))
