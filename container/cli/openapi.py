@@ -45,6 +45,14 @@ def _answers(schema: dict) -> dict:
     return {"description": 'the answer, or a stream of it ("stream": true)', "content": content}
 
 
+def _embeddings_answer(schema: dict) -> dict:
+    """The vectors as JSON, or their raw bytes (``encoding_format`` bytes / bytes_only: vLLM's form, the
+    layout in a ``metadata`` header for bytes)."""
+    return {"description": "the vectors as JSON, or as bytes (encoding_format bytes, bytes_only)",
+            "content": {"application/json": {"schema": schema},
+                        "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}
+
+
 def _ref(name: str) -> dict:
     return {"$ref": SCHEMAS + name}
 
@@ -192,7 +200,7 @@ def build() -> dict[str, Any]:
             "post": {
                 "summary": "OpenAI embeddings on a pooling model (vLLM's semantics; a 400 on a generation model)",
                 "requestBody": body(*embedding_bodies),
-                "responses": {"200": _json(_ref(embeddings)), **openai_errors},
+                "responses": {"200": _embeddings_answer(_ref(embeddings)), **openai_errors},
             }
         },
         "/v1/score": {

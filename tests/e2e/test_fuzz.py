@@ -14,6 +14,7 @@ import os
 import re
 import threading
 import time
+import traceback
 
 import pytest
 import requests
@@ -60,11 +61,16 @@ class Tally:
             self.slowest = max(self.slowest, seconds)
 
 
+def _text(response) -> str:
+    """The answer's body as text, whatever it is: the vectors of ``encoding_format`` bytes are not UTF-8."""
+    return response.content.decode("utf-8", errors="replace")
+
+
 def _documented_5xx(response) -> bool:
     causes = DOCUMENTED_5XX.get(response.status_code)
     if causes is None:
         return False
-    text = response.text.lower()
+    text = _text(response).lower()
     return any(cause in text for cause in causes)
 
 
@@ -72,13 +78,14 @@ def fuzz(case, tally: Tally) -> None:
     started = time.monotonic()
     response = case.call(timeout=REQUEST_TIMEOUT)
     tally.add(case, response, time.monotonic() - started)
+    text = _text(response)
     if response.status_code >= 500 and not _documented_5xx(response):
-        tally.unexpected.append(f"{case.method} {case.path} -> {response.status_code}: {response.text[:300]}")
+        tally.unexpected.append(f"{case.method} {case.path} -> {response.status_code}: {text[:300]}")
         raise AssertionError(f"{response.status_code} for {case.method} {case.path} with body "
-                             f"{str(case.body)[:500]!r}: {response.text[:500]}")
-    assert "Traceback" not in response.text, response.text[:500]
+                             f"{str(case.body)[:500]!r}: {text[:500]}")
+    assert "Traceback" not in text, text[:500]
     if tally.builtin or response.status_code >= 400:  # a model.py's own answers are its business
-        assert not LOCAL_PATH.search(response.text), response.text[:500]
+        assert not LOCAL_PATH.search(text), text[:500]
     case.validate_response(response, checks=CHECKS)
 
 
@@ -134,7 +141,8 @@ def run_fuzzing(server: Server, tally: Tally, paths: tuple[str, ...] | None = No
                 else:  # nothing of it can be made invalid (no body, any string in the path): noted
                     tally.without_invalid.append(operation.label)
             except Exception as exc:  # noqa: BLE001 - every failure is reported with its operation
-                failures.append(f"{operation.label} ({mode.value}): {type(exc).__name__}: {str(exc)[:1500]}")
+                where = "".join(traceback.format_tb(exc.__traceback__)[-3:])  # the line that raised
+                failures.append(f"{operation.label} ({mode.value}): {type(exc).__name__}: {str(exc)[:1500]}\n{where}")
     return failures
 
 

@@ -156,6 +156,29 @@ def test_embeddings_base64_equal_vllm_offline(client, reference):
     assert close([d.embedding for d in decoded.data], reference["embed"])
 
 
+_NUMPY_TYPES = {"float32": "f4", "float16": "f2"}
+_BYTE_ORDER = {"little": "<", "big": ">", "native": "="}
+
+
+def test_embeddings_bytes_equal_vllm_offline(server, reference):
+    """vLLM's binary form: the vectors' bytes, and where each lies in a metadata header (not for bytes_only)."""
+    answer = requests.post(server.url("/v1/embeddings"), timeout=60, json={
+        "model": "tiny", "input": TEXTS, "encoding_format": "bytes", "embed_dtype": "float16", "endianness": "big"})
+    assert answer.status_code == 200 and answer.headers["content-type"] == "application/octet-stream"
+    metadata = json.loads(answer.headers["metadata"])
+    assert metadata["usage"]["prompt_tokens"] > len(TEXTS) and [d["index"] for d in metadata["data"]] == [0, 1, 2]
+    vectors = [np.frombuffer(answer.content[d["start"]:d["end"]],
+                             dtype=_BYTE_ORDER[d["endianness"]] + _NUMPY_TYPES[d["embed_dtype"]]).reshape(d["shape"])
+               for d in metadata["data"]]
+    assert {(d["embed_dtype"], d["endianness"]) for d in metadata["data"]} == {("float16", "big")}
+    assert close(vectors, reference["embed"], tolerance=1e-3)  # float16's precision
+    only = requests.post(server.url("/v1/embeddings"), timeout=60, json={
+        "model": "tiny", "input": TEXTS, "encoding_format": "bytes_only", "embed_dtype": "float32",
+        "endianness": "little"})
+    assert only.status_code == 200 and "metadata" not in only.headers
+    assert close(np.frombuffer(only.content, dtype="<f4").reshape(len(TEXTS), -1), reference["embed"])
+
+
 def test_dimensions_equal_vllm_offline(client, reference):
     answer = client.embeddings.create(model="tiny", input=TEXTS, dimensions=32, encoding_format="float")
     assert close([d.embedding for d in answer.data], reference["dims32"])
