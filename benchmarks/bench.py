@@ -58,6 +58,11 @@ MAX_TOKENS = 64
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 ENGINE = {"max_num_seqs": "256", "gpu_memory_utilization": "0.5"}
 RESAMPLES, CONFIDENCE, SEED = 2000, 0.9, 0
+# vLLM's engine worker busy-waits on its shared-memory queue for 1 s after its last step (the
+# MessageQueue reader's busy_loop_s), at a whole core, and both servers' workers are bound to the
+# same core: a trial started at once shared that core with the other server's idle spin for its
+# first second (a fifth of a 1-stream trial). Each trial starts this long after the last one.
+SETTLE_S = 1.5
 # the per-server medians in the table; the ratio of the first three gets a bootstrap interval
 METRICS = ("tokens_per_s", "ttft_p50_ms", "cpu_s_per_1k_tokens", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
            "engine_tokens_per_step")
@@ -334,8 +339,10 @@ def bench_level(run: Comparison, servers: dict[str, Server], route: str, concurr
         path, body, kind = asks[name]
         run_requests(servers[name].port, path, body, kind, concurrency, concurrency)
     order = [run.servers[0] if x == "A" else run.servers[1] for x in trial_order(trials)]
-    results = [run_trial(servers[name], position, *asks[name], concurrency, requests_per_trial(concurrency))
-               for position, name in enumerate(order)]
+    results = []
+    for position, name in enumerate(order):
+        time.sleep(SETTLE_S)
+        results.append(run_trial(servers[name], position, *asks[name], concurrency, requests_per_trial(concurrency)))
     level = summarise(run.servers, route, concurrency, results)
     s, v = (level["servers"][name] for name in run.servers)
     ratio = level["ratios"]["tokens_per_s"]
