@@ -48,9 +48,13 @@ def _answers(schema: dict) -> dict:
 def _embeddings_answer(schema: dict) -> dict:
     """The vectors as JSON, or their raw bytes (``encoding_format`` bytes / bytes_only: vLLM's form, the
     layout in a ``metadata`` header for bytes)."""
-    return {"description": "the vectors as JSON, or as bytes (encoding_format bytes, bytes_only)",
-            "content": {"application/json": {"schema": schema},
-                        "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}
+    return {
+        "description": "the vectors as JSON, or as bytes (encoding_format bytes, bytes_only)",
+        "content": {
+            "application/json": {"schema": schema},
+            "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
+        },
+    }
 
 
 def _ref(name: str) -> dict:
