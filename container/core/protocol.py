@@ -41,6 +41,24 @@ Otherwise (a client that has not taken everything yet, an HTTP/1.0 client) rank 
 the rest, lets go of the socket and sends End with the body bytes; the frontend writes the
 chunked body's end.
 
+A request that asks for a stream (its body says ``"stream": true``) can hand its client's
+socket over before rank 0 answers, so that nothing crosses the frontend before the first
+token:
+
+    frontend -> rank 0   Attach            on the descriptor channel, with the client's
+                                           socket and the frontend's part of the HTTP head
+                                           (``ResponseHead``), before the Invoke
+    frontend -> rank 0   Invoke            ``client=True``
+    rank 0 -> frontend   Head              ``written=True``: rank 0 writes the head (status,
+                                           the handler's headers and the frontend's) and the
+                                           body itself, as after an Attach, and ends as above;
+                                           the frontend sends no Attach
+                    or   Head              ``written=False``: rank 0 let go of the socket (not
+                                           a stream, or a head the frontend must write: not
+                                           200, session headers ...); as without it
+    rank 0 -> frontend   Fail              after a Cancel before the Head: rank 0 let go of the
+                                           socket without writing
+
 The descriptor channel is a second Unix socket beside rank 0's (``fd_channel_path``), of
 ``SOCK_SEQPACKET`` messages, each an ``Attach`` payload with one file descriptor
 (``SCM_RIGHTS``; ``send_with_fd`` / ``receive_with_fd``).
@@ -99,6 +117,9 @@ class Invoke(msgspec.Struct, tag="invoke", frozen=True):
     body: bytes
     path: str = "/invocations"  # the HTTP route; METRICS_PATH is answered by the worker itself
     query: str = ""  # the URL's query string (its parameters become content entries)
+    client: bool = False
+    """The client's socket came before this on the descriptor channel (an ``Attach`` with a
+    ``head``): rank 0 may write a streamed answer's HTTP head and body itself (``Head.written``)."""
 
 
 class InvokeBatch(msgspec.Struct, tag="invoke_batch", frozen=True):
@@ -120,6 +141,9 @@ class Head(msgspec.Struct, tag="head", frozen=True, omit_defaults=True):
     started: float = 0.0
     """``time.monotonic()`` (one clock for every process of the machine) when the handler
     call began, for the frontend's queue-wait metric; 0: not a handler call."""
+    written: bool = False
+    """Rank 0 writes this stream's HTTP head and body to the client itself (the socket came
+    with the ``Invoke``): the frontend writes nothing before the stream's ``Ending`` or end."""
 
 
 class Chunk(msgspec.Struct, tag="chunk", frozen=True):
@@ -145,14 +169,29 @@ class Ending(msgspec.Struct, tag="ending", frozen=True, omit_defaults=True):
     body_bytes: int = 0  # the whole body's bytes (the End after it adds none)
 
 
+class ResponseHead(msgspec.Struct, frozen=True):
+    """What the frontend would put in a streamed answer's HTTP head around the handler's status
+    and headers, for rank 0 to write it itself: the status line's version (``HTTP/1.1``), the
+    ``Server`` header, whether the connection closes after the answer, and the headers that
+    follow the handler's (which worker group answered, the request id)."""
+
+    version: str
+    server: str
+    close: bool
+    headers: dict[str, str]
+
+
 class Attach(msgspec.Struct, tag="attach", frozen=True, omit_defaults=True):
     """Where a streamed answer's body goes, once the frontend has sent its HTTP headers: the
     client's socket (sent with it on the descriptor channel; framed as HTTP/1.1 chunks when
-    ``chunked``), or, ``direct=False``, the frontend (as Chunks)."""
+    ``chunked``), or, ``direct=False``, the frontend (as Chunks). With ``head``, sent before the
+    request's ``Invoke`` (``Invoke.client``): the socket of a request whose answer may be a
+    stream, whose HTTP head rank 0 then writes itself."""
 
     id: str
     direct: bool = False
     chunked: bool = True
+    head: ResponseHead | None = None
 
 
 class Progress(msgspec.Struct, tag="progress", frozen=True):

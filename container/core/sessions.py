@@ -12,6 +12,8 @@ SESSION_ID = "X-Amzn-SageMaker-Session-Id"
 NEW_SESSION_ID = "X-Amzn-SageMaker-New-Session-Id"
 CLOSED_SESSION_ID = "X-Amzn-SageMaker-Closed-Session-Id"
 SESSION_CLOSED = "X-Amzn-SageMaker-Session-Closed"  # "true": what DJL's own stateful example answers on close
+# The answer headers the frontend acts on (lower case): an answer with one has its head written there
+SESSION_HEADERS = frozenset(name.lower() for name in (SESSION_ID, NEW_SESSION_ID, CLOSED_SESSION_ID, SESSION_CLOSED))
 NEW_SESSION = "NEW_SESSION"
 REQUEST_TYPES = ("NEW_SESSION", "CLOSE")  # {"requestType": ...} in the body, as LMI's vLLM handler reads it
 EXPIRES_FORMAT = "%Y-%m-%dT%H:%M:%SZ"

@@ -77,10 +77,11 @@ class RequestLog:
             exchange.span.set_attribute("sagelmi.request_id", request_id)
         return exchange
 
-    def finish(self, exchange: Exchange, status: int, body_bytes: int | None) -> Completion:
-        """Its status line is about to go out: observe the time to it, and return what
-        to call once the response is closed (``body_bytes``: a whole body's length)."""
-        first_byte = time.monotonic() - exchange.started
+    def finish(self, exchange: Exchange, status: int, body_bytes: int | None, sent_at: float = 0.0) -> Completion:
+        """Its status line is about to go out (or went out at ``sent_at``, written by a worker
+        group): observe the time to it, and return what to call once the response is closed
+        (``body_bytes``: a whole body's length)."""
+        first_byte = (sent_at or time.monotonic()) - exchange.started
         self.metrics.observe(exchange.route, status, first_byte)
         return Completion(
             self.metrics,

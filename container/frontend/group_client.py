@@ -33,6 +33,8 @@ import uuid
 from collections.abc import Callable
 from typing import cast
 
+import msgspec
+
 from container.core.errors import GatewayTimeout, ServiceUnavailable
 from container.core.protocol import (
     METRICS_PATH,
@@ -48,6 +50,7 @@ from container.core.protocol import (
     Message,
     ProtocolError,
     RegisterAdapter,
+    ResponseHead,
     Status,
     UnregisterAdapter,
     WorkerState,
@@ -115,16 +118,28 @@ class GroupClient:
 
     # -- requests
     def submit(
-        self, invoke: Invoke, require_ready: bool = True, tag: tuple[str, str, str] | None = None
+        self,
+        invoke: Invoke,
+        require_ready: bool = True,
+        tag: tuple[str, str, str] | None = None,
+        client: tuple[socket.socket, bool, ResponseHead] | None = None,
     ) -> PendingRequest:
         """Send ``invoke``; raises ``ServiceUnavailable`` if the group is not
-        ready (or, with ``require_ready=False``, not connected). ``tag``: see ``on_lost``."""
+        ready (or, with ``require_ready=False``, not connected). ``tag``: see ``on_lost``.
+        ``client`` (the client's socket, whether its body is chunked, the frontend's part of the
+        HTTP head): hand the socket over first, so that the group writes a streamed answer's
+        head and body itself (``Invoke.client``; ``pending.handed_over`` says whether it went)."""
         pending = PendingRequest(invoke.id, tag)
         with self._lock:
             if (require_ready and self.state is not WorkerState.READY) or self._sock is None:
                 raise ServiceUnavailable(f"worker group {self.name} is {self.state.value}")
             self._pending[invoke.id] = pending
             sock = self._sock
+        if client is not None:
+            client_sock, chunked, head = client
+            if self._hand_over(Attach(id=invoke.id, direct=True, chunked=chunked, head=head), client_sock):
+                pending.handed_over = True
+                invoke = msgspec.structs.replace(invoke, client=True)
         self._send(sock, encode(invoke))  # a connection that drops fails the request (503) in _lost
         return pending
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
-import socket
+import re
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -44,6 +44,13 @@ from container.core.protocol import Invoke
 from container.core.sessions import SESSION_ID
 from container.core.tracing import TRACEPARENT, TRACESTATE, Headers, Tracer
 from container.frontend.body import WSGI_RESPONSE, read_body
+from container.frontend.client import (
+    ClientSink,
+    HeadWrittenByGroup,
+    body_ended_by_group,
+    client_gone,
+    head_written_by_group,
+)
 from container.frontend.completion import INFERENCE_ID, Answer, Completion, Exchange, RequestLog
 from container.frontend.group_client import GroupClient
 from container.frontend.pending import PendingRequest, WorkerFailed
@@ -69,6 +76,8 @@ STOP_CONFIRM_TIMEOUT = 2.0  # how long a timed-out stream waits for its group to
 CUSTOM_ATTRIBUTES = "X-Amzn-SageMaker-Custom-Attributes"
 GROUP_HEADER = "X-Sagelmi-Group"  # which worker group answered (sticky sessions can be checked with it)
 DEFAULT_CONTENT_TYPE = "text/html; charset=utf-8"  # what an answer without one is sent with (as Flask's were)
+# A body that asks for a stream (OpenAI's and LMI's "stream": true): its client's socket goes with the Invoke
+STREAM_ASKED = re.compile(rb'"stream"\s*:\s*true')
 
 
 @dataclass
@@ -79,6 +88,7 @@ class Reply:
     headers: dict[str, str] = field(default_factory=dict)
     body: bytes | Iterator[bytes] = b""
     after: Callable[[], None] | None = None  # called after the completion line (_Closing)
+    first_byte_at: float = 0.0  # when the group wrote the status line itself (Head.written); 0: now
 
 
 def error_reply(path: str, exc: BaseException) -> Reply:
@@ -133,57 +143,6 @@ def _in_band_error(exc: ServingError, content_type: str, path: str) -> bytes:
     if is_openai_path(path):
         event += "data: [DONE]\n\n"
     return event.encode()
-
-
-def client_waiting(sock: socket.socket) -> bool | None:
-    """What the client of a connection did that the server has not read yet: True when it sent
-    more (a next request), False when it closed the connection, None when neither (or the
-    socket cannot be peeked without gunicorn: TLS). One non-blocking peek."""
-    if type(sock) is not socket.socket:
-        return None
-    try:
-        return bool(sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
-    except BlockingIOError:
-        return None
-    except OSError:
-        return False
-
-
-def client_gone(sock: socket.socket | None) -> bool:
-    """Whether the client closed its connection."""
-    return sock is not None and client_waiting(sock) is False
-
-
-class ClientSink:
-    """The client's socket of a streamed answer whose headers gunicorn has sent,
-    for ``PendingRequest.attach``: frames chunks as gunicorn does (HTTP/1.1
-    chunked, or raw for an HTTP/1.0 client)."""
-
-    def __init__(self, sock: socket.socket, chunked: bool) -> None:
-        self.sock = sock
-        self.chunked = chunked
-
-    @classmethod
-    def of(cls, environ: dict) -> ClientSink | None:
-        """The sink of this request, if it is served by gunicorn over a plain
-        blocking socket and its headers are sent; otherwise ``None`` (the request
-        thread writes everything)."""
-        response = environ.get(WSGI_RESPONSE)
-        sock = environ.get("gunicorn.socket")
-        if response is None or not getattr(response, "headers_sent", False):
-            return None
-        if type(sock) is not socket.socket or sock.gettimeout() is not None:  # plain: not TLS, blocking
-            return None
-        return cls(sock, bool(response.chunked))
-
-    def frame(self, data: bytes) -> bytes:
-        return b"%X\r\n%s\r\n" % (len(data), data) if self.chunked else data
-
-    def send_nowait(self, frame: bytes) -> int:
-        return self.sock.send(frame, socket.MSG_DONTWAIT)
-
-    def send_all(self, frame: bytes) -> None:
-        self.sock.sendall(frame)
 
 
 class Invocation:
@@ -254,6 +213,8 @@ class Invocation:
             session_id = self.headers.get(SESSION_ID)
             self.group = self.router.pick_for(session_id)
             incarnation = self.group.incarnation
+            asks_stream = STREAM_ASKED.search(body) is not None
+            ours = {GROUP_HEADER: self.group.name, INFERENCE_ID: self.request_id}  # as respond() adds them
             self.pending = self.group.submit(
                 Invoke(
                     id=self.wire_id,
@@ -263,17 +224,23 @@ class Invocation:
                     query=self.query,
                 ),
                 tag=(print_, self.request_id, self.path),
+                client=ClientSink.before_head(self.environ, ours) if asks_stream else None,
             )
             try:
                 self._await(self.pending.wait_head_for, "no answer from the model")
                 head = self.pending.wait_head(0)
+            except ServingError:
+                self._abandon_before_head()
+                raise
+            try:
                 if head.started:  # the same clock in every process of the machine
                     self.answer.queue_wait = head.started - admitted
                 headers = self.router.sessions.observe(session_id, self.group, incarnation, head.code, head.headers)
                 headers[GROUP_HEADER] = self.group.name
                 if head.stream:
                     streaming = self.answer.streamed = True
-                    return Reply(head.code, headers, self._relay(headers.get("content-type", "")), self._let_go)
+                    relay = self._relay(headers.get("content-type", ""), head.written)
+                    return Reply(head.code, headers, relay, self._let_go, self.pending.head_at if head.written else 0.0)
                 body = self._body()
                 self._count_tokens()
                 return Reply(head.code, headers, body)
@@ -283,6 +250,17 @@ class Invocation:
         finally:
             if not streaming:
                 self.release()
+
+    def _abandon_before_head(self) -> None:
+        """The request failed, timed out or lost its client before the frontend took its head.
+        Where the client's socket went with the ``Invoke``, the group may be writing to it: the
+        error is written only once the group said it stopped without writing (its ``Fail``);
+        otherwise the connection is closed (``HeadWrittenByGroup``)."""
+        pending = self.submitted
+        if not pending.done:
+            self.abandon(confirm=pending.handed_over)
+        if pending.handed_over and (not self._group_stopped_writing() or pending.direct):
+            raise HeadWrittenByGroup(499 if client_gone(self.client) else GatewayTimeout.status)
 
     def _await(self, wait: Callable[[float], bool], what: str) -> None:
         """Wait (``wait(seconds)``, True once ready) up to ``predict_timeout``;
@@ -331,20 +309,23 @@ class Invocation:
         if end is not None:
             self.answer.prompt_tokens, self.answer.completion_tokens = end.prompt_tokens, end.completion_tokens
 
-    def _relay(self, content_type: str) -> Iterator[bytes]:
+    def _relay(self, content_type: str, written: bool) -> Iterator[bytes]:
         request_id_var.set(self.request_id)
         finished = False
         in_band = b""
         pending = self.submitted
         try:
-            yield b""  # gunicorn sends the headers and nothing else: the body is the group's to write
-            assert self.group is not None  # run() picked it
-            self.group.attach(pending, ClientSink.of(self.environ))
+            if written:  # the group wrote the headers (Head.written): gunicorn must not
+                head_written_by_group(self.environ)
+            else:
+                yield b""  # gunicorn sends the headers and nothing else: the body is the group's to write
+                assert self.group is not None  # run() picked it
+                self.group.attach(pending, ClientSink.of(self.environ))
             while (data := self._next()) is not None:
                 yield data
             finished = True
             if pending.ending is not None:
-                _body_ended_by_group(self.environ)
+                body_ended_by_group(self.environ)
             self.answer.outcome = "completed"
         except ClientClosedRequest:
             pass  # cancelled below, as when a write finds the client gone
@@ -377,16 +358,6 @@ class Invocation:
             self.answer.bytes = self.submitted.body_bytes + len(in_band)
             self._count_tokens()
             self.release()
-
-
-def _body_ended_by_group(environ: dict) -> None:
-    """The group wrote the chunked body's end itself (``Ending``): gunicorn's response writes
-    nothing more and keeps the connection (its close writes the last chunk of a chunked
-    response, and keeps the connection only with a length or chunked)."""
-    response = environ.get(WSGI_RESPONSE)
-    if response is not None:
-        response.chunked = False
-        response.response_length = response.sent
 
 
 class _Closing:
@@ -443,6 +414,9 @@ class HandlerRoutes:
         try:
             try:
                 reply = self.serve(environ, headers, exchange)
+            except HeadWrittenByGroup as exc:
+                self.requests.finish(exchange, exc.status, None)()
+                raise BrokenPipeError(errno.EPIPE, "the group may have written to the client") from None
             except ServingError as exc:
                 count_refusal(self.requests.metrics, exc)
                 reply = error_reply(path, exc)
@@ -473,7 +447,7 @@ class HandlerRoutes:
         else:
             body, length = reply.body, None
         headers.append((INFERENCE_ID, exchange.request_id))
-        completion = self.requests.finish(exchange, reply.status, length)
+        completion = self.requests.finish(exchange, reply.status, length, reply.first_byte_at)
         status = f"{reply.status} {HTTP_STATUS_CODES.get(reply.status, 'unknown').upper()}"
         try:
             start_response(status, headers)

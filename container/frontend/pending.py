@@ -67,6 +67,8 @@ class PendingRequest:
         self.end: End | None = None  # the answer's End (with the tokens the group counted)
         self.ending: Ending | None = None  # the group ends the body it writes itself (protocol: Ending)
         self.direct = False  # the group writes the body to the client's socket itself (GroupClient.attach)
+        self.handed_over = False  # the client's socket went to the group with the Invoke (GroupClient.submit)
+        self.head_at = 0.0  # when a Head the group wrote itself came (Head.written): the time to the first byte
 
     # -- reader thread side
     def deliver(self, messages: list) -> None:
@@ -86,6 +88,11 @@ class PendingRequest:
             self.progress += 1
             if head is not None:
                 self._head = head
+                if head.written:
+                    self.direct = True
+                    self.head_at = time.monotonic()
+                    if not (data or ending or last):
+                        return  # the group writes the stream: the request thread can wait for its end
             if data:  # the batch's chunks of this request go out in one write
                 joined = b"".join(data)  # one item: joined is that item, no copy
                 self.body_bytes += len(joined)

@@ -31,7 +31,7 @@ from container.core.errors import InputError, envelope_for, scrub
 from container.core.launch import FrontendLaunch, decode_frontend_launch
 from container.frontend.app import create_app
 from container.frontend.body import CLOSE_CONNECTION, WSGI_RESPONSE
-from container.frontend.invocations import client_waiting
+from container.frontend.client import client_waiting
 
 log = logging.getLogger("sagelmi.frontend")
 

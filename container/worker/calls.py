@@ -154,9 +154,15 @@ class Calls:
         headers = {k: v for k, v in output.headers().items() if k.lower() not in _HOP_BY_HOP}
         streaming = output.stream_content is not None
         started = seen.started if seen is not None else 0.0
-        if streaming:  # its body waits for the frontend's Attach (container.worker.direct)
-            conn.expect_stream(rid)
-        await conn.send(Head(id=rid, code=output.code, headers=headers, stream=streaming, started=started))
+        # A stream's body waits for the frontend's Attach (container.worker.direct), unless its head
+        # and body are written here to the client's socket that came with the request
+        if streaming:
+            written = conn.expect_stream(rid, output.code, headers)
+        else:  # the frontend writes a whole answer: the client's socket that came with it is let go first
+            written = False
+            conn.release_client(rid)
+        head = Head(id=rid, code=output.code, headers=headers, stream=streaming, started=started, written=written)
+        await conn.send(head)
         body_bytes = 0
         if streaming:
             try:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping
 from time import monotonic
 
 from container.core.protocol import (
@@ -23,7 +24,7 @@ from container.core.protocol import (
     encode,
     frame_length,
 )
-from container.worker.direct import WRITE_HIGH_WATER, DirectBody
+from container.worker.direct import WRITE_HIGH_WATER, DescriptorChannel, DirectBody, response_head
 
 log = logging.getLogger("sagelmi.worker")
 
@@ -72,11 +73,15 @@ class Connection:
     response's end, the completion line) is then done sooner, before the client's next
     request rather than during it. A whole answer's ``End`` waits for the quiet pass."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def __init__(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, channel: DescriptorChannel | None = None
+    ) -> None:
         self.reader = reader
         self.writer = writer
         self.tasks: dict[str, asyncio.Task] = {}
         self._loop = asyncio.get_running_loop()
+        self._channel = channel  # where the frontend hands clients' sockets over
+        self._clients: dict[str, tuple[Attach, int]] = {}  # sockets that came with their Invoke, until the Head
         self._bodies: dict[str, DirectBody] = {}  # streamed answers not relayed to the frontend
         self._touched: list[DirectBody] = []  # bodies with pieces for the next write
         self._queue: list[bytes | _Body] = []  # frames, and bodies still open to more chunks
@@ -149,9 +154,40 @@ class Connection:
         return self.writer.transport.get_write_buffer_size() > WRITE_HIGH_WATER or self.writer.is_closing()
 
     # -- streamed answers' bodies
-    def expect_stream(self, request_id: str) -> None:
-        """Hold request ``request_id``'s body until the frontend's ``Attach`` says where it goes."""
-        self._bodies[request_id] = DirectBody(request_id, self._loop)
+    def claim_client(self, request_id: str) -> None:
+        """Take the client's socket the frontend handed over before request ``request_id``'s
+        ``Invoke`` (``Invoke.client``), for its ``Head``."""
+        found = self._channel.claim(request_id) if self._channel is not None else None
+        if found is not None:
+            self._clients[request_id] = found
+
+    def release_client(self, request_id: str) -> bool:
+        """Let go of the client's socket that came with the request, unused (before its ``Head``
+        or ``Fail``: the frontend may close the connection then); True if there was one."""
+        found = self._clients.pop(request_id, None)
+        if found is not None:
+            os.close(found[1])
+        return found is not None
+
+    def expect_stream(self, request_id: str, code: int = 200, headers: Mapping[str, str] | None = None) -> bool:
+        """Hold request ``request_id``'s body until the frontend's ``Attach`` says where it goes;
+        or, True, write its HTTP head (``code``, the handler's ``headers``) and body to the
+        client's socket that came with the request (the ``Head`` says ``written``). The head
+        leaves on the next pass, with the body's first pieces if they came by then, and after
+        the ``Head`` (which ``send`` writes at once): the frontend always knows of it first."""
+        self._bodies[request_id] = body = DirectBody(request_id, self._loop)
+        found = self._clients.pop(request_id, None)
+        if found is None:
+            return False
+        attach, fd = found
+        assert attach.head is not None  # claim_client keeps only those
+        head = response_head(attach.head, attach.chunked, code, headers or {})
+        if head is None:  # the frontend writes this head, then attaches as without the socket
+            os.close(fd)
+            return False
+        body.open(fd, attach.chunked, head)
+        self._touch(body)
+        return True
 
     def attach(self, message: Attach, fd: int | None) -> bool:
         """Send the body where ``message`` says: to the client's socket ``fd`` (which this
@@ -203,15 +239,19 @@ class Connection:
 
     def stop_stream(self, request_id: str) -> bool:
         """Stop writing a body at once (the request is cancelled); True if it went to the client
-        from here (the frontend waits for a last word then)."""
+        from here, or the client's socket came with the request (the frontend waits for a last
+        word then)."""
+        held = self.release_client(request_id)
         body = self._bodies.get(request_id)
         if body is None:
-            return False
+            return held
         body.close()
-        return body.sock_used
+        return body.sock_used or held
 
     def drop_stream(self, request_id: str) -> None:
-        """Forget a body once its request is over (stopping it first, if it is still written)."""
+        """Forget a body once its request is over (stopping it first, if it is still written),
+        and the client's socket that came with the request, if it is still held."""
+        self.release_client(request_id)
         body = self._bodies.pop(request_id, None)
         if body is not None:
             body.close()
@@ -282,7 +322,7 @@ class Connection:
         return decode(await self.reader.readexactly(frame_length(header)))
 
     def close(self) -> None:
-        for request_id in list(self._bodies):
+        for request_id in list(self._bodies) + list(self._clients):
             self.drop_stream(request_id)
         self.writer.close()
 
@@ -300,8 +340,14 @@ class DroppedAnswers:
     def add_chunk(self, request_id: str, data: bytes) -> bool:
         return False
 
-    def expect_stream(self, request_id: str) -> None:
+    def claim_client(self, request_id: str) -> None:
         pass
+
+    def release_client(self, request_id: str) -> bool:
+        return False
+
+    def expect_stream(self, request_id: str, code: int = 200, headers: Mapping[str, str] | None = None) -> bool:
+        return False
 
     async def finish_stream(self, request_id: str, ending: Callable[[int], Ending] | None = None) -> int:
         return 0

@@ -18,20 +18,73 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import socket
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
+from email.utils import formatdate
 from pathlib import Path
-from time import monotonic
+from time import monotonic, time
 from typing import Protocol
 
 from container.core.errors import ClientClosedRequest
-from container.core.protocol import Attach, ProtocolError, fd_channel_path, receive_with_fd
+from container.core.protocol import Attach, ProtocolError, ResponseHead, fd_channel_path, receive_with_fd
+from container.core.sessions import SESSION_HEADERS
 
 log = logging.getLogger("sagelmi.worker")
 
 WRITE_HIGH_WATER = 1 << 16  # bytes not yet taken by the client before the stream waits (vLLM merges deltas)
 PROGRESS_INTERVAL = 1.0  # seconds between two Progress messages of a body written directly
 END_OF_CHUNKS = b"0\r\n\r\n"  # the last chunk of an HTTP/1.1 chunked body (no trailers)
+UNCLAIMED_TIMEOUT = 60.0  # seconds a socket handed over before its Invoke waits for it (then closed)
+
+# What gunicorn accepts in a response header (RFC 9110's token; a value of visible characters,
+# spaces and tabs): a head with anything else is left to the frontend, which refuses it as before
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_VALUE = re.compile(r"[ \t\x21-\x7e\x80-\xff]*")
+# Headers the frontend acts on or that frame the body: a head with one is the frontend's to write
+_FRONTEND_HEADERS = frozenset(
+    {"content-length", "transfer-encoding", "connection", "keep-alive", "upgrade", "te", "trailer", "trailers"}
+    | SESSION_HEADERS
+)
+_date: tuple[int, bytes] = (0, b"")
+
+
+def _http_date() -> bytes:
+    """The ``Date`` header's value (as gunicorn writes it), formatted once a second."""
+    global _date
+    now = int(time())
+    if _date[0] != now:
+        _date = (now, formatdate(now, usegmt=True).encode())
+    return _date[1]
+
+
+def response_head(head: ResponseHead, chunked: bool, code: int, headers: Mapping[str, str]) -> bytes | None:
+    """The HTTP head of a streamed answer, byte for byte what the frontend would have had gunicorn
+    write (gunicorn's status line, ``Server``, ``Date``, ``Connection`` and ``Transfer-Encoding``,
+    then the handler's headers, then the frontend's): ``None`` where the frontend must write it
+    itself (not a 200, no ``Content-Type``, a header the frontend acts on or would refuse)."""
+    if code != 200:
+        return None
+    lines = [
+        b"%s 200 OK\r\nServer: %s\r\nDate: %s\r\nConnection: %s\r\n"
+        % (head.version.encode(), head.server.encode(), _http_date(), b"close" if head.close else b"keep-alive")
+    ]
+    if chunked:
+        lines.append(b"Transfer-Encoding: chunked\r\n")
+    typed = False
+    ours = {name.lower() for name in head.headers}
+    for name, value in headers.items():
+        lower = name.lower()
+        if lower in _FRONTEND_HEADERS or lower in ours or not _TOKEN.fullmatch(name) or not _VALUE.fullmatch(value):
+            return None
+        typed = typed or lower == "content-type"
+        lines.append(b"%s: %s\r\n" % (name.encode("latin-1"), value.encode("latin-1")))
+    if not typed:
+        return None  # the frontend's default content type is its own to add
+    for name, value in head.headers.items():
+        lines.append(b"%s: %s\r\n" % (name.encode("latin-1"), value.encode("latin-1")))
+    lines.append(b"\r\n")
+    return b"".join(lines)
 
 
 class ClientGone(ClientClosedRequest):
@@ -55,6 +108,7 @@ class DirectBody:
         self.backlog = b""  # framed bytes the socket did not take yet
         self.sock: socket.socket | None = None
         self.sock_used = False  # the body went (or goes) to the client's socket from here
+        self.preamble = b""  # the HTTP head, written here before the body (Head.written)
         self.chunked = True
         self.sent = 0  # body bytes written (without the chunk framing)
         self.gone = False
@@ -62,10 +116,12 @@ class DirectBody:
         self._polling = False  # waiting for the socket to take the backlog
         self._wake: asyncio.Future | None = None
 
-    def open(self, fd: int, chunked: bool) -> None:
-        """Write to the client's socket ``fd`` (a duplicate this body now owns) from now on.
-        Its blocking mode is the frontend's too (one open file): sends never wait here."""
+    def open(self, fd: int, chunked: bool, preamble: bytes = b"") -> None:
+        """Write to the client's socket ``fd`` (a duplicate this body now owns) from now on,
+        ``preamble`` (the HTTP head) first. Its blocking mode is the frontend's too (one open
+        file): sends never wait here."""
         self.sock = socket.socket(fileno=fd)
+        self.preamble = preamble
         self.sock_used = True
         self.chunked = chunked
         self.state = self.DIRECT
@@ -87,7 +143,7 @@ class DirectBody:
     def write(self, last: bool = False) -> None:
         """Write what is queued (one chunk for all of it), without waiting for the client;
         ``last``: with the chunked body's end after it, in the same write."""
-        if self.state != self.DIRECT or self.gone or not (self.parts or last):
+        if self.state != self.DIRECT or self.gone or not (self.parts or last or self.preamble):
             return
         data = self.parts[0] if len(self.parts) == 1 else b"".join(self.parts)
         self.parts, self.pending = [], 0
@@ -97,6 +153,8 @@ class DirectBody:
             frame = b"%X\r\n%s\r\n" % (len(data), data) if data else b""
             if last:
                 frame += END_OF_CHUNKS
+        if self.preamble:
+            frame, self.preamble = self.preamble + frame, b""
         if self.backlog:  # behind what the client has not taken yet
             self.backlog += frame
             return
@@ -196,9 +254,10 @@ class Attachable(Protocol):
 
 class DescriptorChannel:
     """Rank 0's end of the descriptor channel (``SOCK_SEQPACKET`` beside its socket at
-    ``socket_path``: the frontend hands over clients' sockets there): each message is
-    an ``Attach`` with the client's socket, for the one of ``connections`` whose answer waits
-    for it (``Connection.attach``); with none, the descriptor is closed."""
+    ``socket_path``: the frontend hands over clients' sockets there). Each message is an
+    ``Attach`` with the client's socket: for the one of ``connections`` whose answer waits for
+    it (``Connection.attach``; with none, the descriptor is closed), or, with a ``head``, for a
+    request whose ``Invoke`` comes next (``claim``)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, socket_path: str, connections: Collection[Attachable]) -> None:
         self.loop = loop
@@ -210,16 +269,30 @@ class DescriptorChannel:
         self.sock.listen(16)
         self.sock.setblocking(False)
         self.peers: set[socket.socket] = set()
+        self.unclaimed: dict[str, tuple[Attach, int, float]] = {}  # request id -> a socket before its Invoke
         loop.add_reader(self.sock.fileno(), self._accept)
 
+    def claim(self, request_id: str) -> tuple[Attach, int] | None:
+        """The socket handed over for request ``request_id`` (an ``Invoke`` with ``client``), which
+        the caller then owns. The frontend sent it before the ``Invoke``, so when the loop has
+        not read it yet, it is read now."""
+        found = self.unclaimed.pop(request_id, None)
+        if found is None:
+            self._accept()
+            for peer in list(self.peers):
+                self._read(peer)
+            found = self.unclaimed.pop(request_id, None)
+        return None if found is None else (found[0], found[1])
+
     def _accept(self) -> None:
-        try:
-            peer, _ = self.sock.accept()
-        except BlockingIOError:
-            return
-        peer.setblocking(False)
-        self.peers.add(peer)
-        self.loop.add_reader(peer.fileno(), self._read, peer)
+        while True:
+            try:
+                peer, _ = self.sock.accept()
+            except BlockingIOError:
+                return
+            peer.setblocking(False)
+            self.peers.add(peer)
+            self.loop.add_reader(peer.fileno(), self._read, peer)
 
     def _read(self, peer: socket.socket) -> None:
         while True:
@@ -236,8 +309,20 @@ class DescriptorChannel:
             message, fd = received
             if fd is None:
                 log.warning("ignoring a descriptor-channel message without a descriptor")
+            elif isinstance(message, Attach) and message.head is not None:
+                self._keep(message, fd)
             elif not isinstance(message, Attach) or not any(c.attach(message, fd) for c in list(self.connections)):
                 os.close(fd)  # the answer has ended or was cancelled meanwhile: the frontend writes
+
+    def _keep(self, message: Attach, fd: int) -> None:
+        """Keep a socket until its request's ``Invoke`` claims it; one whose ``Invoke`` never
+        came (its connection dropped in between) is closed after ``UNCLAIMED_TIMEOUT``."""
+        now = monotonic()
+        for request_id, (_, old, since) in list(self.unclaimed.items()):
+            if request_id == message.id or now - since > UNCLAIMED_TIMEOUT:
+                del self.unclaimed[request_id]
+                os.close(old)
+        self.unclaimed[message.id] = (message, fd, now)
 
     def _drop(self, peer: socket.socket) -> None:
         self.loop.remove_reader(peer.fileno())
@@ -247,6 +332,9 @@ class DescriptorChannel:
     def close(self) -> None:
         for peer in list(self.peers):
             self._drop(peer)
+        for _, fd, _ in self.unclaimed.values():
+            os.close(fd)
+        self.unclaimed.clear()
         self.loop.remove_reader(self.sock.fileno())
         self.sock.close()
         Path(self.path).unlink(missing_ok=True)

@@ -2,16 +2,36 @@
 began (``Head.started``: the frontend's queue-wait metric), the tokens the handler
 counted (``handlers.api.usage``: sent with the ``End``), and, with tracing on, a
 span around the handler call, a child of the frontend's span (whose
-``traceparent`` the request's properties carry)."""
+``traceparent`` the request's properties carry). And the group's Prometheus text
+(``metrics_text``), which the frontend's ``/metrics`` asks rank 0 for."""
 
 from __future__ import annotations
 
+import asyncio
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from prometheus_client import generate_latest
+
+from container.core.metrics_text import merge
 from container.core.protocol import METRICS_PATH, Invoke
 from container.core.tracing import make_tracer
 from handlers.api.usage import RequestUsage, current_usage
+
+if TYPE_CHECKING:
+    from container.worker.ranks import Leader
+
+METRICS_TIMEOUT = 2.0  # how long rank 0 waits for the other ranks' metrics
+
+
+async def metrics_text(leader: Leader | None) -> bytes:
+    """This process's Prometheus text; in MPI mode (rank 0, ``leader``) every rank's, labelled ``rank``."""
+    own = generate_latest()
+    if leader is None:
+        return own
+    ranks = await asyncio.to_thread(leader.collect_metrics, METRICS_TIMEOUT)
+    texts = {str(rank): text for rank, text in ranks.items()}
+    return merge({"0": own.decode(), **texts}, "rank")
 
 
 class Observation:

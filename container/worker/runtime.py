@@ -40,7 +40,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from container.core import logs, proc
 from container.core.errors import ClientClosedRequest, ServiceUnavailable, describe, one_line
-from container.core.metrics_text import merge
 from container.core.protocol import (
     EXIT_ENGINE_DEAD,
     EXIT_LOAD_FAILED,
@@ -63,7 +62,7 @@ from container.worker.batching import Batcher
 from container.worker.calls import Calls
 from container.worker.connection import Connection, DroppedAnswers, PeerGone
 from container.worker.direct import DescriptorChannel
-from container.worker.observe import Observer
+from container.worker.observe import Observer, metrics_text
 from container.worker.priority import EnginePriority
 from container.worker.requests import batch_input, common_properties, request_input, split_batch, to_output
 from handlers.api import Input, Output
@@ -78,7 +77,6 @@ log = logging.getLogger("sagelmi.worker")
 
 SHUTDOWN_TIMEOUT = 15.0
 HEALTH_INTERVAL = 1.0  # how often a built-in handler's check_health() runs
-METRICS_TIMEOUT = 2.0  # how long rank 0 waits for the other ranks' metrics
 
 
 class Worker:
@@ -93,6 +91,7 @@ class Worker:
         self.engine: Engine | None = None  # the built-in engine this process runs, once started
         self.executor = ThreadPoolExecutor(max_workers=self.settings.sync_handler_threads, thread_name_prefix="handler")
         self.connections: set[Connection] = set()
+        self.channel: DescriptorChannel | None = None  # rank 0's descriptor channel (container.worker.direct)
         self.dropped = DroppedAnswers()
         self.batcher: Batcher[Connection | DroppedAnswers] | None = None
         self.common: dict[str, Any] = {}  # properties LMI adds to every call (device_id, model_dir ...)
@@ -117,8 +116,9 @@ class Worker:
     async def run(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             self.loop.add_signal_handler(sig, self.stopping.set)
+        if self.context.rank == 0:  # before the socket: a connection's Invoke may claim a client's socket at once
+            self.channel = DescriptorChannel(self.loop, self.context.launch.socket_path, self.connections)
         server = await self._listen() if self.context.rank == 0 else None
-        channel = DescriptorChannel(self.loop, self.context.launch.socket_path, self.connections) if server else None
         code = 0
         loading = asyncio.create_task(self._load())
         stop = asyncio.create_task(self.stopping.wait())
@@ -142,8 +142,8 @@ class Worker:
                 self.batcher.stop()
             if server is not None:
                 server.close()
-            if channel is not None:
-                channel.close()
+            if self.channel is not None:
+                self.channel.close()
             conns: list[Connection | DroppedAnswers] = [*self.connections, self.dropped]
             for conn in conns:
                 for task in conn.tasks.values():
@@ -326,7 +326,7 @@ class Worker:
 
     # -- requests
     async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        conn = Connection(reader, writer)
+        conn = Connection(reader, writer, self.channel)
         self.connections.add(conn)
         try:
             await conn.send(self.status)
@@ -345,6 +345,8 @@ class Worker:
     def _dispatch(self, conn: Connection | DroppedAnswers, message: Message) -> None:
         """Handle one message from the frontend (or, on another rank, from rank 0)."""
         if isinstance(message, Invoke):
+            if message.client:  # its client's socket came before it (container.worker.direct)
+                conn.claim_client(message.id)
             if message.path == METRICS_PATH:
                 if self.follower is not None:  # rank 0 collects every rank's metrics
                     self.follower.send_metrics(message.id, generate_latest().decode())
@@ -366,6 +368,8 @@ class Worker:
             if task is None:
                 if self.batcher is not None:
                     self.batcher.cancel(message.id)
+                if conn.release_client(message.id):  # waiting for its batch: the frontend waits for this
+                    self.loop.create_task(self._fail(conn, message.id, ClientClosedRequest("cancelled"), quiet=True))
                 return
             if (leader := self._relay()) is not None:
                 leader.send(message)
@@ -406,7 +410,7 @@ class Worker:
         seen = self.observer.begin(message)
         try:
             if message.path == METRICS_PATH:
-                output = Output().add_property("content-type", CONTENT_TYPE_LATEST).add(await self._metrics())
+                output = Output().add_property("content-type", CONTENT_TYPE_LATEST).add(await metrics_text(self.leader))
             elif self.own_state.state is not WorkerState.READY:
                 raise ServiceUnavailable("the model worker is not ready")
             else:
@@ -446,6 +450,8 @@ class Worker:
             output = to_output(await self.calls.call(batch_input([message for _, message in batch], self.common)))
             answers = split_batch(output, len(batch))
         except asyncio.CancelledError:
+            for conn, message in batch:
+                conn.release_client(message.id)
             return
         except Exception as exc:
             for conn, message in batch:
@@ -461,12 +467,15 @@ class Worker:
                 await self.calls.send_output(conn, message.id, answer, threading.Event())
             except PeerGone:
                 pass
+            finally:
+                conn.drop_stream(message.id)
 
     def _dropped(self, message: Invoke) -> bool:
         return self.batcher is not None and message.id in self.batcher.dropped
 
     async def _fail(self, conn: Connection | DroppedAnswers, rid: str, exc: Exception, quiet: bool = False) -> None:
         self._check_health()  # an engine that died fails its requests first: restart at once
+        conn.release_client(rid)  # before the Fail: the frontend may close the connection then
         status, summary, detail = describe(exc)
         if not quiet:
             if status >= 500 or status == 424:
@@ -486,14 +495,3 @@ class Worker:
             await self.loop.run_in_executor(self.executor, output.execute_finalize)
         except Exception:
             log.exception("the Output's finalize function failed")
-
-    async def _metrics(self) -> bytes:
-        """This process's Prometheus text; in MPI mode every rank's, labelled ``rank``."""
-        own = generate_latest()
-        if self.leader is None:
-            return own
-        texts = {
-            str(rank): text
-            for rank, text in (await asyncio.to_thread(self.leader.collect_metrics, METRICS_TIMEOUT)).items()
-        }
-        return merge({"0": own.decode(), **texts}, "rank")

@@ -284,3 +284,100 @@ def test_a_streamed_answer_ends_once_and_the_kept_alive_connection_serves_the_ne
         answers = _read_responses(sock, 3)
     assert [(status, body) for status, _, body in answers[:2]] == [(200, expected)] * 2
     assert answers[2][0] == 200
+
+
+def _raw_exchange(port: int, payload: dict, inference_id: str, version: str = "1.1") -> tuple[bytes, bytes]:
+    """One request on a new connection, read until the answer ends (the chunked body's end, or
+    the connection's for HTTP/1.0): the response's head and its raw body."""
+    import socket
+
+    body = json.dumps(payload).encode()
+    request = (f"POST /invocations HTTP/{version}\r\nHost: test\r\nContent-Type: application/json\r\n"
+               f"X-Amzn-SageMaker-Inference-Id: {inference_id}\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    got = b""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(request + body)
+        while not (version == "1.1" and got.endswith(b"\r\n0\r\n\r\n")):
+            data = sock.recv(65536)
+            if not data:
+                break
+            got += data
+    head, _, rest = got.partition(b"\r\n\r\n")
+    return head, rest
+
+
+def _without_date(head: bytes) -> list[bytes]:
+    return [line for line in head.split(b"\r\n") if not line.startswith(b"Date: ")]
+
+
+@pytest.mark.parametrize("version", ["1.1", "1.0"])
+def test_a_stream_asked_for_in_the_body_has_the_head_gunicorn_would_have_written(server, tmp_path, version):
+    """A body with "stream": true sends the client's socket to the worker with the request, and
+    the worker writes the stream's HTTP head itself: byte for byte the head the frontend has
+    gunicorn write otherwise (the same lines in the same order; the date aside), and the same body."""
+    gate = tmp_path / "gate"
+    gate.write_text("open")
+    plain = {"lines": ["a", "b"], "gate": str(gate)}
+    head, body = _raw_exchange(server.port, plain, "same-id", version)
+    early_head, early_body = _raw_exchange(server.port, {**plain, "stream": True}, "same-id", version)
+    assert _without_date(early_head) == _without_date(head)
+    assert early_body == body
+    assert head.startswith(f"HTTP/{version} 200 OK\r\n".encode())
+    assert b"\r\nX-Sagelmi-Group: " in head and b"\r\nX-Amzn-SageMaker-Inference-Id: same-id" in head
+    assert (b"Transfer-Encoding: chunked" in head) == (version == "1.1")
+
+
+def _worker_holds(server, address) -> bool:
+    (worker,) = server.worker_pids()
+    return any(c.raddr and tuple(c.raddr) == address for c in psutil.Process(worker).net_connections("tcp"))
+
+
+@pytest.mark.parametrize("asks_stream", [True, False])
+def test_the_clients_socket_goes_with_a_request_that_asks_for_a_stream_and_back_for_a_whole_answer(server, asks_stream):
+    """Only a request that asks for a stream hands its client's socket to the worker before the
+    answer (the worker can then write the stream's head itself); a whole answer, even to such a
+    request, is the frontend's to write: the worker lets go of the socket first."""
+    import socket
+
+    payload = json.dumps({"sleep": 1.0, "stream": asks_stream}).encode()
+    request = (b"POST /invocations HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(request)
+        time.sleep(0.5)  # the handler sleeps for a second
+        held = _worker_holds(server, sock.getsockname())
+        (status, headers, body), = _read_responses(sock, 1)
+        let_go = not _worker_holds(server, sock.getsockname())
+    assert (status, json.loads(body)["echo"]["sleep"]) == (200, 1.0)
+    assert headers["content-length"] == str(len(body))
+    assert held == asks_stream
+    assert let_go
+
+
+def test_a_stream_whose_head_the_worker_wrote_logs_its_first_byte_then_not_at_its_end(server, tmp_path):
+    """The frontend takes a head the worker wrote itself when it has time (at the latest at the
+    stream's end); the completion line still says when the status line went out."""
+    gate = tmp_path / "gate"
+    stream = RawStream(server.port, "/invocations", {"lines": ["a", "b"], "gate": str(gate), "stream": True},
+                       headers={"X-Amzn-SageMaker-Inference-Id": "first-byte-check"})
+    try:
+        assert len(stream.read_lines(1)) == 1
+        time.sleep(1.0)
+        gate.write_text("open")
+        assert len(stream.read_lines(1)) == 1
+    finally:
+        stream.close()
+    deadline = time.monotonic() + 5
+    while not (lines := [x for x in server.log().splitlines() if "first-byte-check" in x and "first byte" in x]):
+        assert time.monotonic() < deadline, "no completion line"
+        time.sleep(0.05)
+    first_byte = float(lines[0].split("first byte ")[1].split(" ms")[0])
+    assert first_byte < 500, lines[0]
+
+
+def test_a_stream_request_that_times_out_before_its_head_is_still_a_504(server):
+    """predict_timeout before the head, with the client's socket in the worker: the worker says it
+    let go without writing, and the frontend answers 504 as without it."""
+    r = server.invoke({"sleep": 6, "stream": True})
+    assert r.status_code == 504 and r.json()["code"] == 504
+    assert server.invoke({"inputs": "next", "stream": True}).status_code == 200

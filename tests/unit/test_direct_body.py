@@ -10,7 +10,7 @@ import socket
 import pytest
 import uvloop
 
-from container.core.protocol import Attach, End, Ending, FrameBuffer, Head, Progress, send_with_fd
+from container.core.protocol import Attach, End, Ending, FrameBuffer, Head, Progress, ResponseHead, send_with_fd
 from container.worker import direct
 from container.worker.connection import Connection
 from container.worker.direct import ClientGone, DescriptorChannel
@@ -310,3 +310,152 @@ def test_the_descriptor_channel_hands_the_socket_to_the_waiting_answer_and_close
     got, ended = run(scenario)
     assert got == chunked(b"hello")
     assert ended, "the worker kept a copy of the client's socket"
+
+
+HEAD = ResponseHead("HTTP/1.1", "gunicorn", False, {"X-Sagelmi-Group": "g0", "X-Amzn-SageMaker-Inference-Id": "req-1"})
+
+
+async def handed_over(sides: Sides, tmp_path, request_id: str = "r", chunked_body: bool = True, head=HEAD):
+    """The frontend's side of an Invoke with its client's socket: the Attach with the head on the
+    descriptor channel, then (the Invoke's dispatch) the connection claims it."""
+    path = str(tmp_path / "group.sock")
+    channel = DescriptorChannel(asyncio.get_running_loop(), path, {sides.conn})
+    sides.conn._channel = channel
+    frontend = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    frontend.connect(path + ".fd")
+    send_with_fd(frontend, Attach(id=request_id, direct=True, chunked=chunked_body, head=head), sides.server.fileno())
+    sides.conn.claim_client(request_id)  # before the loop read the channel: claim reads it
+    return channel, frontend
+
+
+def test_a_socket_that_came_with_the_invoke_gets_the_head_and_body_written_by_the_worker(tmp_path):
+    async def scenario(sides: Sides):
+        conn = sides.conn
+        channel, frontend = await handed_over(sides, tmp_path)
+        headers = {"Content-Type": "text/event-stream"}
+        assert conn.expect_stream("r", 200, headers)
+        await conn.send(Head(id="r", code=200, headers=headers, stream=True, written=True))
+        at_head = sides.to_frontend()
+        conn.add_chunk("r", b"data: one\n\n")
+        await passes()
+        first = sides.to_client()
+        conn.add_chunk("r", b"data: two\n\n")
+        await conn.finish_stream("r", lambda whole: Ending(id="r", body_bytes=whole))
+        await conn.send(End(id="r"))
+        await passes()
+        conn.drop_stream("r")
+        rest = sides.to_client()
+        sides.server.close()
+        await asyncio.sleep(0.05)
+        ended = sides.client.recv(16) == b""
+        frontend.close()
+        channel.close()
+        return at_head, first, rest, sides.to_frontend(), ended
+
+    at_head, first, rest, frontend, ended = run(scenario)
+    assert at_head == [Head(id="r", code=200, headers={"Content-Type": "text/event-stream"}, stream=True, written=True)]
+    head, _, body = first.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    assert lines[0] == b"HTTP/1.1 200 OK"
+    assert lines[1:2] == [b"Server: gunicorn"] and lines[2].startswith(b"Date: ") and lines[2].endswith(b" GMT")
+    assert lines[3:] == [
+        b"Connection: keep-alive",
+        b"Transfer-Encoding: chunked",
+        b"Content-Type: text/event-stream",
+        b"X-Sagelmi-Group: g0",
+        b"X-Amzn-SageMaker-Inference-Id: req-1",
+    ]
+    assert body == chunked(b"data: one\n\n")  # the head and the first piece in one write
+    assert rest == chunked(b"data: two\n\n") + b"0\r\n\r\n"
+    assert frontend == [Ending(id="r", body_bytes=22), End(id="r")]
+    assert ended, "the worker kept a copy of the client's socket"
+
+
+def test_an_http_1_0_client_gets_a_head_saying_close_and_the_raw_body(tmp_path):
+    async def scenario(sides: Sides):
+        head = ResponseHead("HTTP/1.0", "gunicorn", True, {})
+        channel, frontend = await handed_over(sides, tmp_path, chunked_body=False, head=head)
+        assert sides.conn.expect_stream("r", 200, {"content-type": "application/jsonlines"})
+        sides.conn.add_chunk("r", b'{"a": 1}\n')
+        sent = await sides.conn.finish_stream("r", lambda whole: Ending(id="r", body_bytes=whole))
+        sides.conn.drop_stream("r")
+        frontend.close()
+        channel.close()
+        return sent, sides.to_client()
+
+    sent, got = run(scenario)
+    assert sent == 9  # no Ending: the frontend closes the connection after the End
+    head, _, body = got.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.0 200 OK\r\n") and b"\r\nConnection: close" in head
+    assert b"Transfer-Encoding" not in head and body == b'{"a": 1}\n'
+
+
+@pytest.mark.parametrize(
+    ("code", "headers"),
+    [
+        (201, {"content-type": "text/event-stream"}),  # not a 200: the frontend writes its status line
+        (200, {}),  # no content type: the frontend adds its default
+        (200, {"content-type": "text/plain", "X-Amzn-SageMaker-New-Session-Id": "s1"}),  # sessions: the frontend's
+        (200, {"content-type": "text/plain", "X-Bad": "a\r\nSet-Cookie: x"}),  # gunicorn refuses it
+        (200, {"content-type": "text/plain", "Bad Name": "x"}),
+        (200, {"content-type": "text/plain", "x-sagelmi-group": "mine"}),  # the frontend's header, set twice
+        (200, {"content-type": "text/plain", "upgrade": "h2c"}),
+    ],
+)
+def test_a_head_the_frontend_must_write_lets_go_of_the_socket_and_waits_for_the_attach(tmp_path, code, headers):
+    async def scenario(sides: Sides):
+        channel, frontend = await handed_over(sides, tmp_path)
+        written = sides.conn.expect_stream("r", code, headers)
+        sides.conn.add_chunk("r", b"held")
+        await passes()
+        held = sides.to_client()
+        sides.server.close()  # the frontend's own copy: the worker must have closed its one
+        await asyncio.sleep(0.05)
+        ended = sides.client.recv(16) == b""
+        sides.conn.drop_stream("r")
+        frontend.close()
+        channel.close()
+        return written, held, ended
+
+    written, held, ended = run(scenario)
+    assert (written, held) == (False, b"")
+    assert ended, "the worker kept a copy of the client's socket"
+
+
+def test_a_socket_whose_request_is_cancelled_or_answered_whole_is_let_go(tmp_path):
+    async def scenario(sides: Sides):
+        channel, frontend = await handed_over(sides, tmp_path, request_id="cancelled")
+        send_with_fd(frontend, Attach(id="whole", direct=True, head=HEAD), sides.server.fileno())
+        sides.conn.claim_client("whole")
+        told = sides.conn.stop_stream("cancelled")  # before its Head: the frontend waits for a Fail
+        released = sides.conn.release_client("whole")  # a whole answer: released before its Head
+        again = sides.conn.release_client("whole")
+        sides.server.close()
+        await asyncio.sleep(0.05)
+        ended = sides.client.recv(16) == b""
+        frontend.close()
+        channel.close()
+        return told, released, again, ended, dict(channel.unclaimed)
+
+    told, released, again, ended, unclaimed = run(scenario)
+    assert (told, released, again, unclaimed) == (True, True, False, {})
+    assert ended, "the worker kept a copy of the client's socket"
+
+
+def test_a_socket_whose_invoke_never_comes_is_closed_after_a_while(tmp_path, monkeypatch):
+    async def scenario(sides: Sides):
+        monkeypatch.setattr(direct, "UNCLAIMED_TIMEOUT", 0.01)
+        path = str(tmp_path / "group.sock")
+        channel = DescriptorChannel(asyncio.get_running_loop(), path, {sides.conn})
+        frontend = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        frontend.connect(path + ".fd")
+        send_with_fd(frontend, Attach(id="lost", direct=True, head=HEAD), sides.server.fileno())
+        await asyncio.sleep(0.05)
+        send_with_fd(frontend, Attach(id="next", direct=True, head=HEAD), sides.client.fileno())
+        await asyncio.sleep(0.05)
+        kept = set(channel.unclaimed)
+        frontend.close()
+        channel.close()
+        return kept
+
+    assert run(scenario) == {"next"}

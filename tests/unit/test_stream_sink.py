@@ -11,12 +11,11 @@ from gunicorn.http import wsgi
 from gunicorn.http.parser import RequestParser
 
 from container.core.errors import ClientClosedRequest
-from container.frontend import invocations
-from container.frontend.invocations import ClientSink
-from container.frontend.body import WSGI_RESPONSE
-from container.frontend.server import GunicornBridge
-from container.frontend.pending import PendingRequest
 from container.core.protocol import Chunk, End, Ending, Fail, Head
+from container.frontend import invocations
+from container.frontend.client import ClientSink, body_ended_by_group
+from container.frontend.pending import PendingRequest
+from container.frontend.server import GunicornBridge
 
 
 def read_until(sock: socket.socket, ending: bytes, timeout: float = 5) -> bytes:
@@ -188,7 +187,7 @@ def test_a_body_the_group_ends_itself_gets_no_second_end_and_keeps_the_connectio
         assert pending.body_bytes == 9 and pending.ending.completion_tokens == 3
         invocation = invocations.Invocation(None, None, environ, {}, "r1")  # type: ignore[arg-type]
         invocation.pending = pending
-        invocations._body_ended_by_group(environ)
+        body_ended_by_group(environ)
         resp.close()
         if end_comes:
             pending.deliver([End(id="r1", completion_tokens=3)])
