@@ -186,7 +186,7 @@ class Broken(Exception):
 async def stream_requests(port: int, requests: int, tokens: int, marker: bytes) -> tuple[int, int]:
     """``requests`` streamed requests, one after the other on one keep-alive connection:
     (items received, errors)."""
-    body = json.dumps({"tokens": tokens}).encode()
+    body = json.dumps({"tokens": tokens, "stream": True}).encode()  # as an LMI client asks for a stream
     message = (b"POST /invocations HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
                b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
     reader, writer = await asyncio.open_connection("127.0.0.1", port)

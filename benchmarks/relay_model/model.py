@@ -1,6 +1,6 @@
 """The relay benchmark's handler (``benchmarks/relay.py``): streams pre-made tokens, no engine.
 
-Each request's body is ``{"tokens": N}``; the answer is N JSON lines of the size of an LMI
+Each request's body is ``{"tokens": N, "stream": true}``; the answer is N JSON lines of the size of an LMI
 token line, as fast as the event loop allows (one item per stream per loop pass, as an engine
 step hands every running stream one token). The minimal servers the benchmark compares
 sagelmi with import this file and serve the same items.

@@ -68,7 +68,9 @@ class Connection:
     written to clients here still wait for the pass): the frontend's hand-over of the client's
     socket then runs while the handler starts the answer. Its body
     (``expect_stream``) waits for the frontend's ``Attach``; with the client's socket it is
-    written there on the same passes (``container.worker.direct``). Its ``Ending`` and ``End``
+    written there on the same passes (``container.worker.direct``). Where the client's socket
+    came with the request (``claim_client``), the head goes there too, on the next pass, and
+    no ``Attach`` is waited for (``Head.written``). Its ``Ending`` and ``End``
     leave at once too (``finish_stream``): the frontend's work for the request (the
     response's end, the completion line) is then done sooner, before the client's next
     request rather than during it. A whole answer's ``End`` waits for the quiet pass."""
@@ -182,6 +184,8 @@ class Connection:
         attach, fd = found
         assert attach.head is not None  # claim_client keeps only those
         head = response_head(attach.head, attach.chunked, code, headers or {})
+        if self.writer.transport.get_write_buffer_size():
+            head = None  # the Head could not reach the frontend before the client has the head: not here
         if head is None:  # the frontend writes this head, then attaches as without the socket
             os.close(fd)
             return False

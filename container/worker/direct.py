@@ -1,6 +1,7 @@
 """A streamed answer's body written by rank 0 straight to the client's socket, which the
 frontend hands over once it has sent the HTTP headers (``Attach`` with the socket, on the
-descriptor channel; ``container.core.protocol``).
+descriptor channel; ``container.core.protocol``), or, for a request that asked for a stream,
+with the request, rank 0 then writing the HTTP head too (``response_head``).
 
 Before, every token crossed the frontend: rank 0 wrote it to the frontend's Unix socket, a
 frontend thread woke to read it and wrote it to the client. At one stream that hop cost the

@@ -197,3 +197,37 @@ def test_a_body_the_group_ends_itself_gets_no_second_end_and_keeps_the_connectio
             client.recv(16)  # gunicorn wrote nothing after the headers
         results.append((headers.startswith(b"HTTP/1.1 200"), pending.body_bytes, resp.should_close()))
     assert results == [(True, 9, False), (True, 9, True)]
+
+
+@pytest.mark.parametrize(("http_version", "request_header"), [("1.1", ""), ("1.0", ""), ("1.1", "Connection: close\r\n")])
+def test_the_head_the_worker_writes_for_a_request_is_the_one_gunicorn_writes_for_it(http_version, request_header):
+    """``ClientSink.before_head`` takes from gunicorn's response what its head will say
+    (version, server, keep-alive), and ``response_head`` (the worker's writer) makes the same
+    bytes as gunicorn's own ``send_headers``, the date aside."""
+    from container.worker.direct import response_head
+
+    server_end, client_end = socket.socketpair()
+    client_end.sendall(
+        f"POST /invocations HTTP/{http_version}\r\nHost: x\r\n{request_header}Content-Length: 0\r\n\r\n".encode()
+    )
+    cfg = Config()
+    req = next(iter(RequestParser(cfg, server_end, ("127.0.0.1", 1))))
+    resp, environ = wsgi.create(req, server_end, ("127.0.0.1", 1), ("127.0.0.1", 8080), cfg)
+    environ["gunicorn.socket"] = server_end
+    environ["sagelmi.wsgi_response"] = resp
+    handed = ClientSink.before_head(environ, {"X-Ours": "1"})
+    assert handed is not None
+    sock, chunked_body, head = handed
+    ours = response_head(head, chunked_body, 200, {"Content-Type": "application/jsonlines"})
+    resp.start_response("200 OK", [("Content-Type", "application/jsonlines"), ("X-Ours", "1")])
+    resp.send_headers()
+    theirs = read_until(client_end, b"\r\n\r\n")
+    assert ClientSink.before_head(environ, {}) is None  # its head is out: the worker's no more
+
+    def undated(head: bytes) -> list[bytes]:
+        return [line for line in head.split(b"\r\n") if not line.startswith(b"Date: ")]
+
+    assert sock is server_end and chunked_body == (http_version == "1.1") == resp.chunked
+    assert ours is not None and undated(ours) == undated(theirs)
+    server_end.close()
+    client_end.close()
