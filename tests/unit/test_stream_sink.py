@@ -231,3 +231,43 @@ def test_the_head_the_worker_writes_for_a_request_is_the_one_gunicorn_writes_for
     assert ours is not None and undated(ours) == undated(theirs)
     server_end.close()
     client_end.close()
+
+
+class _Group:
+    """What ``Invocation._abandon_before_head`` asks of its group: cancel, then forget."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def cancel(self, request_id: str, confirm: bool = False) -> None:
+        self.calls.append(("cancel", request_id, confirm))
+
+    def forget(self, request_id: str) -> None:
+        self.calls.append(("forget", request_id))
+
+
+@pytest.mark.parametrize("last_word", ["fail", "head then fail", "none"])
+def test_a_request_ending_before_its_head_closes_the_connection_where_the_group_may_have_written(
+    monkeypatch, last_word
+):
+    """A request whose client's socket went with the Invoke and that times out before the frontend
+    took its head: the group is told to stop and to say so; the frontend writes its error only
+    when the group stopped without writing, and closes the connection otherwise."""
+    monkeypatch.setattr(invocations, "STOP_CONFIRM_TIMEOUT", 0.05)
+    _, environ, _ = gunicorn_stream()
+    invocation = invocations.Invocation(None, None, environ, {}, "r1")  # type: ignore[arg-type]
+    invocation.group = group = _Group()  # type: ignore[assignment]
+    invocation.pending = pending = PendingRequest(invocation.wire_id)
+    pending.handed_over = True
+    fail = Fail(id=pending.id, code=499, message="cancelled", error="cancelled by the frontend")
+    if last_word == "fail":
+        threading.Timer(0.01, pending.deliver, [[fail]]).start()
+    elif last_word == "head then fail":
+        head = Head(id=pending.id, code=200, headers={}, stream=True, written=True)
+        threading.Timer(0.01, pending.deliver, [[head, fail]]).start()
+    if last_word == "fail":
+        invocation._abandon_before_head()  # the caller writes the error
+    else:
+        with pytest.raises(invocations.HeadWrittenByGroup):
+            invocation._abandon_before_head()
+    assert group.calls == [("cancel", pending.id, True), ("forget", pending.id)]
