@@ -35,6 +35,13 @@ def client_gone(sock: socket.socket | None) -> bool:
     return sock is not None and client_waiting(sock) is False
 
 
+def _plain_socket(environ: dict) -> socket.socket | None:
+    """The client's socket of a request gunicorn serves over a plain blocking socket (not TLS),
+    which another thread or process may write to without gunicorn."""
+    sock = environ.get("gunicorn.socket")
+    return sock if type(sock) is socket.socket and sock.gettimeout() is None else None
+
+
 class ClientSink:
     """The client's socket of a streamed answer whose headers gunicorn has sent,
     for ``PendingRequest.attach``: frames chunks as gunicorn does (HTTP/1.1
@@ -50,10 +57,8 @@ class ClientSink:
         blocking socket and its headers are sent; otherwise ``None`` (the request
         thread writes everything)."""
         response = environ.get(WSGI_RESPONSE)
-        sock = environ.get("gunicorn.socket")
-        if response is None or not getattr(response, "headers_sent", False):
-            return None
-        if type(sock) is not socket.socket or sock.gettimeout() is not None:  # plain: not TLS, blocking
+        sock = _plain_socket(environ)
+        if response is None or not getattr(response, "headers_sent", False) or sock is None:
             return None
         return cls(sock, bool(response.chunked))
 
@@ -67,13 +72,11 @@ class ClientSink:
         ``ours``: the headers this frontend adds after the handler's); ``None`` where the group
         cannot write the head."""
         response = environ.get(WSGI_RESPONSE)
-        sock = environ.get("gunicorn.socket")
+        sock = _plain_socket(environ)
         request = getattr(response, "req", None)
-        if response is None or request is None or response.headers_sent:
+        if response is None or request is None or response.headers_sent or sock is None:
             return None
         if getattr(request, "version", None) not in ((1, 0), (1, 1)):  # HTTP/2 frames its own
-            return None
-        if type(sock) is not socket.socket or sock.gettimeout() is not None:  # plain: not TLS, blocking
             return None
         chunked = request.version == (1, 1)  # a stream's answer has no length: chunked for HTTP/1.1, else closed
         close = bool(response.must_close or request.should_close()) or not chunked

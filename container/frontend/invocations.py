@@ -213,8 +213,10 @@ class Invocation:
             session_id = self.headers.get(SESSION_ID)
             self.group = self.router.pick_for(session_id)
             incarnation = self.group.incarnation
-            asks_stream = STREAM_ASKED.search(body) is not None
-            ours = {GROUP_HEADER: self.group.name, INFERENCE_ID: self.request_id}  # as respond() adds them
+            client = None
+            if STREAM_ASKED.search(body):
+                ours = {GROUP_HEADER: self.group.name, INFERENCE_ID: self.request_id}  # as respond() adds them
+                client = ClientSink.before_head(self.environ, ours)
             self.pending = self.group.submit(
                 Invoke(
                     id=self.wire_id,
@@ -224,7 +226,7 @@ class Invocation:
                     query=self.query,
                 ),
                 tag=(print_, self.request_id, self.path),
-                client=ClientSink.before_head(self.environ, ours) if asks_stream else None,
+                client=client,
             )
             try:
                 self._await(self.pending.wait_head_for, "no answer from the model")
@@ -240,7 +242,7 @@ class Invocation:
                 if head.stream:
                     streaming = self.answer.streamed = True
                     relay = self._relay(headers.get("content-type", ""), head.written)
-                    return Reply(head.code, headers, relay, self._let_go, self.pending.head_at if head.written else 0.0)
+                    return Reply(head.code, headers, relay, self._let_go, self.pending.head_at)
                 body = self._body()
                 self._count_tokens()
                 return Reply(head.code, headers, body)

@@ -19,12 +19,12 @@ from typing import Any, cast
 
 from container.core.protocol import Chunk, End, Ending, Head
 from container.worker.connection import Connection, DroppedAnswers
+from container.worker.direct import HOP_BY_HOP
 from container.worker.observe import Observation
 from container.worker.requests import chunk_of
 from handlers.api import Input, Output, json_line, prepend
 
 STREAM_QUEUE = 64  # items a synchronous generator may run ahead of its sender
-_HOP_BY_HOP = {"content-length", "transfer-encoding", "connection", "keep-alive"}
 _END = object()
 
 
@@ -151,7 +151,7 @@ class Calls:
         (with what ``seen`` recorded: when the call began, the tokens counted)."""
         if getattr(output, "chunked", False):  # LMI async mode: the first chunk's properties are the headers
             output = await self._peek_chunks(output)
-        headers = {k: v for k, v in output.headers().items() if k.lower() not in _HOP_BY_HOP}
+        headers = {k: v for k, v in output.headers().items() if k.lower() not in HOP_BY_HOP}
         streaming = output.stream_content is not None
         started = seen.started if seen is not None else 0.0
         # A stream's body waits for the frontend's Attach (container.worker.direct), unless its head

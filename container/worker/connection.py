@@ -183,9 +183,9 @@ class Connection:
             return False
         attach, fd = found
         assert attach.head is not None  # claim_client keeps only those
-        head = response_head(attach.head, attach.chunked, code, headers or {})
-        if self.writer.transport.get_write_buffer_size():
-            head = None  # the Head could not reach the frontend before the client has the head: not here
+        # Not while the Head could not reach the frontend before the client had the head
+        queued = self.writer.transport.get_write_buffer_size()
+        head = None if queued else response_head(attach.head, attach.chunked, code, headers or {})
         if head is None:  # the frontend writes this head, then attaches as without the socket
             os.close(fd)
             return False

@@ -42,11 +42,10 @@ UNCLAIMED_TIMEOUT = 60.0  # seconds a socket handed over before its Invoke waits
 # spaces and tabs): a head with anything else is left to the frontend, which refuses it as before
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _VALUE = re.compile(r"[ \t\x21-\x7e\x80-\xff]*")
+# The headers that frame a body, which the worker takes out of a handler's answer (calls.py)
+HOP_BY_HOP = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive"})
 # Headers the frontend acts on or that frame the body: a head with one is the frontend's to write
-_FRONTEND_HEADERS = frozenset(
-    {"content-length", "transfer-encoding", "connection", "keep-alive", "upgrade", "te", "trailer", "trailers"}
-    | SESSION_HEADERS
-)
+_FRONTEND_HEADERS = HOP_BY_HOP | {"upgrade", "te", "trailer", "trailers"} | SESSION_HEADERS
 _date: tuple[int, bytes] = (0, b"")
 
 
