@@ -49,16 +49,20 @@ test-fast: install
 # in-process gunicorn + Flask and asyncio, and against sagelmi of the commit RELAY_BASELINE, served
 # from a temporary git worktree: 4f464b1 is the parent of the layers restructuring 133e29a, issue
 # 24; RELAY_BASELINE= runs no baseline), then loading a sharded model from a local S3 server
-# (sagelmi's parallel download against one object after another); writes docs/benchmarks/
+# (sagelmi's parallel download against one object after another), last one stream round by round
+# with a raw-socket client (time to first token and to the stream's end, sagelmi against vLLM's
+# server); writes docs/benchmarks/
 BENCH_ARGS ?=
 RELAY_ARGS ?=
 S3_ARGS ?=
+ROUNDS_ARGS ?=
 RELAY_BASELINE ?= 4f464b1
 bench: install
 	$(BIN)/python benchmarks/bench.py $(BENCH_ARGS)
 	$(BIN)/python benchmarks/bench.py --control $(BENCH_ARGS)
 	$(BIN)/python benchmarks/relay.py $(if $(RELAY_BASELINE),--baseline $(RELAY_BASELINE)) $(RELAY_ARGS)
 	$(BIN)/python benchmarks/s3_load.py $(S3_ARGS)
+	$(BIN)/python benchmarks/rounds.py $(ROUNDS_ARGS)
 
 # The serving image (Dockerfile): DEVICE=gpu (default, NVIDIA's CUDA base image) or cpu (a plain
 # Ubuntu base). CONTAINER: docker when a Docker engine answers, else podman. IMAGE_BUILD_FLAGS:

@@ -155,6 +155,16 @@ def remove_checkout(tree: Path) -> None:
     subprocess.run(["git", "-C", str(REPO), "worktree", "prune"], capture_output=True)
 
 
+def tear_down(servers: dict, trees: dict[str, Path], workdir: Path) -> None:
+    """Stop every server, remove the checkouts of other commits and the run's temporary directory."""
+    for server in servers.values():
+        stop_server(server)
+    for tree in trees.values():
+        if tree != REPO:
+            remove_checkout(tree)
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
 def sagelmi_command(tree: Path) -> list[str]:
     """What the ``sagelmi`` console script of ``tree`` runs (its pyproject.toml's [project.scripts]
     entry, module:function; the module moved between commits), run by this interpreter."""
@@ -457,12 +467,7 @@ def main() -> int:
                   flush=True)
             results.append(level)
     finally:
-        for server in servers.values():
-            stop_server(server)
-        for tree in trees.values():
-            if tree != REPO:
-                remove_checkout(tree)
-        shutil.rmtree(workdir, ignore_errors=True)
+        tear_down(servers, trees, workdir)
     meta = {"date": datetime.date.today().isoformat(), "cpus": os.cpu_count(),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
             "command": " ".join(["benchmarks/relay.py", *sys.argv[1:]]), "head": head, "servers": list(names),

@@ -1,6 +1,6 @@
 """`make bench` runs end to end (short levels, two trials) and writes its tables and plots: the
 serving benchmark against vLLM's own server, the same with vLLM on both sides (the A/A control),
-then the relay benchmark with no engine."""
+then the relay benchmark with no engine, loading from S3, and one stream round by round."""
 
 import json
 import subprocess
@@ -20,9 +20,10 @@ def test_make_bench_compares_both_servers(tmp_path):
     result = subprocess.run(["make", "-o", str(stamp), "bench", f"VENV={venv}",
                              f"BENCH_ARGS=--levels 2 --trials 2 --out {tmp_path}",
                              f"RELAY_ARGS=--levels 1,8 --trials 2 --tokens 64 --out {tmp_path}",
-                             f"S3_ARGS=--shards 8 --shard-mib 2 --mib-per-s 8 --trials 1 --out {tmp_path}"],
+                             f"S3_ARGS=--shards 8 --shard-mib 2 --mib-per-s 8 --trials 1 --out {tmp_path}",
+                             f"ROUNDS_ARGS=--rounds 2 --requests 3 --out {tmp_path}"],
                             cwd=REPO, env=clean_env(),
-                            capture_output=True, text=True, timeout=900)
+                            capture_output=True, text=True, timeout=1200)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     data = json.loads((tmp_path / "results.json").read_text())
     assert all(data["startup_s"][name] > 0 for name in ("sagelmi", "vLLM"))
@@ -80,3 +81,17 @@ def test_make_bench_compares_both_servers(tmp_path):
     worktrees = subprocess.run(["git", "worktree", "list"], cwd=REPO, capture_output=True, text=True).stdout
     assert "sagelmi-relay-" not in worktrees  # the baseline's checkout is removed
     assert (tmp_path / "relay.png").stat().st_size > 10_000
+
+    # one stream round by round: both routes, both servers, every request answered and timed
+    rounds = json.loads((tmp_path / "rounds.json").read_text())
+    assert rounds["meta"]["servers"] == ["sagelmi", "vLLM"]
+    assert [r["route"] for r in rounds["results"]] == ["completions", "lmi"]
+    for result in rounds["results"]:
+        for name, server in result["servers"].items():
+            assert server["requests"] == 2 * 3, name
+            assert 0 < server["ttft_p50_ms"] < server["end_p50_ms"], name
+            assert server["cpu_ms_per_request"] > 0 and "engine core" in server["cpu_ms_per_request_by_role"]
+        assert len(result["ttft_ratio_per_round"]["sagelmi"]) == 2
+        assert result["ttft_ratio"]["sagelmi"]["rounds"] == 2
+    assert "| sagelmi |" in (tmp_path / "rounds.md").read_text()
+    assert (tmp_path / "rounds.png").stat().st_size > 10_000
