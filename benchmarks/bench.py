@@ -57,6 +57,8 @@ PROMPT = "The quick brown fox jumps over the lazy dog. Tell me a long story abou
 MAX_TOKENS = 64
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 ENGINE = {"max_num_seqs": "256", "gpu_memory_utilization": "0.5"}
+# the same settings as sagelmi's environment, and the model name the bodies ask for
+SAGELMI_OPTIONS = {**{f"OPTION_{k.upper()}": v for k, v in ENGINE.items()}, "OPTION_SERVED_MODEL_NAME": "bench"}
 RESAMPLES, CONFIDENCE, SEED = 2000, 0.9, 0
 # vLLM's engine worker busy-waits on its shared-memory queue for 1 s after its last step (the
 # MessageQueue reader's busy_loop_s), at a whole core, and both servers' workers are bound to the
@@ -581,7 +583,7 @@ def start_sagelmi(name: str, model: Path, env: dict) -> Server:
     port = free_port()
     return start_server(
         name, [sys.executable, "-m", "container", "serve", "--model-dir", str(model), "--port", str(port)],
-        {**env, **{f"OPTION_{k.upper()}": v for k, v in ENGINE.items()}, "OPTION_SERVED_MODEL_NAME": "bench"}, port)
+        {**env, **SAGELMI_OPTIONS}, port)
 
 
 def main() -> int:

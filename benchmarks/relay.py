@@ -155,6 +155,15 @@ def remove_checkout(tree: Path) -> None:
     subprocess.run(["git", "-C", str(REPO), "worktree", "prune"], capture_output=True)
 
 
+def this_commit() -> str:
+    """Which commit "sagelmi" (this checkout) is, as the results name it."""
+    try:
+        changed = git("status", "--porcelain", "--untracked-files=no", "--", "container", "handlers", "djl_python")
+        return git("rev-parse", "--short", "HEAD") + (" + uncommitted changes" if changed else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "not a git checkout"
+
+
 def tear_down(servers: dict, trees: dict[str, Path], workdir: Path) -> None:
     """Stop every server, remove the checkouts of other commits and the run's temporary directory."""
     for server in servers.values():
@@ -426,11 +435,7 @@ def main() -> int:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     me = [sys.executable, str(Path(__file__).resolve())]
     names, servers, baseline = SERVERS, {}, None
-    try:  # which commit "sagelmi" is (relay.md names it when it compares with a baseline)
-        changed = git("status", "--porcelain", "--untracked-files=no", "--", "container", "handlers", "djl_python")
-        head = git("rev-parse", "--short", "HEAD") + (" + uncommitted changes" if changed else "")
-    except (OSError, subprocess.CalledProcessError):
-        head = "not a git checkout"
+    head = this_commit()  # relay.md names it when it compares with a baseline
     # each sagelmi's checkout, where its server starts (its own copy of model.py each)
     trees = {"sagelmi": REPO}
     try:

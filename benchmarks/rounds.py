@@ -38,10 +38,10 @@ from bench import (
     COMPLETION,
     COMPLETION_WITH_LOGPROBS,
     DEFAULT_OUT,
-    ENGINE,
     ENGINE_ENV,
     LMI,
     REPO,
+    SAGELMI_OPTIONS,
     SETTLE_S,
     Server,
     free_port,
@@ -49,7 +49,7 @@ from bench import (
     start_vllm,
     tree_cpu_by_role,
 )
-from relay import checkout, git, sagelmi_command, tear_down, tree_env
+from relay import checkout, sagelmi_command, tear_down, this_commit, tree_env
 
 VLLM = "vLLM"
 END = b"\r\n0\r\n\r\n"  # a chunked body's end
@@ -175,10 +175,8 @@ def plot(data: dict, out: Path) -> None:
 def start_sagelmi_at(name: str, tree: Path, model: Path, env: dict) -> Server:
     """``sagelmi serve`` of checkout ``tree`` with bench.py's engine settings."""
     port = free_port()
-    options = {**{f"OPTION_{k.upper()}": v for k, v in ENGINE.items()}, "OPTION_SERVED_MODEL_NAME": "bench"}
     command = [*sagelmi_command(tree), "serve", "--model-dir", str(model), "--port", str(port)]
-    return start_server(name, command, tree_env(tree, {**env, **options}) if tree != REPO else {**env, **options},
-                        port, cwd=tree)
+    return start_server(name, command, tree_env(tree, {**env, **SAGELMI_OPTIONS}), port, cwd=tree)
 
 
 def main() -> int:
@@ -195,11 +193,7 @@ def main() -> int:
     out = Path(args.out)
     workdir = Path(tempfile.mkdtemp(prefix="sagelmi-rounds-"))
     env = {**os.environ, **ENGINE_ENV}
-    try:  # which commit "sagelmi" is
-        changed = git("status", "--porcelain", "--untracked-files=no", "--", "container", "handlers", "djl_python")
-        head = git("rev-parse", "--short", "HEAD") + (" + uncommitted changes" if changed else "")
-    except (OSError, subprocess.CalledProcessError):
-        head = "not a git checkout"
+    head = this_commit()
     trees = {"sagelmi": REPO}
     servers: dict[str, Server] = {}
     try:
