@@ -29,6 +29,7 @@ from container.core.tracing import make_tracer
 from container.frontend import openapi
 from container.frontend.adapters import AdapterRegistry
 from container.frontend.completion import INFERENCE_ID, RequestLog
+from container.frontend.early import EarlyRequests
 from container.frontend.invocations import ROUTES, HandlerRoutes, count_refusal, error_reply
 from container.frontend.management import add_management_routes
 from container.frontend.metrics import FrontendMetrics
@@ -143,7 +144,11 @@ def create_app(launch: FrontendLaunch) -> Flask:
 
     # The handler's routes, served by ``HandlerRoutes`` before Flask sees them; Flask knows them
     # for what they do not answer: a wrong method (405), OPTIONS, HEAD of GET /v1/models.
-    handler_routes = HandlerRoutes(router, launch, requests, tracer, app.wsgi_app)
+    # Streamed requests sent to their group before a thread reads them; not with tracing on (the
+    # frontend's span, whose context the group's continues, starts once the request is read)
+    early = EarlyRequests(router, launch, requests, enabled=tracer is None)
+    app.extensions["sagelmi.early"] = early
+    handler_routes = HandlerRoutes(router, launch, requests, tracer, app.wsgi_app, early)
 
     def invocations() -> Response:
         reply = handler_routes.serve(request.environ, request.headers, g.exchange)

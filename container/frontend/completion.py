@@ -24,13 +24,12 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from container.core.ingress import INFERENCE_ID
 from container.core.logs import request_id_var
 from container.core.tracing import Headers, Tracer
 from container.frontend.metrics import FrontendMetrics
 
 log = logging.getLogger("sagelmi.frontend")
-
-INFERENCE_ID = "X-Amzn-SageMaker-Inference-Id"  # the request's id: the client's, else a new one; echoed
 
 
 @dataclass
@@ -65,12 +64,21 @@ class RequestLog:
         self.metrics = metrics
         self.tracer = tracer
 
-    def begin(self, headers: Headers, method: str, path: str, route: str, traced: bool = True) -> Exchange:
+    def begin(
+        self,
+        headers: Headers,
+        method: str,
+        path: str,
+        route: str,
+        traced: bool = True,
+        early: tuple[str, float] | None = None,
+    ) -> Exchange:
         """A request arrived: its id (the client's ``INFERENCE_ID``, else a new one) becomes
-        the context's for the log, and with tracing on (and ``traced``) its span starts."""
-        request_id = headers.get(INFERENCE_ID) or uuid.uuid4().hex
+        the context's for the log, and with tracing on (and ``traced``) its span starts.
+        ``early``: the id and arrival of a request taken early (``container.frontend.early``)."""
+        request_id, started = early or (headers.get(INFERENCE_ID) or uuid.uuid4().hex, time.monotonic())
         request_id_var.set(request_id)
-        exchange = Exchange(request_id, method, path, route, time.monotonic())
+        exchange = Exchange(request_id, method, path, route, started)
         if self.tracer is not None and traced:
             attributes = {"http.request.method": method, "url.path": path, "http.route": route}
             exchange.span = self.tracer.start(f"{method} {route}", headers, attributes, server=True)

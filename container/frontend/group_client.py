@@ -123,12 +123,14 @@ class GroupClient:
         require_ready: bool = True,
         tag: tuple[str, str, str] | None = None,
         client: tuple[socket.socket, bool, ResponseHead] | None = None,
+        client_required: bool = False,
     ) -> PendingRequest:
         """Send ``invoke``; raises ``ServiceUnavailable`` if the group is not
         ready (or, with ``require_ready=False``, not connected). ``tag``: see ``on_lost``.
         ``client`` (the client's socket, whether its body is chunked, the frontend's part of the
         HTTP head): hand the socket over first, so that the group writes a streamed answer's
-        head and body itself (``Invoke.client``; ``pending.handed_over`` says whether it went)."""
+        head and body itself (``Invoke.client``; ``pending.handed_over`` says whether it went;
+        with ``client_required``, nothing is sent and ``ServiceUnavailable`` raised if it did not)."""
         pending = PendingRequest(invoke.id, tag)
         with self._lock:
             if (require_ready and self.state is not WorkerState.READY) or self._sock is None:
@@ -140,6 +142,9 @@ class GroupClient:
             if self._hand_over(Attach(id=invoke.id, direct=True, chunked=chunked, head=head), client_sock):
                 pending.handed_over = True
                 invoke = msgspec.structs.replace(invoke, client=True)
+            elif client_required:
+                self._pending.pop(invoke.id, None)
+                raise ServiceUnavailable(f"worker group {self.name}'s descriptor channel is not available")
         self._send(sock, encode(invoke))  # a connection that drops fails the request (503) in _lost
         return pending
 

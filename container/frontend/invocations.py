@@ -19,7 +19,6 @@ from __future__ import annotations
 import errno
 import json
 import logging
-import re
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -38,11 +37,12 @@ from container.core.errors import (
     envelope_for,
     is_openai_path,
 )
+from container.core.ingress import GROUP_HEADER, STREAM_ASKED, request_properties
 from container.core.launch import FrontendLaunch
 from container.core.logs import request_id_var
 from container.core.protocol import Invoke
 from container.core.sessions import SESSION_ID
-from container.core.tracing import TRACEPARENT, TRACESTATE, Headers, Tracer
+from container.core.tracing import Headers, Tracer
 from container.frontend.body import WSGI_RESPONSE, read_body
 from container.frontend.client import (
     ClientSink,
@@ -52,6 +52,7 @@ from container.frontend.client import (
     head_written_by_group,
 )
 from container.frontend.completion import INFERENCE_ID, Answer, Completion, Exchange, RequestLog
+from container.frontend.early import EarlyRequest, EarlyRequests
 from container.frontend.group_client import GroupClient
 from container.frontend.pending import PendingRequest, WorkerFailed
 from container.frontend.poison import RequestStoppedEngine, fingerprint
@@ -73,11 +74,7 @@ ROUTES = {
 }
 CLIENT_CHECK_INTERVAL = 0.5  # how often a request waiting on its group checks that its client is still there
 STOP_CONFIRM_TIMEOUT = 2.0  # how long a timed-out stream waits for its group to stop writing to the client
-CUSTOM_ATTRIBUTES = "X-Amzn-SageMaker-Custom-Attributes"
-GROUP_HEADER = "X-Sagelmi-Group"  # which worker group answered (sticky sessions can be checked with it)
 DEFAULT_CONTENT_TYPE = "text/html; charset=utf-8"  # what an answer without one is sent with (as Flask's were)
-# A body that asks for a stream (OpenAI's and LMI's "stream": true): its client's socket goes with the Invoke
-STREAM_ASKED = re.compile(rb'"stream"\s*:\s*true')
 
 
 @dataclass
@@ -104,31 +101,6 @@ def count_refusal(metrics, exc: ServingError) -> None:
         metrics.poison_refused.inc()
     elif isinstance(exc, QueueFull):
         metrics.queue_full.inc()
-
-
-def request_properties(
-    headers: Iterable[tuple[str, str]], request_id: str, trace_headers: dict[str, str] | None = None
-) -> dict[str, str]:
-    """The handler's ``Input`` properties, as DJL Serving builds them: the
-    headers (a repeated one joined with ", "), the ``k=v`` pairs of the custom
-    attributes header (in place of the header itself) and ``requestId``. With
-    tracing on, ``trace_headers`` (the frontend span's W3C headers) replace the
-    client's, as every hop of a trace does."""
-    props: dict[str, str] = {}
-    for name, value in headers:
-        if trace_headers and name.lower() in (TRACEPARENT, TRACESTATE):
-            continue
-        if name.lower() == CUSTOM_ATTRIBUTES.lower():
-            for pair in value.split(";"):
-                key, sep, val = pair.partition("=")
-                if sep and key.strip():
-                    props[key.strip()] = val.strip()
-            continue
-        props[name] = f"{props[name]}, {value}" if name in props else value
-    props["requestId"] = request_id
-    if trace_headers:
-        props.update(trace_headers)
-    return props
 
 
 def _in_band_error(exc: ServingError, content_type: str, path: str) -> bytes:
@@ -161,8 +133,10 @@ class Invocation:
         headers: Headers,
         request_id: str,
         trace_headers: dict[str, str] | None = None,
+        early: EarlyRequest | None = None,
     ) -> None:
         self.router = router
+        self.early = early  # sent to its group already (container.frontend.early)
         self.launch = launch
         self.environ = environ  # the stream is written after the request's call returned
         self.headers = headers
@@ -205,44 +179,41 @@ class Invocation:
             self.environ, get_content_length(self.environ), self.launch.max_payload_bytes, self.launch.body_read_timeout
         )
         print_ = fingerprint(f"{self.path}?{self.query}", body)
-        self.router.poison.check(print_)
-        self.router.admit()
-        admitted = time.monotonic()
+        early = self.early
+        if early is not None and early.print_ != print_:
+            early.abandon(self.router, "was read by gunicorn with another body")
+            raise HeadWrittenByGroup(400)
+        if early is None:
+            self.router.poison.check(print_)
+            self.router.admit()
+            admitted = time.monotonic()
+        else:
+            admitted = early.admitted
         streaming = False
         try:
             session_id = self.headers.get(SESSION_ID)
-            self.group = self.router.pick_for(session_id)
-            incarnation = self.group.incarnation
-            client = None
-            if STREAM_ASKED.search(body):
-                ours = {GROUP_HEADER: self.group.name, INFERENCE_ID: self.request_id}  # as respond() adds them
-                client = ClientSink.before_head(self.environ, ours)
-            self.pending = self.group.submit(
-                Invoke(
-                    id=self.wire_id,
-                    properties=request_properties(self.headers.items(), self.request_id, self.trace_headers),
-                    body=body,
-                    path=self.path,
-                    query=self.query,
-                ),
-                tag=(print_, self.request_id, self.path),
-                client=client,
-            )
+            if early is None:
+                incarnation = self._submit(body, print_, session_id)
+            else:  # the same request the group has (HandlerRoutes checked its route and fingerprint)
+                self.group, self.pending, self.wire_id = early.group, early.pending, early.pending.id
+                incarnation = early.group.incarnation
+            group, pending = self.group, self.submitted
+            assert group is not None  # picked by _submit, or the early request's
             try:
-                self._await(self.pending.wait_head_for, "no answer from the model")
-                head = self.pending.wait_head(0)
+                self._await(pending.wait_head_for, "no answer from the model")
+                head = pending.wait_head(0)
             except ServingError:
                 self._abandon_before_head()
                 raise
             try:
                 if head.started:  # the same clock in every process of the machine
                     self.answer.queue_wait = head.started - admitted
-                headers = self.router.sessions.observe(session_id, self.group, incarnation, head.code, head.headers)
-                headers[GROUP_HEADER] = self.group.name
+                headers = self.router.sessions.observe(session_id, group, incarnation, head.code, head.headers)
+                headers[GROUP_HEADER] = group.name
                 if head.stream:
                     streaming = self.answer.streamed = True
                     relay = self._relay(headers.get("content-type", ""), head.written)
-                    return Reply(head.code, headers, relay, self._let_go, self.pending.head_at)
+                    return Reply(head.code, headers, relay, self._let_go, pending.head_at)
                 body = self._body()
                 self._count_tokens()
                 return Reply(head.code, headers, body)
@@ -252,6 +223,27 @@ class Invocation:
         finally:
             if not streaming:
                 self.release()
+
+    def _submit(self, body: bytes, print_: str, session_id: str | None) -> int:
+        """Send the request to a group; which start of the group that is (its incarnation)."""
+        self.group = group = self.router.pick_for(session_id)
+        incarnation = group.incarnation
+        client = None
+        if STREAM_ASKED.search(body):
+            ours = {GROUP_HEADER: self.group.name, INFERENCE_ID: self.request_id}  # as respond() adds them
+            client = ClientSink.before_head(self.environ, ours)
+        self.pending = self.group.submit(
+            Invoke(
+                id=self.wire_id,
+                properties=request_properties(self.headers.items(), self.request_id, self.trace_headers),
+                body=body,
+                path=self.path,
+                query=self.query,
+            ),
+            tag=(print_, self.request_id, self.path),
+            client=client,
+        )
+        return incarnation
 
     def _abandon_before_head(self) -> None:
         """The request failed, timed out or lost its client before the frontend took its head.
@@ -270,13 +262,13 @@ class Invocation:
         client is seen gone. Time counts from the request's last message: a
         stream the reader thread writes itself moves on without waking this
         thread."""
-        deadline = time.monotonic() + self.launch.predict_timeout
         pending = self.submitted
+        deadline = pending.progress_at + self.launch.predict_timeout
         progress = pending.progress
         while not wait(min(CLIENT_CHECK_INTERVAL, max(deadline - time.monotonic(), 0))):
             if pending.progress != progress:
                 progress = pending.progress
-                deadline = time.monotonic() + self.launch.predict_timeout
+                deadline = pending.progress_at + self.launch.predict_timeout
             elif time.monotonic() >= deadline:
                 raise GatewayTimeout(f"{what} within {self.launch.predict_timeout:g}s (option.predict_timeout)")
             if client_gone(self.client):
@@ -399,8 +391,10 @@ class HandlerRoutes:
         requests: RequestLog,
         tracer: Tracer | None,
         fallback: Callable,
+        early: EarlyRequests | None = None,
     ) -> None:
         self.router = router
+        self.early = early  # requests sent to their group before gunicorn read them
         self.launch = launch
         self.requests = requests
         self.tracer = tracer
@@ -409,13 +403,18 @@ class HandlerRoutes:
     def __call__(self, environ: dict, start_response: Callable) -> Iterable[bytes]:
         path = environ.get("PATH_INFO", "")
         method = environ["REQUEST_METHOD"]
+        early = self.early.adopt(environ.get("gunicorn.socket")) if self.early is not None else None
+        if early is not None and (method != "POST" or path != early.path or environ.get("QUERY_STRING")):
+            early.abandon(self.router, f"was read by gunicorn as {method} {path}")
+            raise BrokenPipeError(errno.EPIPE, "the group may have written to the client")
         if ROUTES.get(path) != method:
             return self.fallback(environ, start_response)
         headers = EnvironHeaders(environ)
-        exchange = self.requests.begin(headers, method, path, path)
+        arrival = (early.request_id, early.admitted) if early is not None else None
+        exchange = self.requests.begin(headers, method, path, path, early=arrival)
         try:
             try:
-                reply = self.serve(environ, headers, exchange)
+                reply = self.serve(environ, headers, exchange, early)
             except HeadWrittenByGroup as exc:
                 self.requests.finish(exchange, exc.status, None)()
                 raise BrokenPipeError(errno.EPIPE, "the group may have written to the client") from None
@@ -429,11 +428,12 @@ class HandlerRoutes:
         finally:
             request_id_var.set("-")
 
-    def serve(self, environ: dict, headers: Headers, exchange: Exchange) -> Reply:
-        """Relay the request to a worker group: its answer, or its stream (raises what the relay refuses)."""
+    def serve(self, environ: dict, headers: Headers, exchange: Exchange, early: EarlyRequest | None = None) -> Reply:
+        """Relay the request to a worker group (or follow it there, ``early``): its answer, or its
+        stream (raises what the relay refuses)."""
         span = exchange.span
         trace_headers = self.tracer.headers_of(span) if self.tracer is not None and span is not None else None
-        invocation = Invocation(self.router, self.launch, environ, headers, exchange.request_id, trace_headers)
+        invocation = Invocation(self.router, self.launch, environ, headers, exchange.request_id, trace_headers, early)
         exchange.answer = invocation.answer
         return invocation.run()
 

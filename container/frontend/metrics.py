@@ -61,6 +61,11 @@ class FrontendMetrics:
             "Copies of requests refused because the same request was in flight at two deaths of worker groups",
             registry=self.registry,
         )
+        self.read_early = Counter(
+            "sagelmi_requests_read_early",
+            "Streamed requests sent to their worker group by the frontend's accepting thread, without a request thread",
+            registry=self.registry,
+        )
         self.worker_ready = Gauge(
             "sagelmi_worker_ready", "1 when the worker group is ready", ["group"], registry=self.registry
         )

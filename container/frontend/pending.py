@@ -8,6 +8,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 from container.core.errors import ClientClosedRequest, GatewayTimeout, ServingError
@@ -69,6 +70,10 @@ class PendingRequest:
         self.direct = False  # the group writes the body to the client's socket itself (GroupClient.attach)
         self.handed_over = False  # the client's socket went to the group with the Invoke (GroupClient.submit)
         self.head_at = 0.0  # when a Head the group wrote itself came (Head.written): the time to the first byte
+        self.progress_at = time.monotonic()  # when the group last said something of this request
+        # Called (by the reader thread, outside the lock) when a Head the group did not write, the End
+        # or an error comes: a request nobody waits on (container.frontend.early) learns of it so
+        self.watcher: Callable[[PendingRequest], None] | None = None
 
     # -- reader thread side
     def deliver(self, messages: list) -> None:
@@ -86,11 +91,12 @@ class PendingRequest:
                 last = message
         with self._cond:
             self.progress += 1
+            self.progress_at = time.monotonic()
             if head is not None:
                 self._head = head
                 if head.written:
                     self.direct = True
-                    self.head_at = time.monotonic()
+                    self.head_at = self.progress_at
                     if not (data or ending or last):
                         return  # the group writes the stream: the request thread can wait for its end
             if data:  # the batch's chunks of this request go out in one write
@@ -110,6 +116,8 @@ class PendingRequest:
                 self.body_bytes += last.body_bytes
             if self._sink is None or self.has_data():
                 self._cond.notify_all()
+        if self.watcher is not None and (last is not None or (head is not None and not head.written)):
+            self.watcher(self)
 
     def _write_direct(self, data: bytes) -> bool:
         """Write a chunk to the attached sink now if nothing is queued before it;
@@ -135,6 +143,18 @@ class PendingRequest:
             if not self._finished and self._error is None:
                 self._error = error
             self._cond.notify_all()
+        if self.watcher is not None:
+            self.watcher(self)
+
+    @property
+    def head(self) -> Head | None:
+        return self._head
+
+    @property
+    def clean_end(self) -> bool:
+        """The group wrote the whole answer to the client itself, head to the chunked body's end,
+        and let go of the client's socket (``direct``, an ``Ending``, then the ``End``)."""
+        return self.direct and self._finished and self._error is None and self.ending is not None
 
     @property
     def done(self) -> bool:

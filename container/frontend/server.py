@@ -15,9 +15,13 @@ from __future__ import annotations
 
 import json
 import logging
+import selectors
 import signal
+import socket
 import sys
 import threading
+import time
+from functools import partial
 from pathlib import Path
 from typing import cast
 
@@ -28,13 +32,17 @@ from gunicorn.workers.gthread import ThreadWorker
 
 from container.core import logs, proc
 from container.core.errors import InputError, envelope_for, scrub
+from container.core.ingress import Partial
 from container.core.launch import FrontendLaunch, decode_frontend_launch
 from container.frontend.app import create_app
 from container.frontend.body import CLOSE_CONNECTION, WSGI_RESPONSE
 from container.frontend.client import client_waiting
+from container.frontend.early import CLOSED, TAKEN, EarlyRequests
 
 log = logging.getLogger("sagelmi.frontend")
 
+EARLY_WAITS = 3  # how many times a request that may be read early is waited for before a thread reads it
+EARLY_WAIT = 0.5  # seconds such a request may take to arrive whole
 # Threads beyond the queue bound, so /ping and rejections never wait for a thread.
 SPARE_THREADS = 32
 
@@ -92,6 +100,11 @@ def write_json_error(sock, status: int, reason: str, mesg: str) -> None:
     util.write_nonblock(sock, head + body)
 
 
+def _nothing_read_ahead(conn) -> bool:
+    """Whether gunicorn holds nothing of a served connection's next request (the socket has it all)."""
+    return not conn.is_http2 and not conn.parser.unreader.buf.getvalue()
+
+
 class DrainingWorker(ThreadWorker):
     """A gthread worker that answers 503 while draining instead of refusing
     connections, stops once its requests are done, and answers the requests it
@@ -103,9 +116,92 @@ class DrainingWorker(ThreadWorker):
         util.write_error = write_json_error
         super().init_process()
 
+    early: EarlyRequests | None = None
+
     def load_wsgi(self) -> None:
         super().load_wsgi()
+        self.early = self.wsgi.extensions.get("sagelmi.early")
+        if self.early is not None:
+            self.early.connections = self
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # what came while booting is handled now
+
+    def enqueue_req(self, conn) -> None:
+        """gthread's, unless the connection's request is taken early (``container.frontend.early``):
+        sent to its group from here, followed by no thread unless something goes wrong."""
+        if self.early is not None and (not conn.initialized or _nothing_read_ahead(conn)):
+            close = (  # gthread's handle_request closes it after this answer
+                not self.alive
+                or not self.cfg.keepalive
+                or self.nr + 1 >= self.max_requests
+                or len(self.keepalived_conns) >= self.max_keepalived
+            )
+            waited = getattr(conn, "early_waits", 0)
+            if waited:
+                conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+            taken = self.early.send(conn, close)
+            if taken == TAKEN:
+                return
+            if taken == CLOSED:  # nothing for a thread to read
+                self._let_go(conn, False)
+                return
+            if isinstance(taken, Partial) and waited < EARLY_WAITS:
+                # Until its request (or the rest of it: a client may send its body apart from its
+                # head) is there, the connection waits in gthread's poller, woken by the kernel
+                # only once ``need`` bytes came (SO_RCVLOWAT); a thread reads what is still not
+                # whole after EARLY_WAIT seconds (murder_pending) or EARLY_WAITS wake-ups.
+                conn.early_waits = waited + 1
+                conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, taken.need)
+                conn.timeout = time.monotonic() + EARLY_WAIT
+                self.pending_conns.append(conn)
+                self.poller.register(conn.sock, selectors.EVENT_READ, partial(self.on_pending_socket_readable, conn))
+                return
+        super().enqueue_req(conn)
+
+    def murder_pending(self) -> None:
+        """gthread's, after handing to a thread the connections whose request did not come whole
+        within ``EARLY_WAIT`` (their deadline is shorter than the others', so not in order)."""
+        now = time.monotonic()
+        for conn in [conn for conn in self.pending_conns if getattr(conn, "early_waits", 0) and conn.timeout <= now]:
+            self.pending_conns.remove(conn)
+            self.poller.unregister(conn.sock)
+            conn.early_waits = EARLY_WAITS
+            self.enqueue_req(conn)
+        super().murder_pending()
+
+    # -- container.frontend.early.Connections: called from any thread, run here (the main loop)
+    def requeue(self, conn, raw: bytes) -> None:
+        self.method_queue.defer(self._requeue, conn, raw)
+
+    def let_go(self, conn, keep: bool) -> None:
+        self.method_queue.defer(self._let_go, conn, keep)
+
+    def _requeue(self, conn, raw: bytes) -> None:
+        try:
+            conn.init()
+        except Exception:
+            log.exception("could not serve a connection taken early")
+            self._let_go(conn, False)
+            return
+        conn.parser.unreader.unread(raw)
+        conn.data_ready = True
+        super().enqueue_req(conn)
+
+    def _let_go(self, conn, keep: bool) -> None:
+        """As gthread's ``finish_request`` after an answer: wait for the client's next request
+        on the poller, or close the connection (at once when the client closed it already)."""
+        conn.early_waits = 0
+        waiting = client_waiting(conn.sock) if keep and self.alive else False
+        if waiting:
+            self.enqueue_req(conn)  # its next request is there already
+            return
+        if waiting is None:
+            conn.sock.setblocking(False)
+            conn.set_timeout()
+            self.keepalived_conns.append(conn)
+            self.poller.register(conn.sock, selectors.EVENT_READ, partial(self.on_client_socket_readable, conn))
+            return
+        self.nr_conns -= 1
+        conn.close()
 
     def handle(self, conn):
         """gthread's, then a look at what the client of a kept-alive connection did meanwhile.
@@ -122,6 +218,8 @@ class DrainingWorker(ThreadWorker):
         if not conn.initialized and not getattr(conn, "data_ready", True) and client_waiting(conn.sock):
             conn.data_ready = True
         keepalive = super().handle(conn)
+        if self.early is not None and self.early.abandon_sock(conn.sock, "was not read as a request"):
+            return False  # the application was not called: the group's answer is stopped, the connection closed
         while keepalive is True and self.alive and not conn.is_http2:
             waiting = client_waiting(conn.sock)
             if waiting is None:
@@ -132,6 +230,8 @@ class DrainingWorker(ThreadWorker):
         return keepalive
 
     def handle_error(self, req, client, addr, exc) -> None:
+        if self.early is not None and self.early.abandon_sock(client, f"could not be read by gunicorn ({exc})"):
+            return  # its group may have written to the client: no error after it
         _rejected.path = getattr(req or getattr(exc, "req", None), "path", None) or ""
         try:
             super().handle_error(req, client, addr, exc)

@@ -381,3 +381,90 @@ def test_a_stream_request_that_times_out_before_its_head_is_still_a_504(server):
     r = server.invoke({"sleep": 6, "stream": True})
     assert r.status_code == 504 and r.json()["code"] == 504
     assert server.invoke({"inputs": "next", "stream": True}).status_code == 200
+
+
+def _post(payload: dict, inference_id: str = "") -> bytes:
+    body = json.dumps(payload).encode()
+    named = f"X-Amzn-SageMaker-Inference-Id: {inference_id}\r\n" if inference_id else ""
+    return (f"POST /invocations HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n{named}"
+            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+def _completion_line(server, inference_id: str, timeout: float = 10) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        lines = [line for line in server.log().splitlines()
+                 if f"[{inference_id}]" in line and "POST /invocations ->" in line]
+        if lines:
+            return lines[-1]
+        time.sleep(0.05)
+    raise AssertionError(f"no completion line for {inference_id}")
+
+
+def test_streamed_requests_are_taken_by_the_main_loop_whole_or_in_pieces_on_a_kept_connection(server, tmp_path):
+    """A request that asks for a stream is sent to the worker by gthread's main loop, with no
+    request thread (container/frontend/early.py): sent whole, sent in pieces (its head, then its
+    body), pipelined; each gets its whole answer on the one connection and its completion line."""
+    import socket
+
+    from tests.server import metric
+
+    gate = tmp_path / "gate"
+    gate.write_text("open")
+    payload = {"lines": ["a", "b", "c"], "gate": str(gate), "stream": True}
+    expected = b"".join(json.dumps({"outputs": f"{x}\n"}).encode() + b"\n" for x in "abc")
+    before = metric(server, "sagelmi_requests_read_early_total")
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(_post(payload, "early-whole"))
+        answers = _read_responses(sock, 1)
+        request = _post(payload, "early-pieces")
+        head_end = request.index(b"\r\n\r\n") + 4
+        for piece in (request[:20], request[20:head_end], request[head_end:]):
+            sock.sendall(piece)
+            time.sleep(0.1)
+        answers += _read_responses(sock, 1)
+        sock.sendall(_post(payload, "early-piped-1") + _post(payload, "early-piped-2"))
+        answers += _read_responses(sock, 2)
+    assert [(status, body) for status, _, body in answers] == [(200, expected)] * 4
+    assert all(headers["transfer-encoding"] == "chunked" for _, headers, _ in answers)
+    assert metric(server, "sagelmi_requests_read_early_total") - before == 4
+    for name in ("early-whole", "early-pieces", "early-piped-1", "early-piped-2"):
+        assert "-> 200 completed" in _completion_line(server, name)
+
+
+def test_a_request_taken_early_that_fails_before_its_head_gets_the_routes_error_and_keeps_its_connection(server):
+    import socket
+
+    from tests.server import metric
+
+    before = metric(server, "sagelmi_requests_read_early_total")
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(_post({"fail": "the model is unhappy", "stream": True}))
+        ((status, headers, body),) = _read_responses(sock, 1)
+        taken = metric(server, "sagelmi_requests_read_early_total") - before
+        sock.sendall(_post({"inputs": "after", "stream": True}))  # the thread that answered may serve it
+        ((after, _, _),) = _read_responses(sock, 1)
+    assert taken == 1
+    assert (status, headers["content-type"]) == (424, "application/json")
+    assert json.loads(body) == {"code": 424, "message": "invoke handler failure", "error": "the model is unhappy"}
+    assert after == 200
+
+
+def test_a_request_taken_early_times_out_or_loses_its_client_as_any_other(server):
+    """No thread follows it, yet predict_timeout (3 s here) answers 504 in the route's envelope,
+    and a client that leaves before the answer has it logged as gone (499)."""
+    import socket
+
+    started = time.monotonic()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(_post({"sleep": 6, "stream": True}, "early-slow"))
+        ((status, _, body),) = _read_responses(sock, 1)
+    assert 3 <= time.monotonic() - started < 5.5
+    assert status == 504 and json.loads(body)["code"] == 504
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(_post({"sleep": 2, "stream": True}, "early-gone"))
+        time.sleep(0.3)
+    left = time.monotonic()
+    assert "-> 499 client_gone" in _completion_line(server, "early-gone")
+    assert time.monotonic() - left < 1.5
+    assert server.invoke({"inputs": "after"}).status_code == 200

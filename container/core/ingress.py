@@ -1,0 +1,139 @@
+"""A request as the handler gets it (its ``Input`` properties), and the streamed requests the
+frontend sends to their worker group before gunicorn reads them.
+
+gthread's main loop accepts a connection; where its first request is already waiting, whole,
+and ``read_request`` takes it (a streamed completion, chat or LMI call with only plain headers),
+the main loop reads it without consuming it (``MSG_PEEK``) and sends it to a group with the
+client's socket at once (``container.frontend.early``). A request thread then reads the same
+bytes with gunicorn and follows the request as its own, without sending it again. Without
+gunicorn's parsing and the hand-off to a thread before the group has the request, the first
+token came 1.1-1.3 ms sooner at one stream on two cores (docs/benchmarks/README.md, issue 31).
+``read_request`` takes only what gunicorn reads the same way (one ``Content-Length``, no
+transfer coding, no repeated or unusual header, limits below gunicorn's); the request thread
+checks that it read the same request (``container.frontend.early``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from container.core.tracing import TRACEPARENT, TRACESTATE
+
+INFERENCE_ID = "X-Amzn-SageMaker-Inference-Id"  # the request's id: the client's, else a new one; echoed
+GROUP_HEADER = "X-Sagelmi-Group"  # which worker group answered (sticky sessions can be checked with it)
+CUSTOM_ATTRIBUTES = "X-Amzn-SageMaker-Custom-Attributes"
+# A body that asks for a stream (OpenAI's and LMI's "stream": true)
+STREAM_ASKED = re.compile(rb'"stream"\s*:\s*true')
+# The routes read early, when their body asks for a stream
+HOT_PATHS = ("/v1/completions", "/v1/chat/completions", "/invocations")
+_HOT_LINES = tuple(b"POST %s HTTP/1.1\r\n" % path.encode() for path in HOT_PATHS)
+PEEK_BYTES = 1 << 16  # what is looked at without reading it: a larger request goes through the frontend
+MAX_FIELDS = 64  # below gunicorn's limit_request_fields (100)
+MAX_FIELD_BYTES = 4096  # below gunicorn's limit_request_field_size (8190) and limit_request_line (4094)
+_TOKEN = re.compile(rb"[!#$%&'*+.^`|~0-9A-Za-z-]+")  # a header name (RFC 9110), without "_" (gunicorn drops those)
+_VALUE = re.compile(rb"[\t\x20-\x7e]*")  # a header value of visible ASCII, spaces and tabs
+# Headers that make a request one the frontend must read: a body framed otherwise, a session
+# (routed by the frontend to the group holding it), an interim answer, a protocol change.
+_DECLINED = frozenset(
+    {b"transfer-encoding", b"expect", b"upgrade", b"x-amzn-sagemaker-session-id", b"http2-settings", b"te"}
+)
+
+
+def request_properties(
+    headers: Iterable[tuple[str, str]], request_id: str, trace_headers: dict[str, str] | None = None
+) -> dict[str, str]:
+    """The handler's ``Input`` properties, as DJL Serving builds them: the
+    headers (a repeated one joined with ", "), the ``k=v`` pairs of the custom
+    attributes header (in place of the header itself) and ``requestId``. With
+    tracing on, ``trace_headers`` (the frontend span's W3C headers) replace the
+    client's, as every hop of a trace does."""
+    props: dict[str, str] = {}
+    for name, value in headers:
+        if trace_headers and name.lower() in (TRACEPARENT, TRACESTATE):
+            continue
+        if name.lower() == CUSTOM_ATTRIBUTES.lower():
+            for pair in value.split(";"):
+                key, sep, val = pair.partition("=")
+                if sep and key.strip():
+                    props[key.strip()] = val.strip()
+            continue
+        props[name] = f"{props[name]}, {value}" if name in props else value
+    props["requestId"] = request_id
+    if trace_headers:
+        props.update(trace_headers)
+    return props
+
+
+@dataclass(frozen=True)
+class ReadRequest:
+    """One request read early: its route, its headers as the frontend's WSGI environ names
+    them (``Content-Type``, ``X-Amzn-Sagemaker-Custom-Attributes`` ...), its body, whether the
+    client asked to close the connection after it, and its length on the wire."""
+
+    path: str
+    headers: list[tuple[str, str]]
+    body: bytes
+    close: bool
+    size: int
+
+    def header(self, name: str) -> str | None:
+        lowered = name.lower()
+        return next((value for key, value in self.headers if key.lower() == lowered), None)
+
+
+@dataclass(frozen=True)
+class Partial:
+    """What ``read_request`` says of a request that may be read early once the rest of it came:
+    how many bytes it has at least (``need``)."""
+
+    need: int
+
+
+def read_request(data: bytes, max_body: int) -> ReadRequest | Partial | None:
+    """The first request in ``data`` if it may be read early, else ``None``: a POST to one
+    of ``HOT_PATHS`` over HTTP/1.1, whole in ``data``, with a ``Content-Length`` body of at most
+    ``max_body`` bytes that asks for a stream, and only plain headers, each once. ``Partial``
+    for the start of such a request (its head not ended, or its body not all there)."""
+    if not data.startswith(_HOT_LINES):
+        return Partial(len(data) + 1) if any(line.startswith(data) for line in _HOT_LINES) else None
+    end = data.find(b"\r\n\r\n")
+    if end < 0:
+        return Partial(len(data) + 1) if len(data) < PEEK_BYTES else None
+    line_end = data.index(b"\r\n")
+    path = data[5 : line_end - 9].decode("ascii")
+    lines = data[line_end + 2 : end].split(b"\r\n") if end > line_end else []
+    if len(lines) > MAX_FIELDS:
+        return None
+    headers: list[tuple[str, str]] = []
+    seen: set[bytes] = set()
+    length = None
+    close = False
+    for line in lines:
+        name, colon, value = line.partition(b":")
+        lowered = name.lower()
+        if not colon or len(line) > MAX_FIELD_BYTES or not _TOKEN.fullmatch(name) or lowered in seen:
+            return None
+        value = value.strip(b" \t")
+        if not _VALUE.fullmatch(value) or lowered in _DECLINED:
+            return None
+        seen.add(lowered)
+        if lowered == b"content-length":
+            if not value.isdigit() or len(value) > 12:
+                return None
+            length = int(value)
+        elif lowered == b"connection":
+            tokens = {token.strip().lower() for token in value.split(b",")}
+            if tokens - {b"close", b"keep-alive"}:
+                return None  # an upgrade or a hop-by-hop header list: gunicorn's to read
+            close = b"close" in tokens
+        headers.append((name.decode("ascii").title(), value.decode("ascii")))
+    if length is None or length > max_body or end + 4 + length > PEEK_BYTES:
+        return None
+    if end + 4 + length > len(data):
+        return Partial(end + 4 + length)
+    body = data[end + 4 : end + 4 + length]
+    if STREAM_ASKED.search(body) is None:
+        return None
+    return ReadRequest(path, headers, body, close, end + 4 + length)
