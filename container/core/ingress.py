@@ -1,16 +1,11 @@
-"""A request as the handler gets it (its ``Input`` properties), and the streamed requests the
-frontend sends to their worker group before gunicorn reads them.
+"""A request as the handler gets it (its ``Input`` properties), and the streamed requests
+gthread's main loop takes without a request thread (``container.frontend.early``).
 
-gthread's main loop accepts a connection; where its first request is already waiting, whole,
-and ``read_request`` takes it (a streamed completion, chat or LMI call with only plain headers),
-the main loop reads it without consuming it (``MSG_PEEK``) and sends it to a group with the
-client's socket at once (``container.frontend.early``). A request thread then reads the same
-bytes with gunicorn and follows the request as its own, without sending it again. Without
-gunicorn's parsing and the hand-off to a thread before the group has the request, the first
-token came 1.1-1.3 ms sooner at one stream on two cores (docs/benchmarks/README.md, issue 31).
-``read_request`` takes only what gunicorn reads the same way (one ``Content-Length``, no
-transfer coding, no repeated or unusual header, limits below gunicorn's); the request thread
-checks that it read the same request (``container.frontend.early``).
+``read_request`` looks at what a connection has sent (peeked, ``MSG_PEEK``) and takes only what
+gunicorn would read the same way: a streamed completion, chat or LMI call over HTTP/1.1 with one
+``Content-Length``, no transfer coding, no repeated or unusual header, limits below gunicorn's.
+Where a request thread must take such a request over, gunicorn reads the same bytes, and the
+thread checks that it read the same request (``HandlerRoutes``, ``Invocation``).
 """
 
 from __future__ import annotations

@@ -15,6 +15,8 @@ import socket
 from container.core.protocol import ResponseHead
 from container.frontend.body import WSGI_RESPONSE
 
+CLIENT_CHECK_INTERVAL = 0.5  # how often a request that waits on its group looks whether its client is still there
+
 
 def client_waiting(sock: socket.socket) -> bool | None:
     """What the client of a connection did that the server has not read yet: True when it sent

@@ -21,8 +21,9 @@ answer (``abandon``). Nothing is taken early while draining, with tracing on, wh
 some request are refused as poisonous, or when admission or routing would refuse it: a thread
 then serves and refuses it as before.
 
-Why: a request thread that follows the request costs the frontend's process ~1 ms of CPU per
-request, in the first token's time on two cores (docs/benchmarks/README.md, issue 31).
+Why: the request threads that followed a request used 0.9 ms of the frontend's CPU per request at
+one stream on two cores; taken this way the frontend's process uses a third less in all
+(docs/benchmarks/README.md, issue 31).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from gunicorn import SERVER
@@ -49,7 +50,7 @@ from container.core.ingress import (
 )
 from container.core.launch import FrontendLaunch
 from container.core.protocol import Invoke, ResponseHead
-from container.frontend.client import client_gone
+from container.frontend.client import CLIENT_CHECK_INTERVAL, client_gone
 from container.frontend.completion import Answer, Exchange, RequestLog
 from container.frontend.group_client import GroupClient
 from container.frontend.pending import PendingRequest
@@ -58,7 +59,6 @@ from container.frontend.router import Router
 
 log = logging.getLogger("sagelmi.frontend")
 
-CLIENT_CHECK_INTERVAL = 0.5  # how often the watch looks at the clients and timeouts of requests taken early
 TAKEN, CLOSED = "taken", "closed"  # what EarlyRequests.send found ("": a request for a thread)
 
 
@@ -76,8 +76,9 @@ class Connections(Protocol):
 @dataclass
 class EarlyRequest:
     """A request taken early: its group and answers, its id, route and fingerprint, when the
-    frontend admitted it, its bytes on the wire, and who has it (``owner``: nobody, the reader
-    thread of its end, or a request thread)."""
+    frontend admitted it, its connection and bytes on the wire, whether the connection closes
+    after it, and who ends it (``owner``: nobody yet, the reader thread at a clean end, or a
+    request thread)."""
 
     group: GroupClient
     pending: PendingRequest
@@ -85,10 +86,10 @@ class EarlyRequest:
     path: str
     print_: str
     admitted: float
-    conn: Any = None
-    raw: bytes = b""
-    close: bool = False
-    owner: str = field(default="", compare=False)
+    conn: Any
+    raw: bytes
+    close: bool
+    owner: str = ""
 
     def abandon(self, router: Router, why: str) -> None:
         """Stop this request, which its thread will not follow (``why``); its connection must be
@@ -107,8 +108,8 @@ class EarlyRequests:
         self.enabled = enabled
         self.connections: Connections | None = None  # set by the server before the first request
         self._lock = threading.Condition()
-        self._sent: dict[socket.socket, EarlyRequest] = {}  # the client's socket -> its request, until adopted
-        self._watched: dict[str, EarlyRequest] = {}  # the requests no thread follows, by wire id
+        # the client's socket -> its request, until the reader thread ended it or a thread adopted it
+        self._sent: dict[socket.socket, EarlyRequest] = {}
         self._watch: threading.Thread | None = None
 
     def send(self, conn: Any, close: bool) -> str | Partial:
@@ -164,15 +165,14 @@ class EarlyRequests:
         early = EarlyRequest(group, pending, request_id, request.path, print_, admitted, conn, raw, close)
         with self._lock:
             self._sent[sock] = early
-            self._watched[pending.id] = early
             self._lock.notify()
         taken = _consume(sock, request.size)
-        pending.watcher = self._heard
+        pending.watcher = lambda _: self._heard(early)
         if taken != request.size:  # cannot happen with the bytes peeked above; served by a thread if it does
             early.raw = raw[taken:]
             self._hand_to_thread(early)
         elif pending.done or (pending.head is not None and not pending.head.written):
-            self._heard(pending)  # it ended before the watcher was set
+            self._heard(early)  # it ended before the watcher was set
         self.metrics.read_early.inc()
         self._start_watch()
         return True
@@ -201,19 +201,14 @@ class EarlyRequests:
             if early.owner:
                 return False
             early.owner = owner
-            self._watched.pop(early.pending.id, None)
             if owner == "reader":
                 self._sent.pop(early.conn.sock, None)
             return True
 
-    def _heard(self, pending: PendingRequest) -> None:
+    def _heard(self, early: EarlyRequest) -> None:
         """The reader thread of the group's connection: the request's head was left to the
-        frontend, or it ended."""
-        with self._lock:
-            early = self._watched.get(pending.id)
-        if early is None:
-            return
-        if not pending.clean_end:
+        frontend, or it ended (a request already handed to a thread is that thread's)."""
+        if not early.pending.clean_end:
             self._hand_to_thread(early)
         elif self._claim(early, "reader"):
             self._finish(early)
@@ -229,10 +224,9 @@ class EarlyRequests:
         pending = early.pending
         head = pending.head
         assert head is not None  # clean_end: the group wrote the head
-        end = pending.end
         answer = Answer(streamed=True, outcome="completed", bytes=pending.body_bytes)
-        if end is not None:
-            answer.prompt_tokens, answer.completion_tokens = end.prompt_tokens, end.completion_tokens
+        if pending.tokens is not None:
+            answer.prompt_tokens, answer.completion_tokens = pending.tokens
         if head.started:
             answer.queue_wait = head.started - early.admitted
         exchange = Exchange(early.request_id, "POST", early.path, early.path, early.admitted, answer=answer)
@@ -254,8 +248,8 @@ class EarlyRequests:
         answers 504 or 499 as for any request)."""
         while True:
             with self._lock:
-                self._lock.wait_for(lambda: bool(self._watched))
-                watched = list(self._watched.values())
+                self._lock.wait_for(lambda: bool(self._sent))
+                watched = [early for early in self._sent.values() if not early.owner]
             now = time.monotonic()
             for early in watched:
                 if now >= early.pending.progress_at + self.launch.predict_timeout or client_gone(early.conn.sock):

@@ -45,6 +45,7 @@ from container.core.sessions import SESSION_ID
 from container.core.tracing import Headers, Tracer
 from container.frontend.body import WSGI_RESPONSE, read_body
 from container.frontend.client import (
+    CLIENT_CHECK_INTERVAL,
     ClientSink,
     HeadWrittenByGroup,
     body_ended_by_group,
@@ -72,7 +73,6 @@ ROUTES = {
     "/v1/score": "POST",
     "/v1/rerank": "POST",
 }
-CLIENT_CHECK_INTERVAL = 0.5  # how often a request waiting on its group checks that its client is still there
 STOP_CONFIRM_TIMEOUT = 2.0  # how long a timed-out stream waits for its group to stop writing to the client
 DEFAULT_CONTENT_TYPE = "text/html; charset=utf-8"  # what an answer without one is sent with (as Flask's were)
 
@@ -299,9 +299,9 @@ class Invocation:
             response.force_close()
 
     def _count_tokens(self) -> None:
-        end = self.submitted.ending or self.submitted.end
-        if end is not None:
-            self.answer.prompt_tokens, self.answer.completion_tokens = end.prompt_tokens, end.completion_tokens
+        counted = self.submitted.tokens
+        if counted is not None:
+            self.answer.prompt_tokens, self.answer.completion_tokens = counted
 
     def _relay(self, content_type: str, written: bool) -> Iterator[bytes]:
         request_id_var.set(self.request_id)

@@ -151,6 +151,12 @@ class PendingRequest:
         return self._head
 
     @property
+    def tokens(self) -> tuple[int | None, int | None] | None:
+        """(prompt, completion) tokens as the group counted them (its ``Ending``, else its ``End``)."""
+        last = self.ending or self.end
+        return None if last is None else (last.prompt_tokens, last.completion_tokens)
+
+    @property
     def clean_end(self) -> bool:
         """The group wrote the whole answer to the client itself, head to the chunked body's end,
         and let go of the client's socket (``direct``, an ``Ending``, then the ``End``)."""
