@@ -1,6 +1,7 @@
 """One stream, round by round: sagelmi against vLLM's own server with the lightest client.
 
-    python benchmarks/rounds.py [--rounds 8] [--requests 40] [--routes completions,lmi] [--baseline REF] [--out DIR]
+    python benchmarks/rounds.py [--rounds 8] [--requests 40] [--routes completions,lmi] [--baseline REF]
+                                [--model DIR] [--out DIR]
 
 ``bench.py`` measures throughput over long trials with ``http.client``; this measures what one
 stream's user sees (the time to the first token and to the stream's end) and what it costs
@@ -185,6 +186,7 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=40, help="requests per server per round (default 40)")
     parser.add_argument("--routes", default="completions,lmi", help="completions, lmi (default both)")
     parser.add_argument("--baseline", metavar="REF", help="also serve sagelmi of this git commit")
+    parser.add_argument("--model", help="model directory, shared by every server (default: the tiny model, a copy each)")
     parser.add_argument("--out", default=str(DEFAULT_OUT), help="where to write results (default docs/benchmarks)")
     args = parser.parse_args()
     routes = args.routes.split(",")
@@ -200,12 +202,13 @@ def main() -> int:
         if args.baseline:
             tree, commit = checkout(args.baseline, workdir)
             trees[f"sagelmi@{commit[:7]}"] = tree
-        first = workdir / "model-0"
-        subprocess.run([sys.executable, "-m", "container", "tiny-model", str(first)], check=True, cwd=REPO,
-                       capture_output=True)
+        first = Path(args.model) if args.model else workdir / "model-0"
+        if not args.model:
+            subprocess.run([sys.executable, "-m", "container", "tiny-model", str(first)], check=True, cwd=REPO,
+                           capture_output=True)
         for index, name in enumerate([*trees, VLLM]):  # each its own copy: vLLM keys its compile cache by path
-            model = first if index == 0 else workdir / f"model-{index}"
-            if index:
+            model = first if index == 0 or args.model else workdir / f"model-{index}"
+            if model != first:
                 shutil.copytree(first, model)
             servers[name] = start_vllm(name, model, env) if name == VLLM else start_sagelmi_at(name, trees[name], model, env)
         results = [run_route(route, servers, args.rounds, args.requests) for route in routes]
