@@ -20,7 +20,7 @@ def test_make_bench_compares_both_servers(tmp_path):
     stamp = venv / ".sagelmi-installed"
     # One copy of the tiny model for all eight servers (make bench gives each its own, so that all
     # start cold): the first to start compiles its kernels and the others reuse them. With trials
-    # of 16 requests instead of 64 this run takes ~1.5-2 minutes less (it took 630 s in CI's suite).
+    # of 16 requests instead of 64 it took 396 s in the whole suite, against 630 s before.
     model = tmp_path / "tiny-model"
     subprocess.run([str(venv / "bin" / "python"), "-m", "container", "tiny-model", str(model)], check=True,
                    cwd=REPO, env=clean_env(), capture_output=True, timeout=300)
