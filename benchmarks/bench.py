@@ -568,6 +568,23 @@ def plot(run: Comparison, data: dict, out: Path) -> None:
     fig.savefig(out / f"{run.stem}.png", dpi=110)
 
 
+def model_dirs(names: list[str], model: str | None, workdir: Path) -> dict[str, Path]:
+    """The model directory of each server: ``model`` for all (``--model``), else a copy of the tiny
+    model each, written under ``workdir``. vLLM keys its compile cache by the model's path: with one
+    directory, whichever server started first compiled the model's kernels and the others reused
+    them (8-10 s faster to /ping 200); with a copy each, every server starts cold, as a container
+    does."""
+    if model:
+        return dict.fromkeys(names, Path(model))
+    dirs = {name: workdir / f"model-{index}" for index, name in enumerate(names)}
+    first, *others = dirs.values()
+    subprocess.run([sys.executable, "-m", "container", "tiny-model", str(first)], check=True, cwd=REPO,
+                   capture_output=True)
+    for other in others:
+        shutil.copytree(first, other)
+    return dirs
+
+
 def start_vllm(name: str, model: Path, env: dict) -> Server:
     port = free_port()
     return start_server(
@@ -615,19 +632,8 @@ def main() -> int:
         return 0
     levels = [int(x) for x in args.levels.split(",")]
     workdir = Path(tempfile.mkdtemp(prefix="sagelmi-bench-"))
-    # vLLM keys its compile cache by the model's path: with one directory, whichever server
-    # started first compiled the model's kernels and the second reused them (8-10 s faster to
-    # /ping 200). Each server gets its own copy of the tiny model, so both start cold, as a
-    # container does. A --model directory is shared: the second server's start-up is then warmer.
-    models = {name: Path(args.model) if args.model else workdir / f"server-{i}" / "tiny-model"
-              for i, name in enumerate(run.servers)}
-    priming_model = Path(args.model) if args.model else workdir / "priming" / "tiny-model"
-    if not args.model:
-        first, second = models.values()
-        subprocess.run([sys.executable, "-m", "container", "tiny-model", str(first)], check=True, cwd=REPO,
-                       capture_output=True)
-        shutil.copytree(first, second)
-        shutil.copytree(first, priming_model)
+    models = model_dirs([*run.servers, "priming"], args.model, workdir)
+    priming_model = models.pop("priming")
     env = {**os.environ, **ENGINE_ENV}
     servers: dict[str, Server] = {}
     try:

@@ -26,10 +26,8 @@ import datetime
 import json
 import os
 import platform
-import shutil
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,6 +44,7 @@ from bench import (
     SETTLE_S,
     Server,
     free_port,
+    model_dirs,
     start_server,
     start_vllm,
     tree_cpu_by_role,
@@ -202,14 +201,8 @@ def main() -> int:
         if args.baseline:
             tree, commit = checkout(args.baseline, workdir)
             trees[f"sagelmi@{commit[:7]}"] = tree
-        first = Path(args.model) if args.model else workdir / "model-0"
-        if not args.model:
-            subprocess.run([sys.executable, "-m", "container", "tiny-model", str(first)], check=True, cwd=REPO,
-                           capture_output=True)
-        for index, name in enumerate([*trees, VLLM]):  # each its own copy: vLLM keys its compile cache by path
-            model = first if index == 0 or args.model else workdir / f"model-{index}"
-            if model != first:
-                shutil.copytree(first, model)
+        models = model_dirs([*trees, VLLM], args.model, workdir)
+        for name, model in models.items():
             servers[name] = start_vllm(name, model, env) if name == VLLM else start_sagelmi_at(name, trees[name], model, env)
         results = [run_route(route, servers, args.rounds, args.requests) for route in routes]
     finally:

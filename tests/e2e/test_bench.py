@@ -15,15 +15,13 @@ ROUTES = {"/v1/completions", "/v1/chat/completions", "/invocations (LMI)"}
 
 
 @pytest.mark.timeout(1260)  # make bench's own limit (1200 s) first
-def test_make_bench_compares_both_servers(tmp_path):
+def test_make_bench_compares_both_servers(tmp_path, tiny_model):
     venv = installed_venv()
     stamp = venv / ".sagelmi-installed"
-    # One copy of the tiny model for all eight servers (make bench gives each its own, so that all
-    # start cold): the first to start compiles its kernels and the others reuse them. With trials
-    # of 16 requests instead of 64 it took 396 s in the whole suite, against 630 s before.
-    model = tmp_path / "tiny-model"
-    subprocess.run([str(venv / "bin" / "python"), "-m", "container", "tiny-model", str(model)], check=True,
-                   cwd=REPO, env=clean_env(), capture_output=True, timeout=300)
+    # The session's tiny model for all eight servers (make bench gives each its own copy, so that
+    # all start cold): the first to start compiles its kernels and the others reuse them. With
+    # trials of 16 requests instead of 64 it took 396 s in the whole suite, against 630 s before.
+    model = tiny_model
     result = subprocess.run(["make", "-o", str(stamp), "bench", f"VENV={venv}",
                              f"BENCH_ARGS=--levels 2 --trials 2 --requests 16 --model {model} --out {tmp_path}",
                              f"RELAY_ARGS=--levels 1,8 --trials 2 --tokens 64 --out {tmp_path}",
