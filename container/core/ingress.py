@@ -24,6 +24,7 @@ STREAM_ASKED = re.compile(rb'"stream"\s*:\s*true')
 # The routes read early, when their body asks for a stream
 HOT_PATHS = ("/v1/completions", "/v1/chat/completions", "/invocations")
 _HOT_LINES = tuple(b"POST %s HTTP/1.1\r\n" % path.encode() for path in HOT_PATHS)
+_LENGTH = re.compile(rb"\r\ncontent-length:[ \t]*(\d{1,12})[ \t]*\r\n", re.IGNORECASE)  # may_be_read's look
 PEEK_BYTES = 1 << 16  # what is looked at without reading it: a larger request goes through the frontend
 MAX_FIELDS = 64  # below gunicorn's limit_request_fields (100)
 MAX_FIELD_BYTES = 4096  # below gunicorn's limit_request_field_size (8190) and limit_request_line (4094)
@@ -84,6 +85,26 @@ class Partial:
     how many bytes it has at least (``need``)."""
 
     need: int
+
+
+def may_be_read(data: bytes) -> bool | Partial:
+    """Whether the start of a connection's next request (``data``, peeked) may be one
+    ``read_request`` takes: the request line of one of ``HOT_PATHS``, a ``Content-Length`` and a
+    body, all there, that asks for a stream. ``Partial`` while the request line, the head or the
+    body are not all there yet. A cheap look for gthread's main loop, which hands such a
+    connection to rank 0 unread (``Handoff``), where ``read_request`` decides."""
+    if not data.startswith(_HOT_LINES):
+        return Partial(len(data) + 1) if any(line.startswith(data) for line in _HOT_LINES) else False
+    end = data.find(b"\r\n\r\n")
+    if end < 0:
+        return Partial(len(data) + 1) if len(data) < PEEK_BYTES else False
+    length = _LENGTH.search(data, 0, end + 2)
+    if length is None:
+        return False
+    size = end + 4 + int(length.group(1))
+    if size > len(data):
+        return Partial(size) if size <= PEEK_BYTES else False
+    return STREAM_ASKED.search(data, end + 4, size) is not None
 
 
 def read_request(data: bytes, max_body: int) -> ReadRequest | Partial | None:

@@ -59,8 +59,23 @@ token:
     rank 0 -> frontend   Fail              after a Cancel before the Head: rank 0 let go of the
                                            socket without writing
 
+A connection whose next request, all there, looks like such a request can go to rank 0 before
+anything of it is read, so that the frontend does no more than a look at it before rank 0 has
+it:
+
+    frontend -> rank 0   Handoff           on the descriptor channel, with the client's socket,
+                                           unread, and the frontend's part of the HTTP head
+    rank 0 -> frontend   Taken             rank 0 read the request (its bytes come back: the
+                                           frontend's fallback reads them again) and serves it
+                                           as an Invoke with ``client``: Head, Chunk ... as above
+                    or   Declined          rank 0 read nothing (or gives back what it read):
+                                           the frontend serves the request itself
+
+rank 0 answers on the frontend's connection to it (the one from the process at the channel's
+other end).
+
 The descriptor channel is a second Unix socket beside rank 0's (``fd_channel_path``), of
-``SOCK_SEQPACKET`` messages, each an ``Attach`` payload with one file descriptor
+``SOCK_SEQPACKET`` messages, each an ``Attach`` or ``Handoff`` payload with one file descriptor
 (``SCM_RIGHTS``; ``send_with_fd`` / ``receive_with_fd``).
 
 An ``Invoke`` for ``METRICS_PATH`` is answered by rank 0 itself (Head, Chunk,
@@ -194,6 +209,38 @@ class Attach(msgspec.Struct, tag="attach", frozen=True, omit_defaults=True):
     head: ResponseHead | None = None
 
 
+class Handoff(msgspec.Struct, tag="handoff", frozen=True):
+    """A client's connection whose next request the frontend has not read, handed to rank 0 with
+    its socket: rank 0 reads it, if it is a request it may read (``container.core.ingress``:
+    ``read_request`` with ``max_body``) and all there, and answers ``Taken`` or ``Declined``.
+    ``head``: the frontend's part of a streamed answer's HTTP head, to which rank 0 adds the
+    request id."""
+
+    id: str
+    head: ResponseHead
+    max_body: int
+
+
+class Taken(msgspec.Struct, tag="taken", frozen=True):
+    """Rank 0 read request ``id`` from the socket of a ``Handoff``: its id (the client's, else a
+    new one), route and bytes as the client sent them, and whether the connection closes after
+    the answer; it serves it as an ``Invoke`` with ``client``."""
+
+    id: str
+    request_id: str
+    path: str
+    raw: bytes
+    close: bool
+
+
+class Declined(msgspec.Struct, tag="declined", frozen=True):
+    """Rank 0 does not serve the request of a ``Handoff``: the frontend reads it (after ``raw``,
+    what rank 0 read of it: nothing, unless the socket gave less than it had shown)."""
+
+    id: str
+    raw: bytes = b""
+
+
 class Progress(msgspec.Struct, tag="progress", frozen=True):
     """Rank 0 is writing request ``id``'s body to the client itself (at most once a second):
     the frontend's ``predict_timeout`` counts from the last one."""
@@ -265,6 +312,9 @@ Message = Union[  # noqa: UP007 (a runtime alias msgspec decodes with; kept in o
     End,
     Ending,
     Attach,
+    Handoff,
+    Taken,
+    Declined,
     Progress,
     Fail,
     Status,
@@ -344,7 +394,7 @@ def fd_channel_path(socket_path: str) -> str:
     return socket_path + FD_CHANNEL_SUFFIX
 
 
-def send_with_fd(sock: socket.socket, message: Attach, fd: int) -> None:
+def send_with_fd(sock: socket.socket, message: Attach | Handoff, fd: int) -> None:
     """Send ``message`` and a duplicate of ``fd`` as one descriptor-channel message."""
     sock.sendmsg([_encoder.encode(message)], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
 

@@ -1,29 +1,31 @@
-"""Streamed requests taken by gthread's main loop and sent to their worker group without a
-request thread (``container.core.ingress``).
+"""Streamed requests whose connection gthread's main loop hands to their worker group unread,
+followed by no request thread (``container.worker.handoff`` reads them on rank 0).
 
-For a connection whose next request is already waiting and may be read early
-(``read_request``: a streamed completion, chat or LMI call with plain headers), the main loop
-admits it, picks the group, sends it with the client's socket (``GroupClient.submit`` with
-``client``: rank 0 writes the HTTP head and the body itself) and reads it off the socket. No
-thread is woken for it. When the group says the answer went out whole (``Ending``, then
-``End``), the reader thread of the group's connection writes the completion line, releases
-the admission and gives the connection back to the main loop (kept alive, or closed).
+For a connection whose next request may be read early (its first bytes: ``may_be_read``), the
+main loop admits it, picks the group and hands it the client's socket with nothing read
+(``GroupClient.hand_off``). No thread is woken for it. Rank 0 answers ``Taken`` (it read the
+request and serves it, writing the HTTP head and the body itself) or ``Declined`` (it read
+nothing: the connection goes to a request thread as any other). When the group says the answer
+went out whole (``Ending``, then ``End``), the reader thread of the group's connection writes
+the completion line, releases the admission and gives the connection back to the main loop
+(kept alive, or closed).
 
-Anything else hands the request to a request thread, which reads the same bytes with gunicorn
-(they are put back in front of the connection) and follows the request as its own
+Anything else hands the request to a request thread, which reads the bytes rank 0 read with
+gunicorn (they are put back in front of the connection) and follows the request as its own
 (``adopt``, by its socket; ``Invocation``): a head the group left to the frontend, an error,
 the group's loss, ``predict_timeout`` without a word from the group, a client found gone by
 the watch (``CLIENT_CHECK_INTERVAL``). The thread then does what it does for any request
 (the error in the route's envelope, an in-band error, 504, 499 ...), with the same timeouts,
-counted from the group's last message. A request gunicorn reads otherwise than the main loop
-did (another route, another body) is stopped in its group and its connection closed without an
-answer (``abandon``). Nothing is taken early while draining, with tracing on, while copies of
-some request are refused as poisonous, or when admission or routing would refuse it: a thread
-then serves and refuses it as before.
+counted from the group's last message. A request gunicorn reads otherwise than rank 0 did
+(another route, another body) is stopped in its group and its connection closed without an
+answer (``abandon``). A group lost before it said it read the request gives the connection
+back to the server if the request is still on it, else closes it. Nothing is handed over while
+draining, with tracing on, while copies of some request are refused as poisonous, or when
+admission or routing would refuse it: a thread then serves and refuses it as before.
 
 Why: the request threads that followed a request used 0.9 ms of the frontend's CPU per request at
-one stream on two cores; taken this way the frontend's process uses a third less in all
-(docs/benchmarks/README.md, issue 31).
+one stream on two cores, and the main loop's reading of the request before the group had it
+about 0.3 ms of the time to the first token (docs/benchmarks/README.md, issue 31).
 """
 
 from __future__ import annotations
@@ -32,25 +34,16 @@ import logging
 import socket
 import threading
 import time
-import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from gunicorn import SERVER
 
 from container.core.errors import ServingError
-from container.core.ingress import (
-    GROUP_HEADER,
-    INFERENCE_ID,
-    PEEK_BYTES,
-    Partial,
-    ReadRequest,
-    read_request,
-    request_properties,
-)
+from container.core.ingress import GROUP_HEADER, PEEK_BYTES, Partial, may_be_read
 from container.core.launch import FrontendLaunch
-from container.core.protocol import Invoke, ResponseHead
-from container.frontend.client import CLIENT_CHECK_INTERVAL, client_gone
+from container.core.protocol import ResponseHead, Taken
+from container.frontend.client import CLIENT_CHECK_INTERVAL, client_gone, client_waiting
 from container.frontend.completion import Answer, Exchange, RequestLog
 from container.frontend.group_client import GroupClient
 from container.frontend.pending import PendingRequest
@@ -75,20 +68,20 @@ class Connections(Protocol):
 
 @dataclass
 class EarlyRequest:
-    """A request taken early: its group and answers, its id, route and fingerprint, when the
-    frontend admitted it, its connection and bytes on the wire, whether the connection closes
-    after it, and who ends it (``owner``: nobody yet, the reader thread at a clean end, or a
-    request thread)."""
+    """A request taken early: its group and answers, when the frontend admitted it, its
+    connection, whether the connection closes after it, and who ends it (``owner``: nobody yet,
+    the reader thread at a clean end, a request thread, or the server again when rank 0 did not
+    read it). What rank 0 read (``Taken``): its id, route, bytes on the wire and fingerprint."""
 
     group: GroupClient
-    pending: PendingRequest
-    request_id: str
-    path: str
-    print_: str
     admitted: float
     conn: Any
-    raw: bytes
     close: bool
+    pending: PendingRequest = field(init=False)
+    request_id: str = ""
+    path: str = ""  # "" until rank 0 said it read the request
+    print_: str = ""
+    raw: bytes = b""
     owner: str = ""
 
     def abandon(self, router: Router, why: str) -> None:
@@ -113,8 +106,8 @@ class EarlyRequests:
         self._watch: threading.Thread | None = None
 
     def send(self, conn: Any, close: bool) -> str | Partial:
-        """gthread's main loop, a connection with something to read: take its request and send it
-        to a group if it may be read early (``TAKEN``: the connection is this module's until it
+        """gthread's main loop, a connection with something to read: hand it to a group unread if
+        its request may be read early (``TAKEN``: the connection is this module's until it
         gives it back). ``CLOSED``: the client closed the connection. A ``Partial``: it may be,
         once the rest of it came. ``close``: gunicorn would close the connection after the answer."""
         if not self.enabled or self.connections is None or self.router.draining or self.router.poison.refused:
@@ -130,50 +123,38 @@ class EarlyRequests:
             return ""
         if not data:
             return CLOSED
-        request = read_request(data, self.launch.max_payload_bytes)
-        if request is None or isinstance(request, Partial):
-            return request or ""
-        return TAKEN if self._take(conn, close, data, request) else ""
+        readable = may_be_read(data)
+        if isinstance(readable, Partial):
+            return readable
+        return TAKEN if readable and self._hand_off(conn, close) else ""
 
-    def _take(self, conn: Any, close: bool, data: bytes, request: ReadRequest) -> bool:
+    def _hand_off(self, conn: Any, close: bool) -> bool:
         sock = conn.sock
         try:
             self.router.admit()
         except ServingError:
             return False  # refused by its thread, as any other request
-        admitted = time.monotonic()
         try:
             group = self.router.pick()
-            request_id = request.header(INFERENCE_ID) or uuid.uuid4().hex
-            print_ = fingerprint(f"{request.path}?", request.body)  # as Invocation.run makes it
-            invoke = Invoke(
-                id=uuid.uuid4().hex,
-                properties=request_properties(request.headers, request_id),
-                body=request.body,
-                path=request.path,
-            )
-            close = close or request.close
-            head = ResponseHead("HTTP/1.1", SERVER, close, {GROUP_HEADER: group.name, INFERENCE_ID: request_id})
-            sock.setblocking(True)  # the mode a request thread serves it in, which rank 0's writes keep
-            pending = group.submit(
-                invoke, tag=(print_, request_id, request.path), client=(sock, True, head), client_required=True
-            )
         except ServingError:
             self.router.release()
             return False
-        raw = data[: request.size]
-        early = EarlyRequest(group, pending, request_id, request.path, print_, admitted, conn, raw, close)
+        early = EarlyRequest(group, time.monotonic(), conn, close)
         with self._lock:
             self._sent[sock] = early
             self._lock.notify()
-        taken = _consume(sock, request.size)
-        pending.watcher = lambda _: self._heard(early)
-        if taken != request.size:  # cannot happen with the bytes peeked above; served by a thread if it does
-            early.raw = raw[taken:]
-            self._hand_to_thread(early)
-        elif pending.done or (pending.head is not None and not pending.head.written):
-            self._heard(early)  # it ended before the watcher was set
-        self.metrics.read_early.inc()
+        head = ResponseHead("HTTP/1.1", SERVER, close, {GROUP_HEADER: group.name})
+        sock.setblocking(True)  # the mode a request thread serves it in, which rank 0's writes keep
+        try:
+            pending = group.hand_off(
+                sock, head, self.launch.max_payload_bytes, lambda pending: self._heard(early, pending)
+            )
+        except ServingError:
+            with self._lock:
+                self._sent.pop(sock, None)
+            self.router.release()
+            return False
+        early.pending = pending
         self._start_watch()
         return True
 
@@ -201,17 +182,52 @@ class EarlyRequests:
             if early.owner:
                 return False
             early.owner = owner
-            if owner == "reader":
+            if owner != "thread":  # a request thread adopts it (by its socket)
                 self._sent.pop(early.conn.sock, None)
             return True
 
-    def _heard(self, early: EarlyRequest) -> None:
-        """The reader thread of the group's connection: the request's head was left to the
-        frontend, or it ended (a request already handed to a thread is that thread's)."""
-        if not early.pending.clean_end:
+    def _heard(self, early: EarlyRequest, pending: PendingRequest) -> None:
+        """The reader thread of the group's connection: rank 0 read the request or declined it,
+        the request's head was left to the frontend, or it ended (a request already handed to a
+        thread is that thread's)."""
+        early.pending = pending
+        if pending.declined is not None:
+            self._give_back(early, pending.declined.raw)
+            return
+        if pending.taken is not None and not early.path:
+            self._read(early, pending.taken)
+        if not pending.done and (pending.head is None or pending.head.written):
+            return
+        if not early.path:  # the group went away before it said it read the request
+            self._give_back(early, None)
+        elif not pending.clean_end:
             self._hand_to_thread(early)
         elif self._claim(early, "reader"):
             self._finish(early)
+
+    def _read(self, early: EarlyRequest, taken: Taken) -> None:
+        """What the frontend keeps of a request rank 0 read: what its fallback and its completion
+        line need (its bytes are read again by a request thread that takes it over)."""
+        early.request_id, early.raw, early.close = taken.request_id, taken.raw, taken.close
+        body = taken.raw[taken.raw.find(b"\r\n\r\n") + 4 :]
+        early.print_ = fingerprint(f"{taken.path}?", body)  # as Invocation.run makes it
+        early.pending.tag = (early.print_, taken.request_id, taken.path)
+        early.path = taken.path
+        self.metrics.read_early.inc()
+
+    def _give_back(self, early: EarlyRequest, raw: bytes | None) -> None:
+        """The request is the server's again, as if it had never been taken: a request thread
+        reads it, after ``raw`` (what rank 0 read of it). ``None``: nobody knows what rank 0 read;
+        the connection is served again only if the client's bytes are still there, else closed."""
+        if not self._claim(early, "server"):
+            return
+        self.router.release()
+        assert self.connections is not None  # send() took it
+        if raw is None and not client_waiting(early.conn.sock):
+            log.error("a connection handed to worker group %s, which went away: closing it", early.group.name)
+            self.connections.let_go(early.conn, False)
+        else:
+            self.connections.requeue(early.conn, raw or b"")
 
     def _hand_to_thread(self, early: EarlyRequest) -> None:
         if self._claim(early, "thread"):
@@ -249,23 +265,9 @@ class EarlyRequests:
         while True:
             with self._lock:
                 self._lock.wait_for(lambda: bool(self._sent))
-                watched = [early for early in self._sent.values() if not early.owner]
+                watched = [early for early in self._sent.values() if not early.owner and early.path]
             now = time.monotonic()
             for early in watched:
                 if now >= early.pending.progress_at + self.launch.predict_timeout or client_gone(early.conn.sock):
                     self._hand_to_thread(early)
             time.sleep(CLIENT_CHECK_INTERVAL)
-
-
-def _consume(sock: socket.socket, size: int) -> int:
-    """Read ``size`` bytes already waiting on ``sock``; how many it read."""
-    taken = 0
-    while taken < size:
-        try:
-            data = sock.recv(size - taken, socket.MSG_DONTWAIT)
-        except OSError:
-            break
-        if not data:
-            break
-        taken += len(data)
-    return taken

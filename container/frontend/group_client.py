@@ -41,10 +41,12 @@ from container.core.protocol import (
     Attach,
     Cancel,
     Chunk,
+    Declined,
     End,
     Ending,
     Fail,
     FrameBuffer,
+    Handoff,
     Head,
     Invoke,
     Message,
@@ -52,6 +54,7 @@ from container.core.protocol import (
     RegisterAdapter,
     ResponseHead,
     Status,
+    Taken,
     UnregisterAdapter,
     WorkerState,
     encode,
@@ -148,6 +151,23 @@ class GroupClient:
         self._send(sock, encode(invoke))  # a connection that drops fails the request (503) in _lost
         return pending
 
+    def hand_off(self, client: socket.socket, head: ResponseHead, max_body: int, watcher: Callable) -> PendingRequest:
+        """Hand a client's connection to the group with its next request unread (``Handoff``):
+        rank 0 reads the request and answers ``Taken`` (then as for an ``Invoke`` with ``client``)
+        or ``Declined`` (``watcher`` is the pending request's from the start). Raises
+        ``ServiceUnavailable`` if the group is not ready or its descriptor channel did not take it."""
+        pending = PendingRequest(uuid.uuid4().hex)
+        pending.watcher = watcher
+        with self._lock:
+            if self.state is not WorkerState.READY or self._sock is None:
+                raise ServiceUnavailable(f"worker group {self.name} is {self.state.value}")
+            self._pending[pending.id] = pending
+        if not self._hand_over(Handoff(id=pending.id, head=head, max_body=max_body), client):
+            self._pending.pop(pending.id, None)
+            raise ServiceUnavailable(f"worker group {self.name}'s descriptor channel is not available")
+        pending.handed_over = True
+        return pending
+
     def fetch_metrics(self, timeout: float) -> str:
         """The group's Prometheus metrics (text format)."""
         request_id = f"metrics-{uuid.uuid4().hex}"
@@ -207,7 +227,7 @@ class GroupClient:
         if sock is not None:  # no connection: the request fails with it
             self._send(sock, encode(Attach(id=pending.id)))
 
-    def _hand_over(self, message: Attach, client: socket.socket) -> bool:
+    def _hand_over(self, message: Attach | Handoff, client: socket.socket) -> bool:
         """Send ``message`` with ``client``'s descriptor on the descriptor channel (connected on
         first use after each connect); False when it cannot be done."""
         with self._channel_lock:
@@ -342,14 +362,14 @@ class GroupClient:
                     self._set_state(message.state, message.detail)
                     self.last_words = message.detail if message.state is WorkerState.DOWN else ""
                 else:  # rank 0 answers with these (its InvokeBatch and Broadcast go to the other ranks)
-                    answer = cast("Head | Chunk | Ending | End | Fail", message)
+                    answer = cast("Head | Chunk | Ending | End | Fail | Taken | Declined", message)
                     batches.setdefault(answer.id, []).append(answer)
             for request_id, messages in batches.items():
                 pending = self._pending.get(request_id)
                 if pending is None:
                     continue  # cancelled or timed out: the answer is no longer wanted
                 pending.deliver(messages)
-                if isinstance(messages[-1], (End, Fail)):
+                if isinstance(messages[-1], (End, Fail, Declined)):
                     self._pending.pop(request_id, None)
         if frames.pending_bytes:
             raise ProtocolError("connection closed in the middle of a frame")

@@ -63,7 +63,8 @@ class FrontendMetrics:
         )
         self.read_early = Counter(
             "sagelmi_requests_read_early",
-            "Streamed requests sent to their worker group by the frontend's accepting thread, without a request thread",
+            "Streamed requests read by their worker group's rank 0, handed the connection by the frontend's "
+            "accepting thread, without a request thread",
             registry=self.registry,
         )
         self.worker_ready = Gauge(

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from container.core.errors import ClientClosedRequest, GatewayTimeout, ServingError
-from container.core.protocol import Chunk, End, Ending, Fail, Head, Progress
+from container.core.protocol import Chunk, Declined, End, Ending, Fail, Head, Progress, Taken
 
 
 class WorkerFailed(ServingError):
@@ -69,24 +69,32 @@ class PendingRequest:
         self.ending: Ending | None = None  # the group ends the body it writes itself (protocol: Ending)
         self.direct = False  # the group writes the body to the client's socket itself (GroupClient.attach)
         self.handed_over = False  # the client's socket went to the group with the Invoke (GroupClient.submit)
+        self.taken: Taken | None = None  # rank 0 read the request itself (GroupClient.hand_off) ...
+        self.declined: Declined | None = None  # ... or left it to the frontend
         self.head_at = 0.0  # when a Head the group wrote itself came (Head.written): the time to the first byte
         self.progress_at = time.monotonic()  # when the group last said something of this request
-        # Called (by the reader thread, outside the lock) when a Head the group did not write, the End
-        # or an error comes: a request nobody waits on (container.frontend.early) learns of it so
+        # Called (by the reader thread, outside the lock) when a Taken or Declined, a Head the group did
+        # not write, the End or an error comes: a request nobody waits on (container.frontend.early)
+        # learns of it so
         self.watcher: Callable[[PendingRequest], None] | None = None
 
     # -- reader thread side
     def deliver(self, messages: list) -> None:
         """Take a batch of this request's messages; wake its thread once, and
         only if it has something to do."""
-        head, data, ending, last = None, [], None, None
-        for message in messages:  # a Head first, then chunks or Progress, an Ending, at most one End or Fail
+        head, data, ending, last, told = None, [], None, None, False
+        # a Taken or Declined first, a Head, then chunks or Progress, an Ending, at most one End or Fail
+        for message in messages:
             if isinstance(message, Chunk):
                 data.append(message.data)
             elif isinstance(message, Head):
                 head = message
             elif isinstance(message, Ending):
                 ending = message
+            elif isinstance(message, Taken):
+                self.taken, told = message, True
+            elif isinstance(message, Declined):
+                self.declined, told = message, True
             elif not isinstance(message, Progress):  # a Progress only counts as progress
                 last = message
         with self._cond:
@@ -97,7 +105,7 @@ class PendingRequest:
                 if head.written:
                     self.direct = True
                     self.head_at = self.progress_at
-                    if not (data or ending or last):
+                    if not (data or ending or last or told):
                         return  # the group writes the stream: the request thread can wait for its end
             if data:  # the batch's chunks of this request go out in one write
                 joined = b"".join(data)  # one item: joined is that item, no copy
@@ -116,7 +124,7 @@ class PendingRequest:
                 self.body_bytes += last.body_bytes
             if self._sink is None or self.has_data():
                 self._cond.notify_all()
-        if self.watcher is not None and (last is not None or (head is not None and not head.written)):
+        if self.watcher is not None and (told or last is not None or (head is not None and not head.written)):
             self.watcher(self)
 
     def _write_direct(self, data: bytes) -> bool:

@@ -24,7 +24,7 @@ from container.core.protocol import (
     encode,
     frame_length,
 )
-from container.worker.direct import WRITE_HIGH_WATER, DescriptorChannel, DirectBody, response_head
+from container.worker.direct import WRITE_HIGH_WATER, DescriptorChannel, DirectBody, peer_pid, response_head
 
 log = logging.getLogger("sagelmi.worker")
 
@@ -87,12 +87,14 @@ class Connection:
         self._bodies: dict[str, DirectBody] = {}  # streamed answers not relayed to the frontend
         self._touched: list[DirectBody] = []  # bodies with pieces for the next write
         self._queue: list[bytes | _Body] = []  # frames, and bodies still open to more chunks
+        self._quiet: list[bytes] = []  # frames that leave first with the next write (queue_quietly)
         self._open: dict[str, _Body] = {}  # request id -> its body, while it is its last queued message
         self._queued = 0  # bytes queued (about)
         self._added = False  # a frame was queued since the last pass
         self._due = 0.0  # when the queue leaves at the latest: its first frame's time + COALESCE_SECONDS
         self._call_soon = self._loop.call_soon
         self._pass_soon = self._pass  # bound once: it is scheduled once a loop pass
+        self.peer_pid = peer_pid(writer.get_extra_info("socket"))  # the process at the other end
 
     async def send(self, message: Message) -> None:
         """Queue ``message``; raises ``PeerGone`` once the connection is closed."""
@@ -100,6 +102,12 @@ class Connection:
             if self.add_chunk(message.id, message.data):
                 await self.wait_writable()
             return
+        self.queue(message)
+        if self.writer.transport.get_write_buffer_size() > WRITE_HIGH_WATER or self.writer.is_closing():
+            await self.wait_writable()
+
+    def queue(self, message: Message) -> None:
+        """Queue ``message`` (not a ``Chunk``) without waiting for the frontend to read."""
         if not self._queue and not self._touched:
             self._due = monotonic() + COALESCE_SECONDS  # not loop.time(): uvloop's counts whole milliseconds
             self._call_soon(self._pass_soon)
@@ -115,8 +123,12 @@ class Connection:
             # the client's socket over while the handler goes on (vLLM's add_request, the prefill);
             # on the end it ends the client's response (a body's record stays until drop_stream)
             self._write_frames()
-        if self.writer.transport.get_write_buffer_size() > WRITE_HIGH_WATER or self.writer.is_closing():
-            await self.wait_writable()
+
+    def queue_quietly(self, message: Message, latest: float) -> None:
+        """Queue ``message`` to leave with the next frames written, within ``latest`` seconds at the
+        latest: it wakes the frontend no sooner than something else does."""
+        self._quiet.append(encode(message))  # apart: a queue holding only these schedules no pass
+        self._loop.call_later(latest, self._write_frames)
 
     def add_chunk(self, request_id: str, data: bytes) -> bool:
         """Queue a piece of request ``request_id``'s body, merged with the piece queued
@@ -162,6 +174,11 @@ class Connection:
         found = self._channel.claim(request_id) if self._channel is not None else None
         if found is not None:
             self._clients[request_id] = found
+
+    def give_client(self, attach: Attach, fd: int) -> None:
+        """Hold the client's socket ``fd`` of request ``attach.id``, read by rank 0 itself
+        (``container.worker.handoff``), as ``claim_client`` does."""
+        self._clients[attach.id] = (attach, fd)
 
     def release_client(self, request_id: str) -> bool:
         """Let go of the client's socket that came with the request, unused (before its ``Head``
@@ -298,6 +315,8 @@ class Connection:
         stream's body is a send of its own; a stream starting or ending every few passes, as
         at 64 streams of a fast handler, otherwise split every stream's writes)."""
         queue, self._queue = self._queue, []
+        if self._quiet:  # each the first frame of its request: ahead of the others' frames is in order
+            queue[:0], self._quiet = self._quiet, []
         self._open.clear()
         if queue and not self.writer.is_closing():
             data = b"".join(item if isinstance(item, bytes) else item.frame() for item in queue)

@@ -21,6 +21,7 @@ import logging
 import os
 import re
 import socket
+import struct
 from collections.abc import Callable, Collection, Mapping
 from email.utils import formatdate
 from pathlib import Path
@@ -28,7 +29,7 @@ from time import monotonic, time
 from typing import Protocol
 
 from container.core.errors import ClientClosedRequest
-from container.core.protocol import Attach, ProtocolError, ResponseHead, fd_channel_path, receive_with_fd
+from container.core.protocol import Attach, Handoff, ProtocolError, ResponseHead, fd_channel_path, receive_with_fd
 from container.core.sessions import SESSION_HEADERS
 
 log = logging.getLogger("sagelmi.worker")
@@ -47,6 +48,18 @@ HOP_BY_HOP = frozenset({"content-length", "transfer-encoding", "connection", "ke
 # Headers the frontend acts on or that frame the body: a head with one is the frontend's to write
 _FRONTEND_HEADERS = HOP_BY_HOP | {"upgrade", "te", "trailer", "trailers"} | SESSION_HEADERS
 _date: tuple[int, bytes] = (0, b"")
+_CREDENTIALS = struct.Struct("3i")  # SO_PEERCRED's pid, uid, gid
+
+
+def peer_pid(sock: object) -> int:
+    """The process at the other end of a Unix socket (0 when it cannot be told)."""
+    try:
+        pid, _, _ = _CREDENTIALS.unpack(
+            sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDENTIALS.size)  # type: ignore[attr-defined]
+        )
+    except (AttributeError, OSError, struct.error):
+        return 0
+    return pid
 
 
 def _http_date() -> bytes:
@@ -257,7 +270,8 @@ class DescriptorChannel:
     ``socket_path``: the frontend hands over clients' sockets there). Each message is an
     ``Attach`` with the client's socket: for the one of ``connections`` whose answer waits for
     it (``Connection.attach``; with none, the descriptor is closed), or, with a ``head``, for a
-    request whose ``Invoke`` comes next (``claim``)."""
+    request whose ``Invoke`` comes next (``claim``); or a ``Handoff``: a connection whose request
+    rank 0 reads itself (``on_handoff``, told the process that sent it)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, socket_path: str, connections: Collection[Attachable]) -> None:
         self.loop = loop
@@ -268,7 +282,8 @@ class DescriptorChannel:
         self.sock.bind(path)
         self.sock.listen(16)
         self.sock.setblocking(False)
-        self.peers: set[socket.socket] = set()
+        self.peers: dict[socket.socket, int] = {}  # -> the process at its other end
+        self.on_handoff: Callable[[Handoff, int, int], None] | None = None
         self.unclaimed: dict[str, tuple[Attach, int, float]] = {}  # request id -> a socket before its Invoke
         loop.add_reader(self.sock.fileno(), self._accept)
 
@@ -291,7 +306,7 @@ class DescriptorChannel:
             except BlockingIOError:
                 return
             peer.setblocking(False)
-            self.peers.add(peer)
+            self.peers[peer] = peer_pid(peer)
             self.loop.add_reader(peer.fileno(), self._read, peer)
 
     def _read(self, peer: socket.socket) -> None:
@@ -311,6 +326,8 @@ class DescriptorChannel:
                 log.warning("ignoring a descriptor-channel message without a descriptor")
             elif isinstance(message, Attach) and message.head is not None:
                 self._keep(message, fd)
+            elif isinstance(message, Handoff) and self.on_handoff is not None:
+                self.on_handoff(message, fd, self.peers.get(peer, 0))
             elif not isinstance(message, Attach) or not any(c.attach(message, fd) for c in list(self.connections)):
                 os.close(fd)  # the answer has ended or was cancelled meanwhile: the frontend writes
 
@@ -326,7 +343,7 @@ class DescriptorChannel:
 
     def _drop(self, peer: socket.socket) -> None:
         self.loop.remove_reader(peer.fileno())
-        self.peers.discard(peer)
+        self.peers.pop(peer, None)
         peer.close()
 
     def close(self) -> None:

@@ -62,6 +62,7 @@ from container.worker.batching import Batcher
 from container.worker.calls import Calls
 from container.worker.connection import Connection, DroppedAnswers, PeerGone
 from container.worker.direct import DescriptorChannel
+from container.worker.handoff import Handoffs
 from container.worker.observe import Observer, metrics_text
 from container.worker.priority import EnginePriority
 from container.worker.requests import batch_input, common_properties, request_input, split_batch, to_output
@@ -118,6 +119,8 @@ class Worker:
             self.loop.add_signal_handler(sig, self.stopping.set)
         if self.context.rank == 0:  # before the socket: a connection's Invoke may claim a client's socket at once
             self.channel = DescriptorChannel(self.loop, self.context.launch.socket_path, self.connections)
+            ready = lambda: self.status.state is WorkerState.READY  # noqa: E731
+            self.channel.on_handoff = Handoffs(self.connections, self._dispatch, ready).receive
         server = await self._listen() if self.context.rank == 0 else None
         code = 0
         loading = asyncio.create_task(self._load())

@@ -468,3 +468,44 @@ def test_a_request_taken_early_times_out_or_loses_its_client_as_any_other(server
     assert "-> 499 client_gone" in _completion_line(server, "early-gone")
     assert time.monotonic() - left < 1.5
     assert server.invoke({"inputs": "after"}).status_code == 200
+
+
+def test_a_connection_handed_to_the_worker_unread_is_served_by_the_frontend_when_the_worker_declines_it(
+        server, tmp_path):
+    """gthread's main loop hands a connection whose request looks like a streamed one to rank 0
+    unread (container/worker/handoff.py). What rank 0 does not read (a header repeated, a stream
+    asked for in a header only) it gives back with nothing read, and a body slower than the main
+    loop waits for never goes there: the frontend serves each as any other request, on the same
+    connection."""
+    import socket
+
+    from tests.server import metric
+
+    gate = tmp_path / "gate"
+    gate.write_text("open")
+    payload = {"lines": ["a", "b"], "gate": str(gate), "stream": True}
+    expected = b"".join(json.dumps({"outputs": f"{x}\n"}).encode() + b"\n" for x in "ab")
+    repeated = _post(payload, "declined-repeated").replace(b"Host: test\r\n", b"Accept: a\r\nAccept: b\r\n")
+    in_a_header = _post({"lines": ["a", "b"], "gate": str(gate)}, "declined-header").replace(
+        b"Host: test", b'X-Note: "stream": true')
+    slow = _post(payload, "declined-slow")
+    head_end = slow.index(b"\r\n\r\n") + 4
+    before = metric(server, "sagelmi_requests_read_early_total")
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(repeated)
+        answers = _read_responses(sock, 1)
+        sock.sendall(in_a_header)
+        answers += _read_responses(sock, 1)
+        sock.sendall(slow[:head_end])
+        time.sleep(1.0)  # longer than the main loop waits for the rest (EARLY_WAIT)
+        sock.sendall(slow[head_end:])
+        answers += _read_responses(sock, 1)
+    declined = metric(server, "sagelmi_requests_read_early_total") - before
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(_post(payload, "taken-after"))
+        answers += _read_responses(sock, 1)
+    assert [(status, body) for status, _, body in answers] == [(200, expected)] * 4
+    assert declined == 0
+    assert metric(server, "sagelmi_requests_read_early_total") - before == 1
+    for name in ("declined-repeated", "declined-header", "declined-slow", "taken-after"):
+        assert "-> 200" in _completion_line(server, name)

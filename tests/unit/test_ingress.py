@@ -10,7 +10,7 @@ from gunicorn.http import wsgi
 from gunicorn.http.parser import RequestParser
 from werkzeug.datastructures import EnvironHeaders
 
-from container.core.ingress import Partial, read_request, request_properties
+from container.core.ingress import Partial, may_be_read, read_request, request_properties
 
 BODY = b'{"model": "m", "prompt": "hi", "stream": true}'
 
@@ -113,3 +113,27 @@ def test_a_body_over_the_limit_is_left_to_gunicorn() -> None:
     data = request(b"Host: x\r\n")
     assert read_request(data, len(BODY)) is not None
     assert read_request(data, len(BODY) - 1) is None
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        (request(b"Host: x\r\n"), True),
+        (request(b"host: x\r\ncontent-type: a\r\n").replace(b"Content-Length", b"content-length"), True),
+        (request(b"Host: x\r\n", b'{"prompt": "hi"}'), False),
+        (request(b"Host: x\r\n", line=b"POST /v1/embeddings HTTP/1.1"), False),
+        (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n\r\n" + BODY, False),  # no length: gunicorn's
+        (b"POST /v1/comp", Partial(14)),
+        (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n", Partial(41)),
+        (request(b"Host: x\r\n")[: -len(BODY)], Partial(len(request(b"Host: x\r\n")))),
+        (request(b"Host: x\r\n")[:-3], Partial(len(request(b"Host: x\r\n")))),
+        (request(b"Host: x\r\n", b"x" * (1 << 16)), False),  # larger than what is peeked
+    ],
+)
+def test_the_main_loops_look_hands_over_only_what_is_there_and_asks_for_a_stream(data, expected) -> None:
+    """``may_be_read``: gthread's main loop hands a connection to rank 0 unread only for a request
+    all there that asks for a stream (rank 0's ``read_request`` then decides); it waits for one not
+    all there, as ``read_request`` would."""
+    assert may_be_read(data) == expected
+    if expected is True:
+        assert read_request(data, 1 << 20) is not None
