@@ -273,6 +273,11 @@ STEP_TOKENS = "vllm:iteration_tokens_total"
 
 def engine_steps(port: int) -> tuple[float, float]:
     """(steps, tokens) the engine has run so far, summed over its label sets."""
+    return histogram(port, STEP_TOKENS)
+
+
+def histogram(port: int, metric: str) -> tuple[float, float]:
+    """(count, sum) of one of vLLM's histograms on a server's GET /metrics, over its label sets."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     try:
         conn.request("GET", "/metrics")
@@ -283,7 +288,7 @@ def engine_steps(port: int) -> tuple[float, float]:
     for line in text.splitlines():
         name, _, value = line.rpartition(" ")
         for suffix in totals:
-            if name.startswith(STEP_TOKENS + suffix):
+            if name.startswith(metric + suffix):
                 totals[suffix] += float(value)
     return totals["_count"], totals["_sum"]
 

@@ -15,7 +15,9 @@ each (as bench.py's client makes), the servers' order reversed every round, ``SE
 The routes (bench.py's bodies, 64 tokens): ``completions`` (``/v1/completions`` on both) and
 ``lmi`` (sagelmi's LMI ``/invocations`` against vLLM's ``/v1/completions`` with ``logprobs: 0``).
 Per server and route: TTFT and the stream's end (p50 over all requests), CPU per request by
-process (``bench.role_of``); per round, each sagelmi's TTFT median over vLLM's, and the median of
+process (``bench.role_of``), and the mean TTFT at the client beside vLLM's own over the same
+requests (``vllm:time_to_first_token_seconds``: from ``AsyncLLM.add_request`` to the first token's
+output), whose difference is the request path's part, in and out, free of the engine's pace; per round, each sagelmi's TTFT median over vLLM's, and the median of
 those ratios with the number of rounds below 1. Writes rounds.md, rounds.json and rounds.png.
 """
 
@@ -44,6 +46,7 @@ from bench import (
     SETTLE_S,
     Server,
     free_port,
+    histogram,
     model_dirs,
     start_server,
     start_vllm,
@@ -52,6 +55,7 @@ from bench import (
 from relay import checkout, sagelmi_command, tear_down, this_commit, tree_env
 
 VLLM = "vLLM"
+ENGINE_TTFT = "vllm:time_to_first_token_seconds"  # from AsyncLLM.add_request to the first token's output
 END = b"\r\n0\r\n\r\n"  # a chunked body's end
 # route -> (sagelmi's path, body, what starts each of its events; vLLM's path, body, the same)
 ROUTES = {
@@ -95,6 +99,7 @@ def run_route(route: str, servers: dict[str, Server], rounds: int, requests: int
     made = {name: message(path, body) for name, (path, body, _) in asks.items()}
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name in servers}
     cpu: dict[str, dict[str, float]] = {name: {} for name in servers}
+    engine_ttft = {name: [0.0, 0.0] for name in servers}  # vLLM's own count and sum, over the rounds
     ratios: dict[str, list[float]] = {name: [] for name in servers if name != VLLM}
     order = list(servers)
     for name in order:  # warm-up, not measured
@@ -104,9 +109,12 @@ def run_route(route: str, servers: dict[str, Server], rounds: int, requests: int
         medians = {}
         for name in order if number % 2 == 0 else order[::-1]:
             time.sleep(SETTLE_S)
+            engine_before = histogram(servers[name].port, ENGINE_TTFT)
             before = tree_cpu_by_role(servers[name].process.pid)
             got = [one(servers[name].port, made[name], asks[name][2]) for _ in range(requests)]
             after = tree_cpu_by_role(servers[name].process.pid)
+            for i, value in enumerate(histogram(servers[name].port, ENGINE_TTFT)):
+                engine_ttft[name][i] += value - engine_before[i]
             for role, seconds in after.items():
                 cpu[name][role] = cpu[name].get(role, 0.0) + seconds - before.get(role, 0.0)
             samples[name] += got
@@ -120,6 +128,11 @@ def run_route(route: str, servers: dict[str, Server], rounds: int, requests: int
         result["servers"][name] = {
             "requests": len(got), "ttft_p50_ms": ms([t for t, _ in got]), "end_p50_ms": ms([e for _, e in got]),
             "cpu_ms_per_request": round(sum(cpu[name].values()) / len(got) * 1000, 2),
+            # the part of the time to the first token outside vLLM's own count (from add_request to
+            # the first token's output): the request path, in and out, as means over the same requests
+            "ttft_mean_ms": round(statistics.fmean(t for t, _ in got) * 1000, 3),
+            "engine_ttft_mean_ms": round(engine_ttft[name][1] / engine_ttft[name][0] * 1000, 3)
+            if engine_ttft[name][0] else None,
             "cpu_ms_per_request_by_role": {role: round(s / len(got) * 1000, 2) for role, s in sorted(cpu[name].items())},
         }
     for name, per_round in ratios.items():
@@ -137,10 +150,15 @@ def write_results(data: dict, out: Path) -> None:
              "order reversed every round; bench.py's bodies and engine settings (`benchmarks/rounds.py`).", ""]
     for result in data["results"]:
         lines += [f"## `{result['route']}`", "",
-                  "| server | TTFT p50 ms | stream's end p50 ms | CPU per request ms | by process |", "|---|---|---|---|---|"]
+                  "| server | TTFT p50 ms | stream's end p50 ms | CPU per request ms | by process "
+                  "| TTFT mean ms: at the client; vLLM's own; the request path's part |",
+                  "|---|---|---|---|---|---|"]
         for name, s in result["servers"].items():
             roles = ", ".join(f"{role} {v}" for role, v in s["cpu_ms_per_request_by_role"].items())
-            lines.append(f"| {name} | {s['ttft_p50_ms']} | {s['end_p50_ms']} | {s['cpu_ms_per_request']} | {roles} |")
+            engine = s.get("engine_ttft_mean_ms")
+            path = "" if engine is None else f"; {engine}; {round(s['ttft_mean_ms'] - engine, 3)}"
+            lines.append(f"| {name} | {s['ttft_p50_ms']} | {s['end_p50_ms']} | {s['cpu_ms_per_request']} | {roles} "
+                         f"| {s.get('ttft_mean_ms', '')}{path} |")
         lines.append("")
         for name, r in result["ttft_ratio"].items():
             lines.append(f"- TTFT {name} / {VLLM}, median of the rounds' ratios: {r['median']} "

@@ -99,6 +99,8 @@ def test_make_bench_compares_both_servers(tmp_path, tiny_model):
             assert server["requests"] == 2 * 3, name
             assert 0 < server["ttft_p50_ms"] < server["end_p50_ms"], name
             assert server["cpu_ms_per_request"] > 0 and "engine core" in server["cpu_ms_per_request_by_role"]
+            # vLLM's own count of the same requests' first tokens: inside the client's
+            assert 0 < server["engine_ttft_mean_ms"] < server["ttft_mean_ms"], name
         assert len(result["ttft_ratio_per_round"]["sagelmi"]) == 2
         assert result["ttft_ratio"]["sagelmi"]["rounds"] == 2
     assert "| sagelmi |" in (tmp_path / "rounds.md").read_text()
