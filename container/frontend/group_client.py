@@ -135,19 +135,12 @@ class GroupClient:
         head and body itself (``Invoke.client``; ``pending.handed_over`` says whether it went;
         with ``client_required``, nothing is sent and ``ServiceUnavailable`` raised if it did not)."""
         pending = PendingRequest(invoke.id, tag)
-        with self._lock:
-            if (require_ready and self.state is not WorkerState.READY) or self._sock is None:
-                raise ServiceUnavailable(f"worker group {self.name} is {self.state.value}")
-            self._pending[invoke.id] = pending
-            sock = self._sock
+        sock = self._register(pending, require_ready)
         if client is not None:
             client_sock, chunked, head = client
-            if self._hand_over(Attach(id=invoke.id, direct=True, chunked=chunked, head=head), client_sock):
-                pending.handed_over = True
+            message = Attach(id=invoke.id, direct=True, chunked=chunked, head=head)
+            if self._hand_over_with(pending, message, client_sock, client_required):
                 invoke = msgspec.structs.replace(invoke, client=True)
-            elif client_required:
-                self._pending.pop(invoke.id, None)
-                raise ServiceUnavailable(f"worker group {self.name}'s descriptor channel is not available")
         self._send(sock, encode(invoke))  # a connection that drops fails the request (503) in _lost
         return pending
 
@@ -158,15 +151,32 @@ class GroupClient:
         ``ServiceUnavailable`` if the group is not ready or its descriptor channel did not take it."""
         pending = PendingRequest(uuid.uuid4().hex)
         pending.watcher = watcher
+        self._register(pending, require_ready=True)
+        self._hand_over_with(pending, Handoff(id=pending.id, head=head, max_body=max_body), client, required=True)
+        return pending
+
+    def _register(self, pending: PendingRequest, require_ready: bool) -> socket.socket:
+        """Expect answers for ``pending`` on the group's connection, which is returned; raises
+        ``ServiceUnavailable`` if the group is not ready (or, without ``require_ready``, not connected)."""
         with self._lock:
-            if self.state is not WorkerState.READY or self._sock is None:
+            if (require_ready and self.state is not WorkerState.READY) or self._sock is None:
                 raise ServiceUnavailable(f"worker group {self.name} is {self.state.value}")
             self._pending[pending.id] = pending
-        if not self._hand_over(Handoff(id=pending.id, head=head, max_body=max_body), client):
+            return self._sock
+
+    def _hand_over_with(
+        self, pending: PendingRequest, message: Attach | Handoff, client: socket.socket, required: bool
+    ) -> bool:
+        """``_hand_over`` for ``pending``'s request (``pending.handed_over`` says it went); with
+        ``required``, a hand-over that cannot be done forgets the request and raises
+        ``ServiceUnavailable``."""
+        if self._hand_over(message, client):
+            pending.handed_over = True
+            return True
+        if required:
             self._pending.pop(pending.id, None)
             raise ServiceUnavailable(f"worker group {self.name}'s descriptor channel is not available")
-        pending.handed_over = True
-        return pending
+        return False
 
     def fetch_metrics(self, timeout: float) -> str:
         """The group's Prometheus metrics (text format)."""

@@ -128,7 +128,11 @@ class Connection:
         """Queue ``message`` to leave with the next frames written, within ``latest`` seconds at the
         latest: it wakes the frontend no sooner than something else does."""
         self._quiet.append(encode(message))  # apart: a queue holding only these schedules no pass
-        self._loop.call_later(latest, self._write_frames)
+        self._loop.call_later(latest, self._write_quiet)
+
+    def _write_quiet(self) -> None:
+        if self._quiet:  # nothing left with other frames meanwhile
+            self._write_frames()
 
     def add_chunk(self, request_id: str, data: bytes) -> bool:
         """Queue a piece of request ``request_id``'s body, merged with the piece queued
