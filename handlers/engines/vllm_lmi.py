@@ -14,6 +14,7 @@ from typing import Any
 from vllm import envs as vllm_envs
 from vllm.exceptions import VLLMClientError
 from vllm.lora.request import LoRARequest
+from vllm.renderers.inputs.preprocess import parse_model_prompt
 from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from vllm.v1.engine.exceptions import EngineDeadError
 
@@ -78,7 +79,11 @@ class LmiFront:
         is raised here, before any of them."""
         engine_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
         try:
-            collector = await self.engine.add_request(engine_id, prompt, sampling, lora_request=lora)
+            # rendered (tokenized, checked against max_model_len) as vLLM's serving classes do: a
+            # raw prompt is rendered the same way inside add_request, with a deprecation warning
+            renderer = self.engine.renderer
+            (engine_input,) = renderer.render_cmpl([parse_model_prompt(renderer.model_config, prompt)])
+            collector = await self.engine.add_request(engine_id, engine_input, sampling, lora_request=lora)
         except EngineDeadError:
             raise ServiceUnavailable(ENGINE_STOPPED) from None
         except Exception as exc:

@@ -126,3 +126,12 @@ def test_over_long_prompt_is_400_quickly_and_the_server_stays_healthy(vllm_serve
     assert streamed.status_code == 400
     assert requests.get(vllm_server.url("/ping"), timeout=2).status_code == 200
     assert generate(vllm_server, max_new_tokens=2)["generated_text"] is not None
+
+
+def test_lmi_prompts_reach_vllm_rendered_without_its_deprecation_warning(vllm_server):
+    # vLLM renders a raw prompt string inside add_request too, but warns that it is deprecated and
+    # will be removed: a warning every LMI user would find in their log, caused by the container
+    generate(vllm_server, max_new_tokens=2)
+    streamed = vllm_server.invoke({"inputs": "Hello world", "stream": True, "parameters": {"max_new_tokens": 2}})
+    assert streamed.status_code == 200 and streamed.text.strip().splitlines()
+    assert "Passing raw prompts to InputProcessor is deprecated" not in vllm_server.log()
