@@ -1,7 +1,8 @@
 # The README's two commands:
 #   make run    install (CPU build of vLLM included) and serve the built-in tiny model on :8080
-#   make test   install and run the whole test suite (what CI runs: .ci/run)
-# and the image: make image [DEVICE=cpu] (the Dockerfile; docs/image.md)
+#   make test   install, check the code (make lint) and run the whole test suite (what CI runs: .ci/run)
+# and: make test-fast (no engine, no image), make lint, make reliability-report (docs/reliability.md),
+# make image [DEVICE=cpu] (the Dockerfile; docs/image.md), make bench (docs/benchmarks/)
 PYTHON ?= python3
 VENV ?= .venv
 PORT ?= 8080
@@ -14,7 +15,7 @@ STAMP := $(VENV)/.sagelmi-installed
 TORCH := torch==2.13.0+cpu
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: install run test test-fast bench image
+.PHONY: install run lint test test-fast reliability-report bench image
 
 install: $(STAMP)
 
@@ -38,11 +39,33 @@ run: install $(TINY_MODEL)/sagelmi-tiny-model.json
 	@echo "  curl -s localhost:$(PORT)/invocations -H 'Content-Type: application/json' -d '{\"inputs\": \"Hello\", \"parameters\": {\"max_new_tokens\": 16}}'"
 	VLLM_CPU_KVCACHE_SPACE=$${VLLM_CPU_KVCACHE_SPACE:-1} $(BIN)/python -m container serve --model-dir $(TINY_MODEL) --port $(PORT)
 
-test: install
-	$(BIN)/python -m pytest tests
+# The rules tools check, over the product packages: lint and format (ruff), the layers
+# (import-linter's contracts in pyproject.toml), types (mypy; a first run without its cache,
+# .mypy_cache, takes a minute or two).
+PACKAGES := container handlers djl_python sagemaker_sdk
+PHASE = @echo "make: $@ $(1) at $$(date -u +%H:%M:%S) UTC"
+lint: install
+	$(call PHASE,started)
+	$(BIN)/ruff check $(PACKAGES)
+	$(BIN)/ruff format --check $(PACKAGES)
+	$(BIN)/lint-imports
+	$(BIN)/mypy
+	$(call PHASE,ended)
 
-test-fast: install
+test: lint
+	$(call PHASE,started)
+	$(BIN)/python -m pytest tests
+	$(call PHASE,ended)
+
+test-fast: lint
+	$(call PHASE,started)
 	$(BIN)/python -m pytest tests -m "not slow"
+	$(call PHASE,ended)
+
+# The figures of docs/reliability.md: the tests that measure them, then their page over the old one.
+reliability-report: install
+	$(BIN)/python -m pytest tests -m reliability
+	cp build/reliability.md docs/reliability.md
 
 # sagelmi against vLLM's own server on the tiny model, the same with vLLM on both sides (an A/A
 # run: what the benchmark can resolve here), then the relay with no engine (sagelmi against

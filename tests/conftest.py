@@ -1,21 +1,74 @@
 import subprocess
 import sys
+from collections import defaultdict
 
 import pytest
 
+from tests import reliability
 from tests.e2e.conftest import ENGINE_READY_TIMEOUT, EXACT, TINY_CONTEXT, VLLM_CPU_ENV
 from tests.server import REPO, Server, clean_env
 
+_TREE_AT_START: str | None = None
+_TIER_SECONDS: dict[str, float] = defaultdict(float)
+
+
+def _tree_status() -> str | None:
+    """``git status --porcelain`` of the checkout (None outside a git checkout)."""
+    result = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=REPO,
+                            capture_output=True, text=True)
+    return result.stdout if result.returncode == 0 else None
+
+
+def pytest_sessionstart(session):
+    global _TREE_AT_START
+    _TREE_AT_START = _tree_status()
+    reliability.start_run()
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if getattr(item.module, "record", None) is reliability.record:
+            item.add_marker(pytest.mark.reliability)  # make reliability-report runs these
+
+
+def pytest_runtest_setup(item):
+    item.stash[_SERVERS_BEFORE] = len(Server.started)
+
+
+def pytest_runtest_teardown(item):
+    """A test that starts an engine must say so with ``slow``: ``make test-fast`` starts none."""
+    if item.get_closest_marker("slow") is None:
+        engines = [s for s in Server.started[item.stash.get(_SERVERS_BEFORE, 0):] if s.ran_an_engine()]
+        assert not engines, (f"{item.nodeid} started an engine ({engines[0].model_dir}) without the slow marker; "
+                             f"mark it slow, or serve a model.py")
+
+
+def pytest_runtest_logreport(report):
+    _TIER_SECONDS[report.nodeid.split("/")[1] if report.nodeid.startswith("tests/") else "?"] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _TIER_SECONDS:
+        terminalreporter.section("time by folder (setup, call and teardown)")
+        for tier, seconds in sorted(_TIER_SECONDS.items(), key=lambda kv: -kv[1]):
+            terminalreporter.write_line(f"{tier:>12}: {seconds:7.0f} s")
+
 
 def pytest_sessionfinish(session, exitstatus):
-    from tests.server import Server
-
     left = Server.stop_leftovers()  # a server must never outlive the run, whatever failed
     if left:
         print(f"\nstopped {len(left)} server(s) a test left running: {', '.join(left)}")
     # A run that selects no tests is a broken run, never a green one.
     if exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    # Tests write no file of the checkout (build/ and the other ignored folders are theirs).
+    after = _tree_status()
+    if _TREE_AT_START is not None and after is not None and after != _TREE_AT_START:
+        print(f"\nthe tests changed the checkout (git status --porcelain):\nbefore:\n{_TREE_AT_START}after:\n{after}")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+_SERVERS_BEFORE = pytest.StashKey[int]()
 
 
 @pytest.fixture(scope="session")

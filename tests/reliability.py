@@ -5,6 +5,12 @@ Each scenario owns one block of the document, between ``<!-- scenario: NAME -->`
 table of what the test measured, when, and at which commit. The text around the
 blocks is written by hand. A test records only after its assertions passed, so the
 document never shows figures from a failed run.
+
+A test run writes its figures into ``build/reliability.md`` (a copy of the page made at the
+run's first ``record``; ``start_run`` removes the last run's), never into the tracked page:
+a run leaves the tree as it found it. ``make reliability-report`` runs the tests that record
+(marked ``reliability``) and copies the result over ``docs/reliability.md``, for a commit of
+its own.
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ import subprocess
 
 from tests.server import REPO
 
-DOCUMENT = REPO / "docs" / "reliability.md"
+PAGE = REPO / "docs" / "reliability.md"
+DOCUMENT = REPO / "build" / "reliability.md"  # what this run measured; make reliability-report publishes it
 
 
 def _commit() -> str:
@@ -45,8 +52,9 @@ def block(name: str, title: str, figures: dict[str, object], note: str = "") -> 
 
 
 def record(name: str, title: str, figures: dict[str, object], note: str = "", merge: bool = False) -> None:
-    """Put this scenario's figures into docs/reliability.md (several test processes may write).
+    """Put this scenario's figures into build/reliability.md (several test processes may write).
     ``merge``: keep the block's other rows (the cases of a parametrized test each add theirs)."""
+    _start_document()
     pattern = re.compile(rf"<!-- scenario: {re.escape(name)} -->.*?<!-- /scenario: {re.escape(name)} -->", re.S)
     with open(DOCUMENT, "r+", encoding="utf-8") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
@@ -59,6 +67,21 @@ def record(name: str, title: str, figures: dict[str, object], note: str = "", me
         handle.seek(0)
         handle.write(updated)
         handle.truncate()
+
+
+def start_run() -> None:
+    """Forget the figures of an earlier run (the test session starts with this)."""
+    DOCUMENT.unlink(missing_ok=True)
+
+
+def _start_document() -> None:
+    """Make build/reliability.md from the page once, so that blocks no test of this run wrote keep their figures."""
+    DOCUMENT.parent.mkdir(exist_ok=True)
+    try:
+        with open(DOCUMENT, "x", encoding="utf-8") as created:
+            created.write(PAGE.read_text(encoding="utf-8"))
+    except FileExistsError:
+        pass
 
 
 def _rows(text: str) -> dict[str, str]:

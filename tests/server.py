@@ -64,6 +64,7 @@ class Server:
     exit, and ``stop_leftovers`` (at the end of the session) whatever is left."""
 
     live: set["Server"] = set()
+    started: list["Server"] = []  # every server of the run, in the order they started
 
     def __init__(self, model_dir: str | Path, env: dict[str, str] | None = None, ready_timeout: float = 180,
                  wrapper: list[str] | None = None) -> None:
@@ -82,6 +83,7 @@ class Server:
              "--port", str(self.port)],
             env=self.env, stdout=self.log_file, stderr=subprocess.STDOUT, cwd=REPO)
         Server.live.add(self)
+        Server.started.append(self)
         if wait_ready:
             try:
                 self.wait_until(lambda r: r.status_code == 200, timeout or self.ready_timeout)
@@ -157,6 +159,11 @@ class Server:
 
     def log(self) -> str:
         return Path(self.log_file.name).read_text(errors="replace")
+
+    def ran_an_engine(self) -> bool:
+        """Whether a built-in engine (vLLM, lmi-dist, Accelerate) started in this server, by its log."""
+        log = self.log()
+        return "loaded (engine " in log or "starting vLLM" in log
 
     def worker_pids(self) -> list[int]:
         """PIDs of the model worker processes (children of the server)."""
