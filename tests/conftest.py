@@ -25,7 +25,18 @@ def pytest_sessionstart(session):
     reliability.start_run()
 
 
+# The order of the run by folder: quick feedback first, and the container tests last, so that the image
+# they need builds in the background (tests/container/conftest.py) while the others run.
+_ORDER = ("unit", "sdk", "integration", "mpi", "e2e", "container")
+
+
+def _folder_rank(item) -> int:
+    parts = item.nodeid.split("/")
+    return _ORDER.index(parts[1]) if len(parts) > 2 and parts[1] in _ORDER else len(_ORDER)
+
+
 def pytest_collection_modifyitems(items):
+    items.sort(key=_folder_rank)  # stable: the order within a folder stays pytest's
     for item in items:
         if getattr(item.module, "record", None) is reliability.record:
             item.add_marker(pytest.mark.reliability)  # make reliability-report runs these
