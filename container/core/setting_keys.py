@@ -248,7 +248,15 @@ KEYS: tuple[Key, ...] = (
         "option.sessions_expiration",
         ("OPTION_SESSIONS_EXPIRATION", "SAGEMAKER_SESSIONS_EXPIRATION"),
         "seconds >= 1",
-        "How long a session lives after it is created; then its requests get 400.",
+        "How long a session lives after it is created; then its requests get 400, and its files are removed.",
+    ),
+    Key(
+        "max_sessions",
+        "option.max_sessions",
+        ("OPTION_MAX_SESSIONS",),
+        "a whole number >= 1",
+        "Sessions open at once in each worker group (its SessionManager, the built-in engine's or a model.py's); "
+        "beyond it a new session is refused with 429 until one is closed or expires.",
     ),
     # -- server
     Key("port", "port", ("SERVING_PORT",), "a port number 1-65535", "HTTP port.", ("SAGEMAKER_BIND_TO_PORT",)),

@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from container.core.lmi_options import server_entry
 from container.core.serving_properties import read_properties
+from container.core.sessions import DEFAULT_MAX_SESSIONS
 from container.core.setting_keys import KEY_BY_ALIAS, KEY_BY_FIELD, KEY_BY_NAME, KEYS, option_key
 from container.core.tracing import EXPORTERS, exporter_from
 
@@ -76,6 +77,7 @@ class Settings(BaseModel):
     enable_stateful_sessions: bool = True
     sessions_path: str | None = None
     sessions_expiration: int = Field(default=1200, ge=1)
+    max_sessions: int = Field(default=DEFAULT_MAX_SESSIONS, ge=1)
     port: int = Field(default=8080, ge=1, le=65535)
     batch_size: int = Field(default=1, ge=1)
     max_batch_delay: float = Field(default=100.0, ge=0)

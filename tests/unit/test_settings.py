@@ -84,6 +84,7 @@ ALIASES = [
     ("SAGEMAKER_DEFAULT_INVOCATIONS_ACCEPT", "application/x-npy", "default_invocations_accept", "application/x-npy"),
     ("OPTION_SESSIONS_EXPIRATION", "3600", "sessions_expiration", 3600),
     ("SAGEMAKER_SESSIONS_EXPIRATION", "60", "sessions_expiration", 60),
+    ("OPTION_MAX_SESSIONS", "50", "max_sessions", 50),
     ("OPTION_BATCH_SIZE", "8", "batch_size", 8),
     ("SERVING_MAX_BATCH_DELAY", "250", "max_batch_delay", 250),
     ("OPTION_MAX_BATCH_DELAY", "50", "max_batch_delay", 50),
