@@ -23,7 +23,7 @@ import os
 import secrets
 import socket
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 DEFAULT_PORT = 8889  # not the model's port: the registration and launch channel
@@ -55,7 +55,7 @@ def _first(env: dict[str, str], names: tuple[str, ...]) -> tuple[str, str] | Non
 class ClusterConfig:
     size: int  # nodes, the leader included
     leader: str  # the leader's address (a name or an IP) as the workers reach it
-    secret: bytes
+    secret: bytes = field(repr=False)  # never in a log line that shows the config
     port: int = DEFAULT_PORT
     index: int | None = None  # this node's index (0: the leader), when the environment says
     node_address: str | None = None  # the address other nodes reach this one at, when set

@@ -30,6 +30,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from container.core.lmi_options import server_entry
+from container.core.logs import redacted_value
 from container.core.serving_properties import read_properties
 from container.core.sessions import DEFAULT_MAX_SESSIONS
 from container.core.setting_keys import KEY_BY_ALIAS, KEY_BY_FIELD, KEY_BY_NAME, KEYS, option_key
@@ -244,7 +245,14 @@ def _read_env(env: Mapping[str, str], layers: _Layers) -> None:
         layers.set(k.key, value, f"env {name}")
         for other, other_value in found[1:]:
             if other_value != value:
-                log.warning("%s=%s is ignored: %s=%s sets %s", other, other_value, name, value, k.key)
+                log.warning(
+                    "%s=%s is ignored: %s=%s sets %s",
+                    other,
+                    redacted_value(other, other_value),
+                    name,
+                    redacted_value(name, value),
+                    k.key,
+                )
     for name, value in env.items():
         if name in spelled or value == "":
             continue
@@ -275,7 +283,7 @@ def _read_file(model_dir: Path, layers: _Layers) -> None:
             log.warning(
                 "%s=%s (%s) is not a sagelmi setting and is ignored%s",
                 raw_key,
-                value,
+                redacted_value(raw_key, value),
                 source,
                 _nearest(raw_key, [k.key for k in KEYS if not k.key.startswith("option.")]),
             )
@@ -343,16 +351,19 @@ def resolve_settings(
 
 
 def describe_settings(settings: Settings) -> list[tuple[str, str, str]]:
-    """Rows of ``(key, value, source)`` for every setting and passthrough option."""
+    """Rows of ``(key, value, source)`` for every setting and passthrough option, to log or
+    print: a secret's value (``option.hf_token`` ...) is ``***``."""
     rows = []
     for k in KEYS:
         value = getattr(settings, k.field)
-        rows.append((k.key, "" if value is None else str(value), settings.sources.get(k.key, "default")))
+        rows.append(
+            (k.key, "" if value is None else str(redacted_value(k.key, value)), settings.sources.get(k.key, "default"))
+        )
     typed = {k.key for k in KEYS}
     for name, value in sorted(settings.options.items()):
         key = f"option.{name}"
         if key not in typed:
-            rows.append((key, value, settings.sources.get(key, "?") + " (passed to the handler)"))
+            rows.append((key, redacted_value(key, value), settings.sources.get(key, "?") + " (passed to the handler)"))
     return rows
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from container.core import proc
 from container.core.devices import GroupPlan
 from container.core.launch import GroupNote, WorkerLaunch, encode_launch, write_note
+from container.core.logs import redacted_command
 from container.core.protocol import WorkerState
 from container.core.settings import Settings
 from container.frontend.group_client import GroupClient
@@ -150,7 +151,7 @@ class WorkerGroup:
         if env.get("VLLM_CPU_OMP_THREADS_BIND") and self.plan.world_size > 1 and not self.plan.devices:
             details.append(f"VLLM_CPU_OMP_THREADS_BIND={env['VLLM_CPU_OMP_THREADS_BIND']}")
         log.info("started %s (%s)", self.name, ", ".join(details))
-        log.debug("%s command: %s", self.name, " ".join(command))
+        log.debug("%s command: %s", self.name, " ".join(redacted_command(command)))
 
     def _ready_incarnation(self) -> int:
         """The last start of this group that became ready: rank 0 writes it to a

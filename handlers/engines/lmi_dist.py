@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import glob
-import json
 import logging
 import os
 import pickle
@@ -45,6 +44,7 @@ from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.executor import Executor
 from vllm.v1.executor.uniproc_executor import ExecutorWithExternalLauncher
 
+from container.core.logs import redacted_json
 from handlers.api import Input, Output
 from handlers.api.context import WorkerContext
 from handlers.api.engine import Engine, Formatters
@@ -315,7 +315,7 @@ class LmiDistEngine(Engine):
             "rank %d of %d: starting vLLM's engine core with %s",
             context.rank,
             context.world_size,
-            json.dumps(kwargs, default=str, sort_keys=True),
+            redacted_json(kwargs),
         )
         started = time.monotonic()
         args = AsyncEngineArgs(**kwargs)
