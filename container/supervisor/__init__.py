@@ -39,7 +39,14 @@ from container.core.launch import (
 from container.core.plan import Plan
 from container.core.served_names import served_names
 from container.core.settings import Settings, SettingsError
-from container.supervisor.cluster import Leader, cluster_config, cluster_plan, cluster_share, serve_worker_node
+from container.supervisor.cluster import (
+    Leader,
+    cluster_config,
+    cluster_plan,
+    cluster_share,
+    serve_worker_node,
+    withhold_secret,
+)
 from container.supervisor.groups import WorkerGroup
 from container.supervisor.plan_check import compare_kv, startup_plan
 from container.supervisor.processes import (
@@ -167,6 +174,7 @@ class Supervisor:
         proc.adopt_orphans()  # what a group leaves when its first process dies comes here: _kill_family
         try:
             cluster = cluster_config(self.settings)
+            withhold_secret(cluster)
             mpirun = find_mpirun() if self.settings.use_mpi else None
             if cluster is not None and not cluster.is_leader():
                 return self._serve_as_worker_node(cluster)

@@ -68,6 +68,7 @@ class WorkerGroup:
         self.launch_path = runtime / f"group-{plan.index}.json"
         self.ready_path = runtime / f"group-{plan.index}.ready"
         self.note_path = str(runtime / f"group-{plan.index}.note")
+        self.launch_keys_path = runtime / f"group-{plan.index}.launch"  # a cluster's, for rsh
         self.launch_path.write_bytes(
             encode_launch(
                 WorkerLaunch(
@@ -123,7 +124,7 @@ class WorkerGroup:
             sys.executable,
             "-m",
             "container.core.proc",  # mpirun, tied to this process
-            *mpirun_command(self.mpirun, self.settings, self.plan, worker, env, hosts=self._hosts()),
+            *mpirun_command(self.mpirun, self.settings, self.plan, worker, env, self._hosts(), self.launch_keys_path),
         ]
 
     def _hosts(self) -> list[str] | None:
@@ -136,6 +137,7 @@ class WorkerGroup:
         if self.cluster is not None:
             self.cluster_losses = self.cluster.losses
             self._waiting_for = ""
+            self.cluster.write_launch_keys(self.launch_keys_path)  # one-use keys for this start
         env = self._env()
         command = self.command(env)
         self.process = _start(command, env=env, cwd=self.settings.model_dir)
