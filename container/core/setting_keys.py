@@ -208,6 +208,14 @@ KEYS: tuple[Key, ...] = (
         "LoRA adapters: more directories an adapter's source may be in (always allowed: the model directory "
         "and the download cache); anything outside them, through .. or a symbolic link too, is refused.",
     ),
+    Key(
+        "max_adapter_size_in_mb",
+        "max_adapter_size_in_mb",
+        ("SERVING_MAX_ADAPTER_SIZE_IN_MB",),
+        "a number of MiB > 0",
+        "LoRA adapters registered from an s3:// prefix: the most its objects may add up to; a larger "
+        "one is refused (413) from the listing's sizes, before anything is downloaded.",
+    ),
     # -- dynamic batching (handlers that batch: model.py)
     Key(
         "batch_size",

@@ -75,6 +75,7 @@ class Settings(BaseModel):
     output_formatter: Literal["json", "jsonlines", "sse"] = "jsonlines"
     tgi_compat: bool = False
     adapter_roots: str = ""
+    max_adapter_size_in_mb: float = Field(default=2048.0, gt=0)
     enable_stateful_sessions: bool = True
     sessions_path: str | None = None
     sessions_expiration: int = Field(default=1200, ge=1)
@@ -165,6 +166,10 @@ class Settings(BaseModel):
     @property
     def max_payload_bytes(self) -> int:
         return int(self.max_payload_in_mb * 1024 * 1024)
+
+    @property
+    def max_adapter_bytes(self) -> int:
+        return int(self.max_adapter_size_in_mb * 1024 * 1024)
 
     @property
     def mpi_extra_args_list(self) -> list[str]:
