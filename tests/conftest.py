@@ -5,7 +5,7 @@ from collections import defaultdict
 import pytest
 
 from tests import reliability
-from tests.e2e.conftest import ENGINE_READY_TIMEOUT, EXACT, TINY_CONTEXT, VLLM_CPU_ENV
+from tests.e2e.conftest import ENGINE_READY_TIMEOUT, EXACT, HUB_TOKEN, TINY_CONTEXT, VLLM_CPU_ENV
 from tests.server import REPO, Server, clean_env
 
 _TREE_AT_START: str | None = None
@@ -94,7 +94,7 @@ def tiny_model(tmp_path_factory):
 @pytest.fixture(scope="session")
 def vllm_server(tiny_model):
     """One real vLLM server (CPU build) on the tiny model, in float32: the single-process reference
-    of the e2e and container tests."""
-    with Server(tiny_model, env={**VLLM_CPU_ENV, **EXACT, "OPTION_MAX_ROLLING_BATCH_SIZE": "64"},
-                ready_timeout=ENGINE_READY_TIMEOUT) as server:
+    of the e2e and container tests. It has a Hub token (unused: the model is local)."""
+    env = {**VLLM_CPU_ENV, **EXACT, "OPTION_MAX_ROLLING_BATCH_SIZE": "64", "OPTION_HF_TOKEN": HUB_TOKEN}
+    with Server(tiny_model, env=env, ready_timeout=ENGINE_READY_TIMEOUT) as server:
         yield server

@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -41,6 +42,31 @@ def wait_healthy(port: int, timeout: float) -> None:
             pass
         time.sleep(0.2)
     raise AssertionError(f"nothing healthy on port {port} after {timeout}s")
+
+
+class NoDescriptorsLeft:
+    """While in use, this process can open no more files or sockets (its limit lowered, then every
+    descriptor left taken; ``take()`` again takes those other threads freed since): an ``accept``
+    fails with EMFILE. A socket made before still connects. Gives everything back after."""
+
+    def __enter__(self) -> "NoDescriptorsLeft":
+        self.soft, self.hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 64, self.hard))
+        self.held: list[int] = []
+        self.take()
+        return self
+
+    def take(self) -> None:
+        try:
+            while True:
+                self.held.append(os.open(os.devnull, os.O_RDONLY))
+        except OSError:
+            pass
+
+    def __exit__(self, *exc) -> None:
+        for fd in self.held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (self.soft, self.hard))
 
 
 def installed_venv() -> Path:

@@ -23,6 +23,7 @@ _MANAGEMENT_ERRORS = {
     "400": "a bad name or source",
     "404": "no such model or adapter",
     "409": "an adapter of that name is registered already",
+    "413": "an s3:// adapter's objects add up to more than max_adapter_size_in_mb",
     "503": "no worker group is ready",
     "504": "a worker group did not answer within predict_timeout",
 }

@@ -3,8 +3,9 @@ the workers start, and start-up logs how the download goes.
 
 - ``s3://bucket/prefix``: every object under the prefix is downloaded (many at once, large
   ones in ranged parts) into
-  ``<temp dir>/sagelmi-models/<hash of the URI>`` (reused by a later start in
-  the same container once complete); handlers and the engine get that directory.
+  ``<temp dir>/sagelmi-models/<hash of the URI>``; handlers and the engine get that
+  directory. A later start in the same container reuses it when the listing (keys,
+  sizes, ETags) is the one it was downloaded from, and downloads again when not.
   boto3 finds credentials and endpoints the usual way (instance role, ``AWS_*``
   variables, ``AWS_ENDPOINT_URL_S3``).
 - a Hugging Face Hub id (``org/name``): the model's files are downloaded into the
@@ -18,17 +19,29 @@ Both downloads log their size first, progress (bytes, rate, time left) every
 ``PROGRESS_INTERVAL`` seconds, and a summary. A download that cannot happen
 raises ``ArtifactError`` saying which part is missing (bucket, prefix, repository,
 revision, credentials).
+
+Downloads stay inside their directory: an object's key (after the prefix) or a Hub
+file name that is absolute, or that ``..`` or a symbolic link on the way leads out of
+the directory, is refused with ``ArtifactError`` naming it, before any file is
+downloaded. An ``s3://`` prefix is downloaded into a fresh directory beside the target
+and renamed into place once complete, each object pinned to the ETag it was listed
+with: what lands is what was listed.
 """
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import logging
+import os
 import re
+import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 log = logging.getLogger("sagelmi.artifacts")
@@ -45,6 +58,33 @@ _DUPLICATES_OF_SAFETENSORS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "original/*")
 
 class ArtifactError(Exception):
     """The model could not be fetched; the message says why."""
+
+
+# -- staying inside the directory
+
+
+def landing(root: Path | str, name: str) -> Path | None:
+    """Where the file ``name`` (a '/'-separated relative name: an S3 key after its prefix,
+    a Hub file name) lands under ``root``: ``..`` and the symbolic links already on disk
+    resolved as the kernel would resolve them. ``None`` when it lands outside ``root``,
+    is absolute, or does not name a file (ends in ``/``, ``.`` or ``..``)."""
+    parent, _, leaf = name.rpartition("/")
+    if name.startswith("/") or "\0" in name or leaf in ("", ".", ".."):
+        return None
+    real_root = os.path.realpath(root)
+    where = os.path.realpath(os.path.join(real_root, parent))
+    if where != real_root and not where.startswith(real_root.rstrip("/") + "/"):
+        return None
+    return Path(where) / leaf
+
+
+def _outside(names: Iterable[str], what: str) -> ArtifactError:
+    names = list(names)
+    shown = ", ".join(repr(n) for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return ArtifactError(
+        f"cannot download {what}: {shown} would be written outside the download directory "
+        f"(an absolute name, '..', or a symbolic link leads out of it); nothing was downloaded"
+    )
 
 
 # -- progress
@@ -161,15 +201,108 @@ def _s3_error(uri: str, bucket: str, exc: Exception) -> ArtifactError:
             )
         if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken"):
             return ArtifactError(f"cannot download {uri}: the AWS credentials were refused ({code})")
+        if code in ("PreconditionFailed", "412"):
+            return ArtifactError(f"cannot download {uri}: the objects changed while they were downloaded; try again")
     return ArtifactError(f"cannot download {uri}: {exc}")
 
 
-def _download_all(s3, bucket: str, files: list[tuple[str, Path]], progress: Progress) -> None:
-    """Download every ``(key, destination)`` at once: up to ``S3_CONCURRENCY`` requests in
+@dataclass(frozen=True)
+class S3Object:
+    key: str
+    size: int
+    etag: str
+
+
+@dataclass(frozen=True)
+class S3Listing:
+    """The objects under an ``s3://`` prefix, as one listing saw them."""
+
+    uri: str
+    bucket: str
+    prefix: str  # with its trailing '/', or empty
+    objects: tuple[S3Object, ...]
+
+    @property
+    def size(self) -> int:
+        return sum(o.size for o in self.objects)
+
+    @property
+    def fingerprint(self) -> str:
+        """Changes when any object is added, removed or rewritten (its ETag changes)."""
+        lines = sorted(f"{o.key}\0{o.size}\0{o.etag}" for o in self.objects)
+        return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+    def name(self, obj: S3Object) -> str:
+        return obj.key[len(self.prefix) :]
+
+
+def _client():
+    import boto3
+
+    return boto3.session.Session().client("s3")  # credentials looked up now, not cached from an earlier call
+
+
+def list_s3(uri: str) -> S3Listing:
+    """Every object under the ``s3://`` prefix (directory markers left out). Raises
+    ``ArtifactError`` (no credentials, no bucket, no objects, ...)."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    bucket, prefix = parse_s3_uri(uri)
+    if prefix and not prefix.endswith("/"):
+        prefix += "/"
+    try:
+        objects = tuple(
+            S3Object(item["Key"], item["Size"], item.get("ETag", ""))
+            for page in _client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+            for item in page.get("Contents", [])
+            if item["Key"][len(prefix) :] and not item["Key"].endswith("/")
+        )
+    except (ClientError, BotoCoreError) as exc:
+        raise _s3_error(uri, bucket, exc) from None
+    if not objects:
+        raise ArtifactError(
+            f"cannot download {uri}: no objects under the prefix {prefix or '/'!r} in bucket {bucket!r}"
+        )
+    return S3Listing(uri, bucket, prefix, objects)
+
+
+def _landings(listing: S3Listing, root: Path) -> list[tuple[S3Object, Path]]:
+    """Each object with the file it is written to under ``root``; ``ArtifactError`` naming
+    the keys that would land outside it."""
+    placed = [(obj, landing(root, listing.name(obj))) for obj in listing.objects]
+    refused = [obj.key for obj, path in placed if path is None]
+    if refused:
+        raise _outside(refused, listing.uri)
+    seen: dict[Path | None, str] = {}
+    for obj, path in placed:
+        if path in seen:
+            raise ArtifactError(
+                f"cannot download {listing.uri}: the keys {seen[path]!r} and {obj.key!r} name the same file"
+            )
+        seen[path] = obj.key
+    return [(obj, path) for obj, path in placed if path is not None]
+
+
+def _download_all(s3, bucket: str, files: list[tuple[S3Object, Path]], progress: Progress) -> None:
+    """Download every ``(object, destination)`` at once: up to ``S3_CONCURRENCY`` requests in
     flight, objects larger than ``S3_PART_BYTES`` fetched in ranged parts (boto3's transfer
     manager). Real models are many shards of GBs, and one S3 connection carries a fraction of
-    what an instance's network does: one object after another leaves most of it idle."""
+    what an instance's network does: one object after another leaves most of it idle.
+
+    Each transfer is told the listing's size and ETag: no HEAD request per object, and every
+    GET carries ``If-Match`` with that ETag, so an object rewritten since the listing fails
+    the download instead of landing with other bytes (or more of them)."""
     from boto3.s3.transfer import ProgressCallbackInvoker, TransferConfig, create_transfer_manager
+    from s3transfer.subscribers import BaseSubscriber
+
+    class Listed(BaseSubscriber):
+        def __init__(self, obj: S3Object) -> None:
+            self.obj = obj
+
+        def on_queued(self, future, **kwargs) -> None:
+            future.meta.provide_transfer_size(self.obj.size)
+            if self.obj.etag:
+                future.meta.provide_object_etag(self.obj.etag)
 
     config = TransferConfig(
         max_concurrency=S3_CONCURRENCY, multipart_threshold=S3_PART_BYTES, multipart_chunksize=S3_PART_BYTES
@@ -178,46 +311,71 @@ def _download_all(s3, bucket: str, files: list[tuple[str, Path]], progress: Prog
         destination.parent.mkdir(parents=True, exist_ok=True)
     with create_transfer_manager(s3, config) as manager:  # leaving it early cancels what is left
         futures = [
-            manager.download(bucket, key, str(destination), subscribers=[ProgressCallbackInvoker(progress.add)])
-            for key, destination in files
+            manager.download(
+                bucket, obj.key, str(destination), subscribers=[Listed(obj), ProgressCallbackInvoker(progress.add)]
+            )
+            for obj, destination in files
         ]
         for future in futures:
             future.result()
 
 
-def fetch_s3(uri: str, interval: float = PROGRESS_INTERVAL) -> Path:
-    """Download every object under the ``s3://`` prefix; return the local directory.
+def _fingerprint_of(directory: Path) -> str | None:
+    """The listing a complete download in ``directory`` was made from (None: no complete one)."""
+    try:
+        return (directory / _COMPLETE).read_text()
+    except OSError:
+        return None
 
-    Raises ``ArtifactError`` (no credentials, no bucket, no objects, ...)."""
-    import boto3
+
+def download_s3(listing: S3Listing, target: Path, interval: float = PROGRESS_INTERVAL) -> Path:
+    """Download the listed objects into ``target`` (replacing what is there); return it.
+
+    Every key is checked first: one that would land outside the directory raises
+    ``ArtifactError`` naming it, and nothing is written. The files go into a new
+    directory beside ``target`` (nothing else in it, no symbolic links), renamed to
+    ``target`` once all arrived with the listed sizes; a failed download leaves nothing."""
     from botocore.exceptions import BotoCoreError, ClientError
 
-    bucket, prefix = parse_s3_uri(uri)
-    target = download_dir(uri)
-    if (target / _COMPLETE).exists():
-        log.info("using %s, downloaded earlier from %s", target, uri)
-        return target
-    if prefix and not prefix.endswith("/"):
-        prefix += "/"
+    staging = target.parent / f".partial-{uuid.uuid4().hex}"
+    files = _landings(listing, staging)  # before anything is written
+    staging.mkdir(mode=0o700, parents=True)
     try:
-        s3 = boto3.session.Session().client("s3")  # credentials looked up now, not cached from an earlier call
-        objects = [
-            (item["Key"], item["Size"])
-            for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
-            for item in page.get("Contents", [])
-            if item["Key"][len(prefix) :] and not item["Key"].endswith("/")
-        ]
-        if not objects:
-            raise ArtifactError(
-                f"cannot download {uri}: no objects under the prefix {prefix or '/'!r} in bucket {bucket!r}"
-            )
-        progress = Progress(uri, sum(size for _, size in objects), len(objects), interval)
-        _download_all(s3, bucket, [(key, target / key[len(prefix) :]) for key, _ in objects], progress)
-    except (ClientError, BotoCoreError) as exc:
-        raise _s3_error(uri, bucket, exc) from None
+        shutil.rmtree(target, ignore_errors=True)  # an older copy: its space is needed first
+        progress = Progress(listing.uri, listing.size, len(files), interval)
+        try:
+            _download_all(_client(), listing.bucket, files, progress)
+        except (ClientError, BotoCoreError) as exc:
+            raise _s3_error(listing.uri, listing.bucket, exc) from None
+        except OSError as exc:  # a full disk; a key that is a file and another's directory
+            raise ArtifactError(f"cannot download {listing.uri}: writing its files failed ({exc.strerror})") from None
+        arrived = sum(path.stat().st_size for _, path in files)
+        if arrived != listing.size:  # an endpoint that ignored If-Match
+            raise ArtifactError(f"cannot download {listing.uri}: the objects changed while they were downloaded")
+        (staging / _COMPLETE).write_text(listing.fingerprint)
+        staging.rename(target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     progress.finish()
-    (target / _COMPLETE).touch()
     return target
+
+
+def fetch_s3(uri: str, interval: float = PROGRESS_INTERVAL) -> Path:
+    """Download every object under the ``s3://`` prefix; return the local directory: the
+    copy downloaded earlier when the objects are the same, else a new download.
+
+    Raises ``ArtifactError`` (no credentials, no bucket, no objects, a key that leads out
+    of the directory, ...)."""
+    listing = list_s3(uri)
+    target = download_dir(uri)
+    earlier = _fingerprint_of(target)
+    if earlier == listing.fingerprint:
+        log.info("using %s, downloaded earlier from %s (the objects are unchanged)", target, uri)
+        return target
+    if earlier is not None:
+        log.info("the objects under %s changed since they were downloaded: downloading them again", uri)
+    return download_s3(listing, target, interval)
 
 
 # -- Hugging Face Hub
@@ -311,18 +469,24 @@ def fetch_hub(repo_id: str, revision: str | None = None, interval: float = PROGR
         listing = None  # unreachable, or refused: the real call below says which, or finds the cache
     except (HfHubHTTPError, LocalEntryNotFoundError, ValueError) as exc:
         raise _hub_error(repo_id, revision, exc) from None
+    folder = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="model")
     try:
-        if listing is None:
+        if listing is None:  # the cache alone: nothing is downloaded
             return snapshot_download(repo_id, revision=revision)
+        refused = [f.filename for f in listing if landing(folder / "snapshots" / f.commit_hash, f.filename) is None]
+        if refused:
+            raise _outside(refused, f"Hub model {repo_id!r}")
         wanted = selected_files([f.filename for f in listing])
+        # Patterns that match these names only (a name may hold '*', '?' or '['), should the
+        # repository list other files by the time the download lists it again.
+        patterns = [glob.escape(f) for f in wanted]
         pending = [f for f in listing if f.filename in wanted and f.will_download]
         if not pending:
             log.info("Hub model %s is in the cache", repo_id)
-            return snapshot_download(repo_id, revision=revision, allow_patterns=wanted)
+            return snapshot_download(repo_id, revision=revision, allow_patterns=patterns)
         progress = Progress(f"{repo_id} from the Hub", sum(f.file_size or 0 for f in pending), len(pending), interval)
-        folder = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="model")
         with _CacheWatcher(folder, progress):
-            path = snapshot_download(repo_id, revision=revision, allow_patterns=wanted)
+            path = snapshot_download(repo_id, revision=revision, allow_patterns=patterns)
         progress.finish()
         return path
     except (HfHubHTTPError, LocalEntryNotFoundError, ValueError) as exc:

@@ -7,11 +7,17 @@ leader's ``mpirun`` starts on them (``container/supervisor/cluster.py``). The na
 LMI's (``DJL_CLUSTER_SIZE``, ``DJL_LEADER_ADDR``) and Kubernetes LeaderWorkerSet's
 (``LWS_GROUP_SIZE``, ``LWS_LEADER_ADDRESS``, ``LWS_WORKER_INDEX``), ``SAGELMI_*`` first.
 
-The channel: a connection proves knowledge of the cluster's secret both ways (HMAC-SHA256 over
-two fresh nonces), then every message is a length-prefixed JSON object followed by an HMAC tag
-under a key derived from the secret and both nonces, with a counter per direction, so a
-message cannot be forged, altered, replayed or reordered by anyone without the secret. Nothing
-is encrypted: nothing secret crosses it.
+The channel: a connection proves knowledge of a key both ways (HMAC-SHA256 over two fresh
+nonces; the key is the cluster's secret between nodes, a one-use launch key for a launch, a
+group's random token on its rank relay), then every message is a length-prefixed JSON object
+followed by an HMAC tag under a session key derived from the key and both nonces, with a
+counter per direction, so a message cannot be forged, altered, replayed or reordered by anyone
+without the key. Nothing is encrypted: nothing secret crosses it.
+
+Launch keys: both ends of a worker node's registration derive a key from the registration's
+session key (``Channel.derive``), which no other node knows; the leader turns it into one key
+per launch (``launch_key``, numbered), and the worker node accepts each number once. So only
+the leader this node is registered with can start Open MPI's daemon on it.
 """
 
 from __future__ import annotations
@@ -23,16 +29,20 @@ import os
 import secrets
 import socket
 import struct
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 DEFAULT_PORT = 8889  # not the model's port: the registration and launch channel
 DEFAULT_JOIN_TIMEOUT = 600.0
 HEARTBEAT = 1.0  # seconds between heartbeats on a registration
 LOST_AFTER = 5.0  # a registration silent this long is a lost node
-HANDSHAKE_TIMEOUT = 10.0
+HANDSHAKE_TIMEOUT = 10.0  # seconds an unauthenticated connection may take to prove itself, in all
 MAX_MESSAGE = 1 << 20
-MIN_SECRET = 16  # characters
+MIN_SECRET = 32  # characters: 32 hex characters are 128 bits, past offline guessing of a captured handshake
+# Where the secret comes from; the supervisor removes both from its environment once read, so
+# no process it starts (frontend, ranks, handlers, Open MPI, pip) inherits them.
+SECRET_VARIABLES = ("SAGELMI_CLUSTER_SECRET", "SAGELMI_CLUSTER_SECRET_FILE")
 
 SIZE_NAMES = ("SAGELMI_CLUSTER_SIZE", "DJL_CLUSTER_SIZE", "LWS_GROUP_SIZE")
 LEADER_NAMES = ("SAGELMI_LEADER_ADDR", "DJL_LEADER_ADDR", "LWS_LEADER_ADDRESS")
@@ -55,7 +65,7 @@ def _first(env: dict[str, str], names: tuple[str, ...]) -> tuple[str, str] | Non
 class ClusterConfig:
     size: int  # nodes, the leader included
     leader: str  # the leader's address (a name or an IP) as the workers reach it
-    secret: bytes
+    secret: bytes = field(repr=False)  # never in a log line that shows the config
     port: int = DEFAULT_PORT
     index: int | None = None  # this node's index (0: the leader), when the environment says
     node_address: str | None = None  # the address other nodes reach this one at, when set
@@ -149,8 +159,16 @@ def _secret(env: dict[str, str]) -> bytes:
             "python -c 'import secrets; print(secrets.token_hex(32))'"
         )
     if len(value) < MIN_SECRET:
-        raise ClusterError(f"{source} is too short: use at least {MIN_SECRET} random characters")
+        raise ClusterError(
+            f"{source} is too short ({len(value)} characters): use at least {MIN_SECRET} random characters, e.g. "
+            f"python3 -c 'import secrets; print(secrets.token_hex(32))'"
+        )
     return value.encode()
+
+
+def launch_key(registration_key: bytes, number: int) -> bytes:
+    """The key of launch ``number`` (from 1) on a worker node, from its registration's key."""
+    return _mac(registration_key, b"launch", number.to_bytes(8, "big"))
 
 
 class Channel:
@@ -165,16 +183,16 @@ class Channel:
         self._sent = self._received = 0
 
     @classmethod
-    def connect(cls, sock: socket.socket, secret: bytes) -> Channel:
-        """The client's side of the handshake. Raises ``ClusterError`` when the server has a
-        different secret (or is not a cluster node)."""
-        sock.settimeout(HANDSHAKE_TIMEOUT)
-        server_nonce = _recv_exactly(sock, 32)
+    def connect(cls, sock: socket.socket, secret: bytes, timeout: float = HANDSHAKE_TIMEOUT) -> Channel:
+        """The client's side of the handshake, within ``timeout`` seconds. Raises ``ClusterError``
+        when the server has a different secret (or is not a cluster node), ``TimeoutError``."""
+        deadline = time.monotonic() + timeout
+        server_nonce = recv_exactly(sock, 32, deadline)
         if server_nonce is None:
             raise ClusterError("the connection closed during the handshake")
         client_nonce = secrets.token_bytes(32)
         sock.sendall(client_nonce + _mac(secret, b"client", server_nonce, client_nonce))
-        answer = _recv_exactly(sock, 32)
+        answer = recv_exactly(sock, 32, deadline)
         if answer is None or not hmac.compare_digest(answer, _mac(secret, b"server", client_nonce, server_nonce)):
             raise ClusterError("the cluster secrets differ")
         sock.settimeout(None)
@@ -182,12 +200,14 @@ class Channel:
         return cls(sock, key, b"c", b"s")
 
     @classmethod
-    def accept(cls, sock: socket.socket, secret: bytes) -> Channel:
-        """The server's side. Raises ``ClusterError`` when the client does not know the secret."""
-        sock.settimeout(HANDSHAKE_TIMEOUT)
+    def accept(cls, sock: socket.socket, secret: bytes, timeout: float = HANDSHAKE_TIMEOUT) -> Channel:
+        """The server's side, within ``timeout`` seconds however slowly the client sends. Raises
+        ``ClusterError`` when the client does not know the secret, ``TimeoutError``."""
+        deadline = time.monotonic() + timeout
+        sock.settimeout(timeout)
         server_nonce = secrets.token_bytes(32)
         sock.sendall(server_nonce)
-        reply = _recv_exactly(sock, 64)
+        reply = recv_exactly(sock, 64, deadline)
         if reply is None:
             raise ClusterError("it closed the connection during the handshake")
         client_nonce, proof = reply[:32], reply[32:]
@@ -198,6 +218,11 @@ class Channel:
         key = _mac(secret, b"session", server_nonce, client_nonce)
         return cls(sock, key, b"s", b"c")
 
+    def derive(self, label: bytes) -> bytes:
+        """A key both ends of this connection know and nobody else does (not even another
+        holder of the secret that did not see the handshake)."""
+        return _mac(self._key, b"derive", label)
+
     def send(self, message: dict) -> None:
         body = json.dumps(message, separators=(",", ":")).encode()
         tag = _mac(self._key, self._out_label, self._sent.to_bytes(8, "big"), body)
@@ -206,21 +231,24 @@ class Channel:
 
     def receive(self) -> dict | None:
         """The next message, or ``None`` when the peer closed the connection. Raises
-        ``ClusterError`` for a message that fails its tag."""
-        head = _recv_exactly(self.sock, self._LENGTH.size)
+        ``ClusterError`` for a message that fails its tag or is not an object."""
+        head = recv_exactly(self.sock, self._LENGTH.size)
         if head is None:
             return None
         (length,) = self._LENGTH.unpack(head)
         if length > MAX_MESSAGE:
             raise ClusterError(f"a message of {length} bytes")
-        rest = _recv_exactly(self.sock, length + 32)
+        rest = recv_exactly(self.sock, length + 32)
         if rest is None:
             return None
         body, tag = rest[:length], rest[length:]
         if not hmac.compare_digest(tag, _mac(self._key, self._in_label, self._received.to_bytes(8, "big"), body)):
             raise ClusterError("a message failed its authentication tag")
         self._received += 1
-        return json.loads(body)
+        message = json.loads(body)
+        if not isinstance(message, dict):
+            raise ClusterError("a message that is not a JSON object")
+        return message
 
     def close(self) -> None:
         try:
@@ -234,10 +262,16 @@ def _mac(key: bytes, *parts: bytes) -> bytes:
     return hmac.new(key, b"|".join(parts), hashlib.sha256).digest()
 
 
-def _recv_exactly(sock: socket.socket, count: int) -> bytes | None:
-    """``count`` bytes, or ``None`` when the connection closes first."""
+def recv_exactly(sock: socket.socket, count: int, deadline: float | None = None) -> bytes | None:
+    """``count`` bytes, or ``None`` when the connection closes first; ``TimeoutError`` past
+    ``deadline`` (``time.monotonic()``), however the bytes trickle in."""
     data = bytearray()
     while len(data) < count:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the handshake took too long")
+            sock.settimeout(left)
         try:
             chunk = sock.recv(count - len(data))
         except ConnectionResetError:

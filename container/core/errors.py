@@ -74,6 +74,14 @@ class PayloadTooLarge(ServingError):
     message = "payload too large"
 
 
+class TooManySessions(ServingError):
+    """``option.max_sessions`` stateful sessions are open in the worker group already:
+    a new one waits for one to be closed or to expire (counted on ``/metrics``)."""
+
+    status = 429
+    message = "too many sessions"
+
+
 class ClientClosedRequest(ServingError):
     """The client went away before its answer was ready (nginx's 499: nobody reads it)."""
 

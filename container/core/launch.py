@@ -71,6 +71,8 @@ class ModelInfo(msgspec.Struct, frozen=True):
     max_lora_rank: int = 16  # vLLM's default when option.max_lora_rank is not set
     adapter_dirs: list[str] = []  # where adapters are found at start-up (<dir>/adapters/<name>/)
     adapter_roots: list[str] = []  # the only directories an adapter's source may be in
+    adapter_downloads: str = ""  # where s3:// adapters are downloaded (the server removes it when it stops)
+    max_adapter_bytes: int = 2048 * 2**20  # max_adapter_size_in_mb: the most an s3:// adapter may download
     builtin_schemas: bool = False  # the built-in vLLM engine answers, without a model.py: /openapi.json has its schemas
 
     @property

@@ -45,6 +45,21 @@ def adopt_orphans() -> None:
     libc.prctl(_PR_SET_CHILD_SUBREAPER, 1)
 
 
+_PR_SET_DUMPABLE = 4
+
+
+def keep_private() -> None:
+    """Make this process non-dumpable (``PR_SET_DUMPABLE`` 0): other processes of the same user
+    that lack ``CAP_SYS_PTRACE`` (in a container, by default, every one) can no longer read its
+    ``/proc/PID/environ`` nor its memory. Its children are dumpable again once they exec. No core
+    dumps of this process either."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:  # not Linux/glibc
+        return
+    libc.prctl(_PR_SET_DUMPABLE, 0)
+
+
 def process_table() -> dict[int, tuple[int, bool]]:
     """pid -> (parent pid, whether it is a zombie) of every process."""
     found = {}

@@ -1,12 +1,16 @@
 """SageMaker's stateful sessions on the wire: the header names, the
 ``NEW_SESSION`` and ``CLOSE`` request forms, and the ``<id>; Expires=<time>``
 value of a new session's header. The frontend (sticky routing) and the
-handlers (which open and close sessions) both read them from here."""
+handlers (which open and close sessions) both read them from here, and both keep
+their sessions in an ``ExpiryIndex``."""
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import re
 from datetime import datetime, timezone
+from typing import Generic, TypeVar
 
 SESSION_ID = "X-Amzn-SageMaker-Session-Id"
 NEW_SESSION_ID = "X-Amzn-SageMaker-New-Session-Id"
@@ -20,6 +24,7 @@ EXPIRES_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
 # SageMaker's pattern for a session id (InvokeEndpoint's SessionId): letters, digits and inner hyphens
 SESSION_ID_PATTERN = re.compile(r"[a-zA-Z0-9](-*[a-zA-Z0-9])*")
 MAX_SESSION_ID = 256
+DEFAULT_MAX_SESSIONS = 1000  # option.max_sessions' default: open sessions per worker group
 
 
 def expires_text(timestamp: float) -> str:
@@ -50,3 +55,75 @@ def parse_new_session(value: str) -> tuple[str, float | None]:
 def valid_session_id(session_id: str) -> bool:
     """Whether ``session_id`` has SageMaker's form (what InvokeEndpoint accepts)."""
     return len(session_id) <= MAX_SESSION_ID and SESSION_ID_PATTERN.fullmatch(session_id) is not None
+
+
+T = TypeVar("T")
+
+
+class ExpiryIndex(Generic[T]):
+    """Values by session id, each with an expiry (a Unix time, ``inf`` for never).
+
+    ``take_due`` finds the expired ones without looking at the others: a heap of
+    expiries stands beside the dict. Entries removed or replaced before they expire
+    stay in the heap, recognised as stale when they reach its top; when stale ones
+    outnumber the live, the heap is rebuilt from the dict, which keeps its size
+    within twice the live entries at an amortised constant cost per removal.
+    Not thread-safe: its owner locks."""
+
+    COMPACT_SLACK = 64
+
+    def __init__(self) -> None:
+        self._entries: dict[str, tuple[float, int, T]] = {}
+        self._heap: list[tuple[float, int, str]] = []
+        self._counter = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, session_id: str) -> bool:
+        return session_id in self._entries
+
+    def get(self, session_id: str) -> T | None:
+        entry = self._entries.get(session_id)
+        return None if entry is None else entry[2]
+
+    def put(self, session_id: str, expires_at: float, value: T) -> None:
+        """Add (or replace) ``session_id``, due at ``expires_at``."""
+        number = next(self._counter)
+        self._entries[session_id] = (expires_at, number, value)
+        heapq.heappush(self._heap, (expires_at, number, session_id))
+        self._compact_if_stale()
+
+    def pop(self, session_id: str) -> T | None:
+        """Remove ``session_id``; its value, or None when it was not here."""
+        entry = self._entries.pop(session_id, None)
+        if entry is None:
+            return None
+        self._compact_if_stale()
+        return entry[2]
+
+    def take_due(self, now: float) -> list[tuple[str, T]]:
+        """Remove and return the entries due at ``now`` (expiry < ``now``), earliest first."""
+        due = []
+        while self._heap and self._heap[0][0] < now:
+            _, number, session_id = heapq.heappop(self._heap)
+            entry = self._entries.get(session_id)
+            if entry is not None and entry[1] == number:
+                del self._entries[session_id]
+                due.append((session_id, entry[2]))
+        return due
+
+    def next_expiry(self) -> float | None:
+        """When the earliest live entry is due; None when there is none."""
+        while self._heap:
+            _, number, session_id = self._heap[0]
+            entry = self._entries.get(session_id)
+            if entry is not None and entry[1] == number:
+                return entry[0]
+            heapq.heappop(self._heap)
+        return None
+
+    def _compact_if_stale(self) -> None:
+        if len(self._heap) > 2 * len(self._entries) + self.COMPACT_SLACK:
+            self._heap = [(expires_at, number, sid) for sid, (expires_at, number, _) in self._entries.items()]
+            heapq.heapify(self._heap)

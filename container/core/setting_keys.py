@@ -208,6 +208,14 @@ KEYS: tuple[Key, ...] = (
         "LoRA adapters: more directories an adapter's source may be in (always allowed: the model directory "
         "and the download cache); anything outside them, through .. or a symbolic link too, is refused.",
     ),
+    Key(
+        "max_adapter_size_in_mb",
+        "max_adapter_size_in_mb",
+        ("SERVING_MAX_ADAPTER_SIZE_IN_MB",),
+        "a number of MiB > 0",
+        "LoRA adapters registered from an s3:// prefix: the most its objects may add up to; a larger "
+        "one is refused (413) from the listing's sizes, before anything is downloaded.",
+    ),
     # -- dynamic batching (handlers that batch: model.py)
     Key(
         "batch_size",
@@ -248,7 +256,15 @@ KEYS: tuple[Key, ...] = (
         "option.sessions_expiration",
         ("OPTION_SESSIONS_EXPIRATION", "SAGEMAKER_SESSIONS_EXPIRATION"),
         "seconds >= 1",
-        "How long a session lives after it is created; then its requests get 400.",
+        "How long a session lives after it is created; then its requests get 400, and its files are removed.",
+    ),
+    Key(
+        "max_sessions",
+        "option.max_sessions",
+        ("OPTION_MAX_SESSIONS",),
+        "a whole number >= 1",
+        "Sessions open at once in each worker group (its SessionManager, the built-in engine's or a model.py's); "
+        "beyond it a new session is refused with 429 until one is closed or expires.",
     ),
     # -- server
     Key("port", "port", ("SERVING_PORT",), "a port number 1-65535", "HTTP port.", ("SAGEMAKER_BIND_TO_PORT",)),

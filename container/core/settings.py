@@ -30,7 +30,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from container.core.lmi_options import server_entry
+from container.core.logs import redacted_value
 from container.core.serving_properties import read_properties
+from container.core.sessions import DEFAULT_MAX_SESSIONS
 from container.core.setting_keys import KEY_BY_ALIAS, KEY_BY_FIELD, KEY_BY_NAME, KEYS, option_key
 from container.core.tracing import EXPORTERS, exporter_from
 
@@ -73,9 +75,11 @@ class Settings(BaseModel):
     output_formatter: Literal["json", "jsonlines", "sse"] = "jsonlines"
     tgi_compat: bool = False
     adapter_roots: str = ""
+    max_adapter_size_in_mb: float = Field(default=2048.0, gt=0)
     enable_stateful_sessions: bool = True
     sessions_path: str | None = None
     sessions_expiration: int = Field(default=1200, ge=1)
+    max_sessions: int = Field(default=DEFAULT_MAX_SESSIONS, ge=1)
     port: int = Field(default=8080, ge=1, le=65535)
     batch_size: int = Field(default=1, ge=1)
     max_batch_delay: float = Field(default=100.0, ge=0)
@@ -164,6 +168,10 @@ class Settings(BaseModel):
         return int(self.max_payload_in_mb * 1024 * 1024)
 
     @property
+    def max_adapter_bytes(self) -> int:
+        return int(self.max_adapter_size_in_mb * 1024 * 1024)
+
+    @property
     def mpi_extra_args_list(self) -> list[str]:
         return shlex.split(self.mpi_extra_args)
 
@@ -242,7 +250,14 @@ def _read_env(env: Mapping[str, str], layers: _Layers) -> None:
         layers.set(k.key, value, f"env {name}")
         for other, other_value in found[1:]:
             if other_value != value:
-                log.warning("%s=%s is ignored: %s=%s sets %s", other, other_value, name, value, k.key)
+                log.warning(
+                    "%s=%s is ignored: %s=%s sets %s",
+                    other,
+                    redacted_value(other, other_value),
+                    name,
+                    redacted_value(name, value),
+                    k.key,
+                )
     for name, value in env.items():
         if name in spelled or value == "":
             continue
@@ -273,7 +288,7 @@ def _read_file(model_dir: Path, layers: _Layers) -> None:
             log.warning(
                 "%s=%s (%s) is not a sagelmi setting and is ignored%s",
                 raw_key,
-                value,
+                redacted_value(raw_key, value),
                 source,
                 _nearest(raw_key, [k.key for k in KEYS if not k.key.startswith("option.")]),
             )
@@ -341,16 +356,19 @@ def resolve_settings(
 
 
 def describe_settings(settings: Settings) -> list[tuple[str, str, str]]:
-    """Rows of ``(key, value, source)`` for every setting and passthrough option."""
+    """Rows of ``(key, value, source)`` for every setting and passthrough option, to log or
+    print: a secret's value (``option.hf_token`` ...) is ``***``."""
     rows = []
     for k in KEYS:
         value = getattr(settings, k.field)
-        rows.append((k.key, "" if value is None else str(value), settings.sources.get(k.key, "default")))
+        rows.append(
+            (k.key, "" if value is None else str(redacted_value(k.key, value)), settings.sources.get(k.key, "default"))
+        )
     typed = {k.key for k in KEYS}
     for name, value in sorted(settings.options.items()):
         key = f"option.{name}"
         if key not in typed:
-            rows.append((key, value, settings.sources.get(key, "?") + " (passed to the handler)"))
+            rows.append((key, redacted_value(key, value), settings.sources.get(key, "?") + " (passed to the handler)"))
     return rows
 
 

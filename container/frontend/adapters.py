@@ -5,6 +5,12 @@ serves. It lives in the frontend process, which outlives worker groups.
 - ``register`` checks the source (``check_source``), sends ``RegisterAdapter``
   to every connected group and waits for each to load it; one refusal undoes
   the registration everywhere and is the client's error.
+- An ``s3://`` source is listed first: a key that would land outside the download
+  directory, or objects over ``max_adapter_size_in_mb`` in all, refuse it before
+  anything is downloaded. Each registration downloads into a directory of its own
+  (a registration after the objects changed gets the new ones), without holding the
+  registry's lock (other registrations and listings go on meanwhile); unregistering
+  the adapter, or a refused registration, removes that directory.
 - Every new connection to a group starts with the whole registry
   (``GroupClient.on_connect``): a restarted group serves what was registered.
 """
@@ -15,12 +21,14 @@ import json
 import logging
 import os
 import re
+import shutil
+import tempfile
 import threading
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from container.core.errors import Conflict, InputError, NotFound, ServingError
+from container.core.errors import Conflict, InputError, NotFound, PayloadTooLarge, ServingError
 from container.core.launch import ModelInfo
 from container.core.protocol import Message, RegisterAdapter, UnregisterAdapter
 from container.frontend.group_client import GroupClient
@@ -37,6 +45,7 @@ class Adapter:
     name: str
     src: str  # as the client gave it (a directory or an s3:// prefix)
     path: str  # the local directory the engine loads
+    downloaded: str = ""  # the directory this registration downloaded (removed when it is unregistered)
 
 
 def _inside(path: str, roots: list[str]) -> bool:
@@ -93,11 +102,17 @@ class AdapterRegistry:
     def __init__(
         self, model: ModelInfo, groups: list[GroupClient], timeout: float, download_root: str | None = None
     ) -> None:
+        """``download_root``: the cache of ``s3://`` models, where local sources may be too.
+        ``s3://`` adapters are downloaded under ``model.adapter_downloads`` (else
+        ``<download_root or the temp directory>/adapters``), each registration in a directory
+        of its own that no local source may name."""
         self.model = model
         self.groups = groups
         self.timeout = timeout
         self.roots = [*model.adapter_roots, *([download_root] if download_root else [])]
+        self.downloads = Path(model.adapter_downloads or Path(download_root or tempfile.gettempdir()) / "adapters")
         self._adapters: dict[str, Adapter] = {}
+        self._arriving: set[str] = set()  # names being registered (downloaded, checked, loaded)
         self._lock = threading.Lock()  # one registration change at a time
         for group in groups:
             group.on_connect = self.replay
@@ -156,7 +171,7 @@ class AdapterRegistry:
             raise InputError(f"adapter name {name!r} is the base model's name")
 
     def register(self, name: str, src: str) -> Adapter:
-        """Check, load on every group, remember. Raises a 4xx ``ServingError`` saying why not."""
+        """Fetch, check, load on every group, remember. Raises a 4xx ``ServingError`` saying why not."""
         if not self.model.lora:
             raise InputError(
                 "this server does not serve LoRA adapters: start it with option.enable_lora=true "
@@ -166,33 +181,53 @@ class AdapterRegistry:
         if not src:
             raise InputError("give the adapter's source: src=<directory> or src=s3://bucket/prefix")
         with self._lock:
-            if name in self._adapters:
+            if name in self._adapters or name in self._arriving:
                 raise Conflict(
                     f"adapter {name!r} is already registered; unregister it first "
                     f"(DELETE /models/{self.model.name}/adapters/{name})"
                 )
-            path = check_source(self._local(src), self.roots, self.model.max_lora_rank)
-            adapter = Adapter(name, src, str(path))
-            self._adapters[name] = adapter  # first: a group that connects meanwhile gets it in its replay
-            try:
-                for group in self.groups:
-                    group.send_adapter(
-                        RegisterAdapter(id=f"adapter-{uuid.uuid4().hex}", name=name, path=adapter.path), self.timeout
-                    )
-            except ServingError as exc:
-                del self._adapters[name]
-                self._send_all(UnregisterAdapter, name)
-                if isinstance(exc, WorkerFailed) and exc.status < 500:
-                    raise InputError(f"adapter {name!r} was refused: {exc.detail}") from None
-                raise
+            self._arriving.add(name)  # the name is taken while its files download
+        downloaded = None
+        try:
+            local, downloaded = self._local(name, src)
+            roots = self.roots if downloaded is None else [str(downloaded)]
+            path = check_source(local, roots, self.model.max_lora_rank)
+            adapter = Adapter(name, src, str(path), str(downloaded or ""))
+            with self._lock:
+                self._load(adapter)
+        except BaseException:
+            if downloaded is not None:
+                shutil.rmtree(downloaded, ignore_errors=True)
+            raise
+        finally:
+            with self._lock:
+                self._arriving.discard(name)
         log.info("adapter %s registered from %s", name, src)
         return adapter
 
-    def unregister(self, name: str) -> None:
-        with self._lock:
-            self.get(name)
+    def _load(self, adapter: Adapter) -> None:
+        """Every group loads ``adapter``; one refusal unloads it everywhere and raises. Under the lock."""
+        name = adapter.name
+        self._adapters[name] = adapter  # first: a group that connects meanwhile gets it in its replay
+        try:
+            for group in self.groups:
+                group.send_adapter(
+                    RegisterAdapter(id=f"adapter-{uuid.uuid4().hex}", name=name, path=adapter.path), self.timeout
+                )
+        except ServingError as exc:
             del self._adapters[name]
             self._send_all(UnregisterAdapter, name)
+            if isinstance(exc, WorkerFailed) and exc.status < 500:
+                raise InputError(f"adapter {name!r} was refused: {exc.detail}") from None
+            raise
+
+    def unregister(self, name: str) -> None:
+        with self._lock:
+            adapter = self.get(name)
+            del self._adapters[name]
+            self._send_all(UnregisterAdapter, name)
+        if adapter.downloaded:  # the groups let it go: its files are no longer read
+            shutil.rmtree(adapter.downloaded, ignore_errors=True)
         log.info("adapter %s unregistered", name)
 
     def _send_all(self, kind, name: str) -> None:
@@ -202,18 +237,34 @@ class AdapterRegistry:
             except ServingError as exc:
                 log.warning("worker group %s: unregistering adapter %s: %s", group.name, name, exc)
 
-    def _local(self, src: str) -> Path:
-        """The local directory ``src`` names; an ``s3://`` prefix is downloaded first."""
+    def _local(self, name: str, src: str) -> tuple[Path, Path | None]:
+        """The local directory ``src`` names, and the directory downloaded for it (None for a
+        local source): an ``s3://`` prefix is downloaded first."""
         if src.startswith("s3://"):
-            from container.core.artifacts import ArtifactError, fetch_s3
-
-            try:
-                return fetch_s3(src)
-            except ArtifactError as exc:
-                raise InputError(str(exc)) from None
+            return self._download(name, src)
         if "://" in src:
             raise InputError("an adapter's src is a local directory or an s3:// prefix")
         path = Path(src)
-        return (
+        directory = (
             path if path.is_absolute() else Path(self.model.adapter_dirs[0] if self.model.adapter_dirs else ".") / path
         )
+        return directory, None
+
+    def _download(self, name: str, src: str) -> tuple[Path, Path]:
+        """Download ``src`` into a new directory for this registration. Raises ``InputError``
+        (a key that would land outside it, S3 errors) or ``PayloadTooLarge`` before anything
+        is written."""
+        from container.core.artifacts import ArtifactError, download_s3, list_s3
+
+        try:
+            listing = list_s3(src)
+            limit = self.model.max_adapter_bytes
+            if listing.size > limit:
+                raise PayloadTooLarge(
+                    f"the adapter at {src} is {listing.size / 2**20:.1f} MiB ({len(listing.objects)} objects), over "
+                    f"max_adapter_size_in_mb={limit / 2**20:g} (SERVING_MAX_ADAPTER_SIZE_IN_MB); nothing was downloaded"
+                )
+            target = self.downloads / f"{name}-{uuid.uuid4().hex[:12]}"
+            return download_s3(listing, target), target
+        except ArtifactError as exc:
+            raise InputError(str(exc)) from None

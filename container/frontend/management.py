@@ -13,7 +13,7 @@ import json
 
 from flask import Flask, Response, request
 
-from container.core.errors import NotFound
+from container.core.errors import NotFound, scrub
 from container.core.launch import FrontendLaunch, ModelInfo
 from container.frontend.adapters import Adapter, AdapterRegistry
 from container.frontend.router import Router
@@ -41,7 +41,7 @@ def add_management_routes(app: Flask, router: Router, registry: AdapterRegistry,
     @app.get("/models")
     def list_models() -> Response:
         groups = [
-            {"index": g.index, "state": c.state.value, "detail": c.detail, "devices": g.devices}
+            {"index": g.index, "state": c.state.value, "detail": scrub(c.detail), "devices": g.devices}
             for c, g in zip(router.groups, launch.groups)
         ]
         healthy, _ = router.health()

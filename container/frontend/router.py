@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import threading
 
-from container.core.errors import QueueFull, ServiceUnavailable
+from container.core.errors import QueueFull, ServiceUnavailable, scrub
 from container.core.launch import FrontendLaunch, read_note
 from container.core.protocol import WorkerState
 from container.frontend.group_client import GroupClient
@@ -84,6 +84,8 @@ class Router:
 
     # -- health
     def health(self) -> tuple[bool, dict]:
+        """Whether every group is ready, and ``/ping``'s body. A group's detail and last exit
+        name what failed; local paths in them are replaced (``scrub``): the log has them whole."""
         workers = []
         crash_loop = False
         for client, address in zip(self.groups, self.launch.groups):
@@ -92,11 +94,11 @@ class Router:
                 "state": client.state.value,
                 "devices": address.devices,
                 "in_flight": client.in_flight,
-                **({"detail": client.detail} if client.detail else {}),
+                **({"detail": scrub(client.detail)} if client.detail else {}),
             }
             note = read_note(address.note_path) if address.note_path else None
             if note is not None and note.last_exit and (note.crash_loop or client.state is not WorkerState.READY):
-                worker["last_exit"] = note.last_exit
+                worker["last_exit"] = scrub(note.last_exit)
             if note is not None and note.crash_loop:
                 worker["crash_loop"] = True
                 worker["restarts"] = note.restarts

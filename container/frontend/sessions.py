@@ -11,6 +11,13 @@ true``) closed it. A session is refused with 400 naming it, never silently serve
 elsewhere, when it is unknown, closed, expired, or its group has stopped or
 restarted since (a new incarnation: the state is gone). 400 is what vLLM's
 SageMaker routes answer for a session they do not hold.
+
+The table is indexed by expiry (``ExpiryIndex``): opening a session forgets the
+ones expired by then without looking at the others, so no request's cost grows
+with the number of open sessions. How many a group may hold is the group's
+business (``option.max_sessions``, its ``SessionManager``): only the handler
+knows whether a request opens a session, so the table holds what the groups
+opened.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from container.core.sessions import (
     NEW_SESSION_ID,
     SESSION_CLOSED,
     SESSION_ID,
+    ExpiryIndex,
     expires_text,
     new_session_value,
     parse_new_session,
@@ -57,7 +65,7 @@ class SessionRoutes:
         self.enabled = enabled
         self.expiration = expiration
         self._lock = threading.Lock()
-        self._held: dict[str, _Held] = {}
+        self._held: ExpiryIndex[_Held] = ExpiryIndex()
         self._ended: OrderedDict[str, str] = OrderedDict()  # session id -> why it ended
 
     def route(self, session_id: str | None) -> GroupClient | None:
@@ -123,8 +131,8 @@ class SessionRoutes:
             closed = headers[CLOSED_SESSION_ID] = asked
         if closed is not None:
             with self._lock:
-                if self._held.pop(closed.strip(), None) is not None:
-                    self._end(closed.strip(), "was closed")
+                if self._held.pop(closed.strip()) is not None:
+                    self._remember(closed.strip(), "was closed")
         return headers
 
     @property
@@ -132,17 +140,19 @@ class SessionRoutes:
         return len(self._held)
 
     def _open(self, session_id: str, held: _Held) -> None:
-        now = time.time()
         with self._lock:
-            for other, entry in list(self._held.items()):
-                if now > entry.expires_at:
-                    self._end(other, f"expired at {expires_text(entry.expires_at)}")
-            self._held[session_id] = held
+            for other, entry in self._held.take_due(time.time()):
+                self._remember(other, f"expired at {expires_text(entry.expires_at)}")
+            self._held.put(session_id, held.expires_at, held)
             self._ended.pop(session_id, None)
 
     def _end(self, session_id: str, reason: str) -> str:
         """Forget an open session (the lock is held), remembering why; returns the reason."""
-        self._held.pop(session_id, None)
+        self._held.pop(session_id)
+        return self._remember(session_id, reason)
+
+    def _remember(self, session_id: str, reason: str) -> str:
+        """Remember why a session ended (the lock is held), the latest ``ENDED_KEPT``; returns the reason."""
         self._ended[session_id] = reason
         self._ended.move_to_end(session_id)
         while len(self._ended) > ENDED_KEPT:

@@ -39,7 +39,14 @@ from container.core.launch import (
 from container.core.plan import Plan
 from container.core.served_names import served_names
 from container.core.settings import Settings, SettingsError
-from container.supervisor.cluster import Leader, cluster_config, cluster_plan, cluster_share, serve_worker_node
+from container.supervisor.cluster import (
+    Leader,
+    cluster_config,
+    cluster_plan,
+    cluster_share,
+    serve_worker_node,
+    withhold_secret,
+)
 from container.supervisor.groups import WorkerGroup
 from container.supervisor.plan_check import compare_kv, startup_plan
 from container.supervisor.processes import (
@@ -61,10 +68,10 @@ __all__ = ["StartupError", "Supervisor", "WorkerGroup", "find_mpirun", "model_in
 log = logging.getLogger("sagelmi.serve")
 
 
-def model_info(settings: Settings) -> ModelInfo:
+def model_info(settings: Settings, adapter_downloads: str = "") -> ModelInfo:
     """The served model for the frontend's management routes: its name (LMI's model
-    name, ``served_names``' ``management``), LoRA settings, where start-up adapters are
-    and where adapter sources may be."""
+    name, ``served_names``' ``management``), LoRA settings, where start-up adapters are,
+    where adapter sources may be and where ``s3://`` adapters are downloaded to."""
     options = settings.passthrough_options()
     location = settings.model_id or settings.model_dir
     dirs = [settings.model_dir] + ([location] if location != settings.model_dir and Path(location).is_dir() else [])
@@ -80,6 +87,8 @@ def model_info(settings: Settings) -> ModelInfo:
         max_lora_rank=int(options.get("max_lora_rank") or 16),
         adapter_dirs=dirs,
         adapter_roots=roots,
+        adapter_downloads=adapter_downloads,
+        max_adapter_bytes=settings.max_adapter_bytes,
         builtin_schemas=builtin_schemas,
     )
 
@@ -140,7 +149,7 @@ class Supervisor:
             traces_exporter=self.settings.traces_exporter,
             stateful_sessions=self.settings.enable_stateful_sessions,
             sessions_expiration=self.settings.sessions_expiration,
-            model=model_info(self.settings),
+            model=model_info(self.settings, str(self.runtime / "adapters")),  # removed with the runtime directory
             body_read_timeout=self.settings.body_read_timeout,
         )
         path = self.runtime / "frontend.json"
@@ -167,6 +176,7 @@ class Supervisor:
         proc.adopt_orphans()  # what a group leaves when its first process dies comes here: _kill_family
         try:
             cluster = cluster_config(self.settings)
+            withhold_secret(cluster)
             mpirun = find_mpirun() if self.settings.use_mpi else None
             if cluster is not None and not cluster.is_leader():
                 return self._serve_as_worker_node(cluster)

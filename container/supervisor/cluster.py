@@ -8,8 +8,13 @@
 - ``WorkerNode``: what ``sagelmi serve`` is on a worker node: ``/ping`` says "cluster worker"
   (never 200), the registration (reconnecting whenever the leader goes), and the launch
   service ``mpirun`` reaches through ``container.supervisor.rsh``, which runs Open MPI's
-  daemon (``prted``) and nothing else, and kills it and everything below it when the leader's
-  side of the connection closes.
+  daemon (``prted``, its arguments parsed by ``container.supervisor.prted``, no shell) and
+  nothing else, and kills it and everything below it when the leader's side of the connection
+  closes. A launch must prove it holds the next one-use key of this node's registration
+  (``container.core.cluster.launch_key``), which only the leader it registered with can make.
+
+Every accept loop (``AcceptLoop``) outlives a failed accept and a bad peer, and every
+unauthenticated connection has a deadline to prove itself.
 """
 
 from __future__ import annotations
@@ -18,21 +23,39 @@ import http.server
 import json
 import logging
 import os
-import re
 import socket
-import sys
+import struct
+import subprocess
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
-from container.core.cluster import HEARTBEAT, LOST_AFTER, Channel, ClusterConfig, ClusterError
+from container.core import proc
+from container.core.accepting import AcceptLoop
+from container.core.cluster import (
+    HANDSHAKE_TIMEOUT,
+    HEARTBEAT,
+    LOST_AFTER,
+    SECRET_VARIABLES,
+    Channel,
+    ClusterConfig,
+    ClusterError,
+    launch_key,
+    recv_exactly,
+)
 from container.core.devices import GroupPlan
 from container.core.settings import Settings
 from container.supervisor.processes import StartupError, _kill_family, _start
+from container.supervisor.prted import LaunchRefused, installed_prted, parse_launch
 
 log = logging.getLogger("sagelmi.cluster")
 
 RETRY = 1.0  # seconds between a worker node's attempts to reach the leader
+# A launch's opening, before its handshake: the node's index (server to client), then the
+# launch's number (client to server), which picks the one-use key the handshake proves.
+LAUNCH_INDEX = struct.Struct(">I")
+LAUNCH_NUMBER = struct.Struct(">Q")
 
 
 @dataclass
@@ -41,6 +64,8 @@ class Node:
     address: str  # as the leader sees it: mpirun's --host
     hostname: str
     channel: Channel
+    launch_key: bytes = field(repr=False, default=b"")  # this registration's, known to both ends alone
+    launches: int = 0  # launch keys handed out so far
 
 
 def _listen(config: ClusterConfig) -> socket.socket:
@@ -50,18 +75,6 @@ def _listen(config: ClusterConfig) -> socket.socket:
     except OSError as exc:
         raise StartupError(f"cannot listen on the cluster port {host}:{config.port}: {exc.strerror}") from None
     return sock
-
-
-def _serve_forever(sock: socket.socket, handle, name: str) -> None:
-    def loop() -> None:
-        while True:
-            try:
-                conn, address = sock.accept()
-            except OSError:
-                return  # closed
-            threading.Thread(target=handle, args=(conn, address), name=name, daemon=True).start()
-
-    threading.Thread(target=loop, name=f"{name}-accept", daemon=True).start()
 
 
 class Leader:
@@ -74,18 +87,17 @@ class Leader:
         self.losses = 0  # how many times a node went away: a group started before a loss must end
         self.lost: dict[int, str] = {}  # index -> why, for nodes gone and not back
         self._lock = threading.Lock()
-        self._sock: socket.socket | None = None
+        self._service: AcceptLoop | None = None
 
     def start(self) -> Leader:
-        self._sock = _listen(self.config)
-        _serve_forever(self._sock, self._serve, "cluster")
+        self._service = AcceptLoop(_listen(self.config), self._serve, "cluster").start()
         threading.Thread(target=self._beat, name="cluster-heartbeat", daemon=True).start()
         log.info("cluster leader: waiting for %d worker node(s) on port %d", self.config.size - 1, self.config.port)
         return self
 
     def close(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
+        if self._service is not None:
+            self._service.close()
         with self._lock:
             for node in self.nodes.values():
                 node.channel.close()
@@ -102,6 +114,23 @@ class Leader:
         """``mpirun --host`` entries: this node first (rank 0 answers), then each worker node."""
         with self._lock:
             return [f"{self.local_address}:{slots}"] + [f"{self.nodes[i].address}:{slots}" for i in sorted(self.nodes)]
+
+    def launch_keys(self) -> dict[int, tuple[int, bytes]]:
+        """For a start of the group: each registered node's next launch (number, one-use key)."""
+        with self._lock:
+            keys = {}
+            for index, node in self.nodes.items():
+                node.launches += 1
+                keys[index] = (node.launches, launch_key(node.launch_key, node.launches))
+            return keys
+
+    def write_launch_keys(self, path: Path) -> None:
+        """What ``container.supervisor.rsh`` reads to reach the nodes for one start of the group:
+        a file only this user reads, never the environment the ranks inherit."""
+        keys = {str(i): [number, key.hex()] for i, (number, key) in self.launch_keys().items()}
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"port": self.config.port, "nodes": keys}, f)
 
     def describe_missing(self) -> str:
         lost = self.lost
@@ -126,6 +155,7 @@ class Leader:
     def _serve(self, conn: socket.socket, address) -> None:
         try:
             channel = Channel.accept(conn, self.config.secret)
+            conn.settimeout(HANDSHAKE_TIMEOUT)
             hello = channel.receive()
         except (ClusterError, OSError, ValueError) as exc:
             log.error("cluster: refused a node at %s: %s", address[0], exc)
@@ -143,7 +173,7 @@ class Leader:
                 channel.close()
                 return
             old = self.nodes.pop(index, None)
-            node = Node(index, address[0], str(hello.get("hostname", "?")), channel)
+            node = Node(index, address[0], str(hello.get("hostname", "?")), channel, channel.derive(b"launch"))
             self.nodes[index] = node
             self.local_address = conn.getsockname()[0]
             self.lost.pop(index, None)
@@ -202,8 +232,13 @@ class _WorkerPing(http.server.BaseHTTPRequestHandler):
         pass
 
 
-# What the launch service runs: Open MPI's daemon from this image, after the variables mpirun sets.
-_PRTED = re.compile(r"^(?:[A-Z_]+=[^;]*;export [A-Z_]+;)*(\S+/prted)( .*)?$", re.S)
+@dataclass
+class _Registration:
+    """A worker node's current registration, as its launch service checks launches against it."""
+
+    index: int
+    key: bytes = field(repr=False)
+    last_launch: int = 0  # the highest launch number used: each key works once
 
 
 class WorkerNode:
@@ -215,15 +250,19 @@ class WorkerNode:
         self.stopping = stopping
         self._launches: set = set()
         self._lock = threading.Lock()
+        self._registered: _Registration | None = None  # launches are refused while unregistered
+        self._service: AcceptLoop | None = None
+        self._ping: http.server.ThreadingHTTPServer | None = None
+        self._prted = installed_prted()
 
     def start(self) -> WorkerNode:
         handler = type("Ping", (_WorkerPing,), {"leader": self.config.leader})
         server = http.server.ThreadingHTTPServer(("0.0.0.0", 0), handler, bind_and_activate=False)
         server.socket.close()
         server.socket = self.listener
+        self._ping = server
         threading.Thread(target=server.serve_forever, name="worker-ping", daemon=True).start()
-        self._sock = _listen(self.config)
-        _serve_forever(self._sock, self._launch, "cluster-launch")
+        self._service = AcceptLoop(_listen(self.config), self._launch, "cluster-launch").start()
         return self
 
     def run(self) -> None:
@@ -250,7 +289,12 @@ class WorkerNode:
         welcome = channel.receive()
         if not welcome:
             raise OSError("the leader closed the connection")
-        log.info("cluster: registered with the leader at %s as worker node %s", self.config.leader, welcome["index"])
+        index = welcome.get("index")
+        if not isinstance(index, int):
+            raise OSError("the leader's welcome names no index")
+        log.info("cluster: registered with the leader at %s as worker node %s", self.config.leader, index)
+        with self._lock:
+            self._registered = _Registration(index, channel.derive(b"launch"))
         stop = threading.Event()
 
         def beat() -> None:
@@ -269,25 +313,27 @@ class WorkerNode:
             log.warning("cluster: lost the leader at %s (%s); registering again", self.config.leader, exc)
         finally:
             stop.set()
+            with self._lock:
+                self._registered = None
             channel.close()
 
     def _launch(self, conn: socket.socket, address) -> None:
         try:
-            channel = Channel.accept(conn, self.config.secret)
+            channel = self._authenticate_launch(conn)
+            conn.settimeout(HANDSHAKE_TIMEOUT)
             request = channel.receive() or {}
-        except (ClusterError, OSError, ValueError) as exc:
+            if request.get("type") != "launch":
+                raise LaunchRefused("it is not a launch request")
+            if self._prted is None:
+                raise LaunchRefused("Open MPI's prted is not installed on this node")
+            daemon = parse_launch(str(request.get("command", "")), self._prted, os.environ)
+        except (ClusterError, LaunchRefused, OSError, ValueError) as exc:
             log.error("cluster: refused a launch from %s: %s", address[0], exc)
             conn.close()
             return
-        command = str(request.get("command", ""))
-        match = _PRTED.match(command)
-        ours = match is not None and os.path.dirname(match.group(1)) == os.path.dirname(sys.executable)
-        if request.get("type") != "launch" or not ours:
-            log.error("cluster: refused a launch from %s: only Open MPI's prted of this image runs here", address[0])
-            channel.close()
-            return
+        conn.settimeout(None)
         log.info("cluster: starting Open MPI's daemon for the leader at %s", address[0])
-        process = _start(["/bin/sh", "-c", command], stdin=open(os.devnull))  # noqa: SIM115 - the child owns it
+        process = _start(daemon.argv, env={**os.environ, **daemon.env}, stdin=subprocess.DEVNULL)
         with self._lock:
             self._launches.add(process)
         closed = threading.Event()
@@ -316,7 +362,37 @@ class WorkerNode:
                 pass
         channel.close()
 
+    def _authenticate_launch(self, conn: socket.socket) -> Channel:
+        """The launch's handshake with this registration's next one-use key: only the leader this
+        node is registered with holds it. Raises ``ClusterError`` (or ``OSError``)."""
+        with self._lock:
+            registration = self._registered
+        if registration is None:
+            raise ClusterError("this node is not registered with a leader")
+        deadline = time.monotonic() + HANDSHAKE_TIMEOUT
+        conn.settimeout(HANDSHAKE_TIMEOUT)
+        conn.sendall(LAUNCH_INDEX.pack(registration.index))
+        opening = recv_exactly(conn, LAUNCH_NUMBER.size, deadline)
+        if opening is None:
+            raise ClusterError("it closed the connection")
+        (number,) = LAUNCH_NUMBER.unpack(opening)
+        if number <= registration.last_launch:
+            raise ClusterError(f"launch key {number} was used already")
+        try:
+            channel = Channel.accept(conn, launch_key(registration.key, number), max(0.0, deadline - time.monotonic()))
+        except ClusterError:
+            raise ClusterError("it is not the leader this node registered with") from None
+        with self._lock:
+            if self._registered is not registration or number <= registration.last_launch:
+                raise ClusterError(f"launch key {number} was used already, or the registration ended")
+            registration.last_launch = number
+        return channel
+
     def stop(self) -> None:
+        if self._ping is not None:
+            self._ping.shutdown()
+        if self._service is not None:
+            self._service.close()
         with self._lock:
             launches = list(self._launches)
         for process in launches:
@@ -346,6 +422,16 @@ def cluster_config(settings: Settings) -> ClusterConfig | None:
             f"divisible by the cluster's {config.size} nodes: each node runs the same share of the ranks"
         )
     return config
+
+
+def withhold_secret(config: ClusterConfig | None) -> None:
+    """Keep the cluster's secret in this process alone: out of the environment that every process
+    it starts inherits (the frontend, ranks and handlers, Open MPI, pip), and, when it holds one,
+    out of ``/proc/PID/environ`` for this node's other processes (``proc.keep_private``)."""
+    for name in SECRET_VARIABLES:
+        os.environ.pop(name, None)
+    if config is not None:
+        proc.keep_private()
 
 
 def cluster_plan(settings: Settings, devices: list[str], config: ClusterConfig) -> list[GroupPlan]:

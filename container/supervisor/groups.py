@@ -13,6 +13,7 @@ from pathlib import Path
 from container.core import proc
 from container.core.devices import GroupPlan
 from container.core.launch import GroupNote, WorkerLaunch, encode_launch, write_note
+from container.core.logs import redacted_command
 from container.core.protocol import WorkerState
 from container.core.settings import Settings
 from container.frontend.group_client import GroupClient
@@ -67,6 +68,7 @@ class WorkerGroup:
         self.launch_path = runtime / f"group-{plan.index}.json"
         self.ready_path = runtime / f"group-{plan.index}.ready"
         self.note_path = str(runtime / f"group-{plan.index}.note")
+        self.launch_keys_path = runtime / f"group-{plan.index}.launch"  # a cluster's, for rsh
         self.launch_path.write_bytes(
             encode_launch(
                 WorkerLaunch(
@@ -122,7 +124,7 @@ class WorkerGroup:
             sys.executable,
             "-m",
             "container.core.proc",  # mpirun, tied to this process
-            *mpirun_command(self.mpirun, self.settings, self.plan, worker, env, hosts=self._hosts()),
+            *mpirun_command(self.mpirun, self.settings, self.plan, worker, env, self._hosts(), self.launch_keys_path),
         ]
 
     def _hosts(self) -> list[str] | None:
@@ -135,6 +137,7 @@ class WorkerGroup:
         if self.cluster is not None:
             self.cluster_losses = self.cluster.losses
             self._waiting_for = ""
+            self.cluster.write_launch_keys(self.launch_keys_path)  # one-use keys for this start
         env = self._env()
         command = self.command(env)
         self.process = _start(command, env=env, cwd=self.settings.model_dir)
@@ -150,7 +153,7 @@ class WorkerGroup:
         if env.get("VLLM_CPU_OMP_THREADS_BIND") and self.plan.world_size > 1 and not self.plan.devices:
             details.append(f"VLLM_CPU_OMP_THREADS_BIND={env['VLLM_CPU_OMP_THREADS_BIND']}")
         log.info("started %s (%s)", self.name, ", ".join(details))
-        log.debug("%s command: %s", self.name, " ".join(command))
+        log.debug("%s command: %s", self.name, " ".join(redacted_command(command)))
 
     def _ready_incarnation(self) -> int:
         """The last start of this group that became ready: rank 0 writes it to a

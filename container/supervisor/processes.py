@@ -121,10 +121,26 @@ def find_mpirun() -> str:
     return found
 
 
-# Variables a rank on another machine needs from this one (mpirun -x); local ranks inherit everything.
-_FORWARDED_PREFIXES = ("VLLM_", "HF_", "NCCL_", "GLOO_", "OMP_", "AWS_", "SAGELMI_", "LMCACHE_")
-_NOT_FORWARDED = ("SAGELMI_CLUSTER_SECRET", "SAGELMI_CLUSTER_SECRET_FILE", "SAGELMI_NODE_INDEX", "SAGELMI_NODE_ADDR")
+# What ranks on other nodes get from this one (mpirun -x), over Open MPI's plain channel. A remote
+# rank starts from its own node's environment (its prted's, from that node's sagelmi) and takes
+# these on top: the engine's and the collectives' settings the supervisor and the user set here.
+# Never credentials (AWS_*, HF_TOKEN, anything named like a token, secret, password or key): each
+# node reads its own. Never a node's own place in the cluster or its devices.
+_FORWARDED_PREFIXES = ("VLLM_", "HF_", "NCCL_", "GLOO_", "OMP_", "SAGELMI_", "LMCACHE_")
 _FORWARDED_NAMES = ("CUDA_VISIBLE_DEVICES", "PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "HOME", "TMPDIR")
+_NODES_OWN = ("SAGELMI_CLUSTER_", "SAGELMI_NODE_", "SAGELMI_LEADER_")
+_CREDENTIAL_ENDINGS = frozenset({"TOKEN", "KEY", "SECRET", "PASSWORD", "PASSWD", "CREDENTIALS", "AUTH"})
+_CREDENTIAL_WORDS = frozenset({"SECRET", "PASSWORD", "PASSWD", "CREDENTIALS"})
+
+
+def forwarded(name: str, cluster: bool) -> bool:
+    """Whether ``mpirun -x`` passes ``name`` on to the ranks of other nodes."""
+    if not (name in _FORWARDED_NAMES or name.startswith(_FORWARDED_PREFIXES)):
+        return False
+    if name.startswith(_NODES_OWN) or (cluster and name == "CUDA_VISIBLE_DEVICES"):
+        return False
+    words = name.split("_")
+    return words[-1] not in _CREDENTIAL_ENDINGS and not _CREDENTIAL_WORDS.intersection(words)
 
 
 def mpirun_command(
@@ -134,19 +150,22 @@ def mpirun_command(
     worker: list[str],
     env: dict[str, str],
     hosts: list[str] | None = None,
+    launch_keys: Path | None = None,
 ) -> list[str]:
     """``mpirun`` starting ``plan.world_size`` ranks of ``worker``; with ``hosts`` (a cluster's
     ``host:slots``, the leader first), across those nodes (or those of the user's hostfile),
-    reaching them through ``container.supervisor.rsh`` instead of ssh."""
+    reaching them through ``container.supervisor.rsh`` with the ``launch_keys`` file instead of ssh."""
     command = [mpirun, "-np", str(plan.world_size)]
     if os.geteuid() == 0:
         command.append("--allow-run-as-root")
     if settings.mpi_hostfile:  # the user's names for the nodes (in a cluster too, the leader first)
         command += ["--hostfile", settings.mpi_hostfile]
     if hosts:
+        assert launch_keys is not None, "a cluster's mpirun reaches its nodes with launch keys"
         if not settings.mpi_hostfile:
             command += ["--host", ",".join(hosts)]
-        command += ["--map-by", "slot", "--mca", "plm_rsh_agent", f"{sys.executable} -m container.supervisor.rsh"]
+        agent = f"{sys.executable} -m container.supervisor.rsh {launch_keys}"
+        command += ["--map-by", "slot", "--mca", "plm_rsh_agent", agent]
         command += ["--prtemca", "plm_ssh_no_tree_spawn", "1"]  # the leader reaches every node itself
     extra = settings.mpi_extra_args_list
     if not any(_names_binding(word) for word in extra):
@@ -157,9 +176,7 @@ def mpirun_command(
         command += ["--bind-to", "none"]
     command += extra
     for name in sorted(env):
-        if name in _NOT_FORWARDED or (hosts and name == "CUDA_VISIBLE_DEVICES"):
-            continue  # each node's own (devices, place in the cluster); the secret never travels
-        if name in _FORWARDED_NAMES or name.startswith(_FORWARDED_PREFIXES):
+        if forwarded(name, cluster=bool(hosts)):
             command += ["-x", name]
     return command + worker + ["--mpi"]
 

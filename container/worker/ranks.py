@@ -2,15 +2,21 @@
 relay from rank 0 (the leader) to every other rank (the followers).
 
 Start-up (``bootstrap``): every rank initialises MPI (mpi4py); rank 0 reads the
-group's launch file, opens the relay's TCP listener, picks ``MASTER_ADDR`` /
-``MASTER_PORT`` for ``torch.distributed`` and a random token, and broadcasts all
-of it; then MPI is finalised. Nothing after start-up uses MPI: a rank blocked in
+group's launch file, opens the relay's TCP listener on the address the other
+ranks reach it at (loopback when they all run on its machine), picks
+``MASTER_ADDR`` / ``MASTER_PORT`` for ``torch.distributed`` and a random token,
+and broadcasts all of it; then MPI is finalised. Nothing after start-up uses MPI: a rank blocked in
 an MPI receive polls and burns a core for as long as it waits, while a rank
 blocked on a socket costs nothing, and an idle model server waits most of the
 time.
 
 The relay: each follower connects to the leader's listener and proves it
-belongs to the job with the token. The leader sends every ``Invoke`` and
+belongs to the job: an HMAC challenge both ways keyed by the token
+(``container.core.cluster.Channel``), so the token never crosses the
+connection; then it says which rank it is in an authenticated message. Each
+connection that has not proved itself gets ``HANDSHAKE_TIMEOUT`` seconds, in a
+thread of its own, while the leader goes on accepting: a silent or wrong
+connection is dropped and never holds up the group's start. The leader sends every ``Invoke`` and
 ``Cancel`` it receives, and every ``Broadcast`` of its handler, down each
 follower connection in the order it received them, from one lock, so every
 rank sees the same messages in the same order. Followers send their ``Status``
@@ -21,20 +27,20 @@ supervisor restarts the whole group.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import os
 import queue
 import secrets
 import socket
-import struct
 import threading
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
+from container.core.accepting import AcceptLoop
+from container.core.cluster import HANDSHAKE_TIMEOUT, Channel, ClusterError
 from container.core.protocol import (
     METRICS_PATH,
     Broadcast,
@@ -50,7 +56,6 @@ from container.core.protocol import (
 
 log = logging.getLogger("sagelmi.ranks")
 
-_HELLO = struct.Struct(">16sI")  # token, rank
 ACCEPT_TIMEOUT = 120.0  # followers connect right after start-up; much longer means a broken job
 
 
@@ -64,7 +69,7 @@ class RankInfo:
     master_addr: str
     master_port: int
     relay_port: int
-    token: bytes
+    token: bytes = field(repr=False)
 
     def export(self) -> None:
         """Set the variables ``torch.distributed`` (``env://``) and vLLM read."""
@@ -93,6 +98,15 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+def relay_host(local_size: int, size: int) -> str:
+    """Where rank 0 listens for the relay: loopback when every rank runs on its machine, else the
+    address of its machine the others reach (MASTER_ADDR if set, as the supervisor sets it in a
+    cluster, else its hostname's), never every address."""
+    if local_size == size:
+        return "127.0.0.1"
+    return os.environ.get("MASTER_ADDR") or _this_host_address()
+
+
 def _local_rank(comm, MPI) -> tuple[int, int]:
     """This rank's index among the ranks of its machine, and their number: as Open MPI's launcher
     says (each node's daemon knows its own ranks), else by asking MPI which ranks share memory."""
@@ -116,15 +130,16 @@ def bootstrap(launch_path: Path) -> tuple[RankInfo, bytes, socket.socket | None]
     local_rank, local_size = _local_rank(comm, MPI)
     listener = shared = None
     if rank == 0:
-        # One machine: everything on loopback. Several: the address of rank 0's machine (the
-        # hostfile's first host) that the others reach: MASTER_ADDR if set, else its hostname's.
-        host = "127.0.0.1" if local_size == size else os.environ.get("MASTER_ADDR") or _this_host_address()
-        listener = socket.create_server(("127.0.0.1" if host == "127.0.0.1" else "0.0.0.0", 0))
+        host = relay_host(local_size, size)
+        try:
+            listener = socket.create_server((host, 0))
+        except OSError as exc:
+            raise RuntimeError(f"rank 0 cannot listen for the other ranks on {host} (MASTER_ADDR): {exc}") from None
         shared = {
             "host": host,
             "relay_port": listener.getsockname()[1],
             "master_port": _free_port(host),
-            "token": secrets.token_bytes(16),
+            "token": secrets.token_bytes(32),
             "launch": launch_path.read_bytes(),
         }
     shared = comm.bcast(shared, root=0)
@@ -186,30 +201,43 @@ class Leader:
         self.on_change: Callable[[], object] = lambda: None  # a follower's status changed (reader thread)
         self.on_lost: Callable[[int], object] = lambda rank: None  # a follower went away (reader thread)
 
-    def accept_followers(self) -> None:
-        """Wait until every follower has connected and proved it belongs to the job."""
-        self.listener.settimeout(ACCEPT_TIMEOUT)
-        try:
-            while len(self.peers) < self.info.world_size - 1:
-                sock, address = self.listener.accept()
-                sock.settimeout(10)
-                hello = _recv_exactly(sock, _HELLO.size)
-                token, rank = _HELLO.unpack(hello) if hello else (b"", 0)
-                if not hmac.compare_digest(token, self.info.token) or not 0 < rank < self.info.world_size:
-                    log.warning("refused a relay connection from %s: not a rank of this group", address)
+    def accept_followers(self, timeout: float = ACCEPT_TIMEOUT) -> None:
+        """Wait until every follower has connected and proved it belongs to the job (see the
+        module's text); ``RuntimeError`` when some have not within ``timeout`` seconds."""
+        others = self.info.world_size - 1
+        joined: dict[int, socket.socket] = {}
+        cond = threading.Condition()
+
+        def admit(sock: socket.socket, address: tuple) -> None:
+            try:
+                channel = Channel.accept(sock, self.info.token)
+                sock.settimeout(HANDSHAKE_TIMEOUT)
+                hello = channel.receive() or {}
+            except (ClusterError, OSError, ValueError) as exc:
+                log.warning("refused a relay connection from %s: %s", address[0], exc)
+                sock.close()
+                return
+            rank = hello.get("rank")
+            with cond:
+                if not isinstance(rank, int) or not 0 < rank <= others or rank in joined or len(joined) == others:
+                    log.warning("refused a relay connection from %s: rank %r is not awaited", address[0], rank)
                     sock.close()
-                    continue
-                sock.settimeout(None)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                self.states[rank] = Status(state=WorkerState.LOADING, rank=rank)
-                peer = _Peer(sock, f"rank-{rank}", partial(self._heard, rank), partial(self._lost, rank))
-                self.peers.append(peer)
-        except TimeoutError:
-            raise RuntimeError(
-                f"only {len(self.peers)} of {self.info.world_size - 1} other ranks connected within {ACCEPT_TIMEOUT:g}s"
-            ) from None
+                    return
+                joined[rank] = sock
+                cond.notify_all()
+
+        accepting = AcceptLoop(self.listener, admit, "relay").start()
+        try:
+            with cond:
+                if not cond.wait_for(lambda: len(joined) == others, timeout):
+                    raise RuntimeError(f"only {len(joined)} of {others} other ranks connected within {timeout:g}s")
         finally:
-            self.listener.close()
+            accepting.close()
+        for rank, sock in sorted(joined.items()):
+            sock.settimeout(None)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.states[rank] = Status(state=WorkerState.LOADING, rank=rank)
+            self.peers.append(_Peer(sock, f"rank-{rank}", partial(self._heard, rank), partial(self._lost, rank)))
         for peer in self.peers:
             peer.start()
         log.info("all %d ranks of the group are connected", self.info.world_size)
@@ -265,10 +293,13 @@ class Follower:
         self._peer: _Peer | None = None
 
     def connect(self) -> None:
+        """Connect to rank 0 and prove this rank belongs to the job. Raises ``ClusterError`` when
+        the listener is not this job's rank 0, ``OSError``."""
         sock = socket.create_connection((self.info.master_addr, self.info.relay_port), timeout=30)
+        channel = Channel.connect(sock, self.info.token)
+        channel.send({"rank": self.info.rank})
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.sendall(_HELLO.pack(self.info.token, self.info.rank))
         self._peer = _Peer(sock, "rank-0", self._heard, self._closed)
         self._peer.start()
 
@@ -294,13 +325,3 @@ class Follower:
             self._peer.send(encode(message))
         except OSError as exc:
             log.warning("could not send %s to rank 0: %s", type(message).__name__, exc)
-
-
-def _recv_exactly(sock: socket.socket, size: int) -> bytes:
-    data = b""
-    while len(data) < size:
-        chunk = sock.recv(size - len(data))
-        if not chunk:
-            return b""
-        data += chunk
-    return data

@@ -37,6 +37,7 @@ from typing import Any
 
 from container.core.dtypes import canonical_dtype
 from container.core.errors import InputError
+from container.core.logs import redacted_json
 from handlers.api import Input, Output
 from handlers.api.context import WorkerContext
 from handlers.api.engine import Engine, Formatters
@@ -161,7 +162,7 @@ class AccelerateEngine(Engine):
             "Accelerate engine: loading %s for %s with %s",
             model_path,
             task,
-            json.dumps(kwargs, default=str, sort_keys=True),
+            redacted_json(kwargs),
         )
         started = time.monotonic()
         auto = getattr(transformers, TASKS[task])

@@ -19,32 +19,39 @@ engine takes identical steps, so one rank decides them:
 Waiting costs nothing: rank 0's thread sleeps until work arrives, the others
 block on their relay socket. Requests reach rank 0 only
 (``requests_on_rank0_only``): the plans carry everything the other ranks need.
+
+A plan is a typed ``msgspec`` struct, encoded with vLLM's own msgpack encoder and
+decoder (``vllm.v1.serial_utils``, what vLLM uses between its front and its
+engine-core process), never pickled: a follower decodes only a ``Plan`` and calls
+only the engine's methods it names in ``ENGINE_CALLS``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import glob
-import json
 import logging
 import os
-import pickle
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from prometheus_client import REGISTRY
 from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.lora.request import LoRARequest
 from vllm.usage.usage_lib import UsageContext
-from vllm.v1.engine import EngineCoreOutputs
+from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.core import EngineCore
 from vllm.v1.engine.core_client import EngineCoreClient
 from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.executor import Executor
 from vllm.v1.executor.uniproc_executor import ExecutorWithExternalLauncher
+from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
+from container.core.logs import redacted_json
 from handlers.api import Input, Output
 from handlers.api.context import WorkerContext
 from handlers.api.engine import Engine, Formatters
@@ -53,14 +60,58 @@ from handlers.engines.vllm import UnfinishedRequests, VllmEngine, engine_kwargs
 log = logging.getLogger("sagelmi.lmi_dist")
 
 
-@dataclass
-class Plan:
-    """What every rank does before its next engine step, in order: ``("add",
-    EngineCoreRequest)``, ``("abort", [request ids])`` or ``("call", method, args)``
-    (LoRA and cache operations). ``stop`` ends the stepping."""
+class AddRequest(msgspec.Struct, tag=True, array_like=True):
+    request: EngineCoreRequest
 
-    ops: list[tuple] = field(default_factory=list)
+
+class AbortRequests(msgspec.Struct, tag=True, array_like=True):
+    request_ids: list[str]
+
+
+class AddLora(msgspec.Struct, tag=True, array_like=True):
+    lora_request: LoRARequest
+
+
+class EngineCall(msgspec.Struct, tag=True, array_like=True):
+    """One of ``ENGINE_CALLS`` on the engine core, with plain arguments (ids, flags)."""
+
+    method: str
+    args: list[int | bool | str | None] = msgspec.field(default_factory=list)
+
+
+# The engine core's methods a plan may call besides add_lora (LeaderClient's calls).
+ENGINE_CALLS = frozenset(
+    {"remove_lora", "list_loras", "pin_lora", "reset_prefix_cache", "reset_mm_cache", "reset_encoder_cache"}
+)
+
+
+PlanOp = AddRequest | AbortRequests | AddLora | EngineCall
+
+
+class Plan(msgspec.Struct, array_like=True):
+    """What every rank does before its next engine step, in order. ``stop`` ends the stepping."""
+
+    ops: list[PlanOp] = msgspec.field(default_factory=list)
     stop: bool = False
+
+
+class PlanCodec:
+    """Plans to bytes and back with vLLM's msgpack encoder and decoder (tensors of a request,
+    prompt embeddings or multimodal features, as vLLM sends them to its engine core), and an
+    outer msgpack list for the buffers vLLM keeps apart. One per thread: neither side is
+    thread-safe."""
+
+    def __init__(self) -> None:
+        self._encoder = MsgpackEncoder()
+        self._decoder = MsgpackDecoder(Plan)
+        self._buffers = msgspec.msgpack.Decoder(list[bytearray])  # writable: tensors may share them
+
+    def encode(self, plan: Plan) -> bytes:
+        return msgspec.msgpack.encode(list(self._encoder.encode(plan)))
+
+    def decode(self, data: bytes) -> Plan:
+        """Raises ``msgspec.DecodeError`` (or ``ValidationError``) for anything but a plan."""
+        return self._decoder.decode(self._buffers.decode(data))
 
 
 class LockstepCore:
@@ -74,20 +125,27 @@ class LockstepCore:
         return self.core.scheduler.has_requests() or bool(self.core.batch_queue)
 
     def apply(self, plan: Plan) -> list[Any]:
-        """Apply the plan's operations; returns the results of its calls."""
+        """Apply the plan's operations; returns the results of its calls (``AddLora``, ``EngineCall``)."""
         results = []
         for op in plan.ops:
-            if op[0] == "add":
-                request, wave = self.core.preprocess_add_request(op[1])
+            if isinstance(op, AddRequest):
+                request, wave = self.core.preprocess_add_request(op.request)
                 self.core.add_request(request, wave)
-            elif op[0] == "abort":
-                self.core.abort_requests(op[1])
+            elif isinstance(op, AbortRequests):
+                self.core.abort_requests(op.request_ids)
             else:  # a failing call (a bad LoRA adapter ...) is that call's error, not the engine's
                 try:
-                    results.append(getattr(self.core, op[1])(*op[2]))
+                    results.append(self._call(op))
                 except Exception as exc:
                     results.append(exc)
         return results
+
+    def _call(self, op: AddLora | EngineCall) -> Any:
+        if isinstance(op, AddLora):
+            return self.core.add_lora(op.lora_request)
+        if op.method not in ENGINE_CALLS:
+            raise ValueError(f"{op.method} is not an engine call a plan may make")
+        return getattr(self.core, op.method)(*op.args)
 
     def step(self) -> EngineCoreOutputs | None:
         outputs, executed = self.core.step_fn()
@@ -107,7 +165,8 @@ class LeaderClient:
         self.loop = loop
         self.engine_ranks_managed = [0]
         self.resources = _Resources()
-        self._ops: list[tuple] = []
+        self._codec = PlanCodec()
+        self._ops: list[PlanOp] = []
         self._calls: list[asyncio.Future] = []
         self._cond = threading.Condition()
         self._stopping = False
@@ -118,12 +177,12 @@ class LeaderClient:
         self._thread.start()
 
     # -- what AsyncLLM calls
-    async def add_request_async(self, request) -> None:
-        self._queue(("add", request))
+    async def add_request_async(self, request: EngineCoreRequest) -> None:
+        self._queue(AddRequest(request))
 
     async def abort_requests_async(self, request_ids: list[str]) -> None:
         if request_ids:
-            self._queue(("abort", list(request_ids)))
+            self._queue(AbortRequests(list(request_ids)))
 
     async def get_output_async(self) -> EngineCoreOutputs:
         item = await self._outputs.get()
@@ -135,12 +194,15 @@ class LeaderClient:
         return self.lockstep.core.get_supported_tasks()
 
     async def _call(self, method: str, *args) -> Any:
+        return await self._call_op(EngineCall(method, list(args)))
+
+    async def _call_op(self, op: AddLora | EngineCall) -> Any:
         future = self.loop.create_future()
-        self._queue(("call", method, args), future)
+        self._queue(op, future)
         return await future
 
-    async def add_lora_async(self, lora_request) -> bool:
-        return await self._call("add_lora", lora_request)
+    async def add_lora_async(self, lora_request: LoRARequest) -> bool:
+        return await self._call_op(AddLora(lora_request))
 
     async def remove_lora_async(self, lora_id: int) -> bool:
         return await self._call("remove_lora", lora_id)
@@ -179,7 +241,7 @@ class LeaderClient:
         self.lockstep.core.shutdown()
 
     # -- the stepping thread
-    def _queue(self, op: tuple, future: asyncio.Future | None = None) -> None:
+    def _queue(self, op: PlanOp, future: asyncio.Future | None = None) -> None:
         if self.resources.engine_dead:
             raise EngineDeadError("the lmi-dist engine stopped")
         with self._cond:
@@ -200,7 +262,7 @@ class LeaderClient:
         try:
             while True:
                 plan, calls = self._next_plan()
-                self.context.broadcast(pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL))
+                self.context.broadcast(self._codec.encode(plan))
                 if plan.stop:
                     return
                 for future, result in zip(calls, self.lockstep.apply(plan)):
@@ -253,9 +315,10 @@ class LockstepAsyncLLM(AsyncLLM):
 
 def _follow(lockstep: LockstepCore, context: WorkerContext, stopped: threading.Event) -> None:
     """Another rank: apply rank 0's plans and step, until told to stop."""
+    codec = PlanCodec()
     try:
         while (data := context.next_broadcast()) is not None:
-            plan: Plan = pickle.loads(data)
+            plan = codec.decode(data)
             if plan.stop:
                 break
             lockstep.apply(plan)
@@ -315,7 +378,7 @@ class LmiDistEngine(Engine):
             "rank %d of %d: starting vLLM's engine core with %s",
             context.rank,
             context.world_size,
-            json.dumps(kwargs, default=str, sort_keys=True),
+            redacted_json(kwargs),
         )
         started = time.monotonic()
         args = AsyncEngineArgs(**kwargs)

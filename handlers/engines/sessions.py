@@ -9,7 +9,8 @@ engine's prefix cache is what a session's requests share, and the frontend's
 sticky routing sends them all to the group that holds it.
 
 Refusals are 400 naming the session, as vLLM's SageMaker routes answer an unknown
-session (LMI answers 424 for the same)."""
+session (LMI answers 424 for the same); a new session past ``option.max_sessions``
+open ones is 429 (``TooManySessions``, from the ``SessionManager``)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,10 @@ class EngineSessions:
     def __init__(self, settings: Settings) -> None:
         self.manager: SessionManager | None = None
         if settings.enable_stateful_sessions:
-            properties = {"sessions_expiration": str(settings.sessions_expiration)}
+            properties = {
+                "sessions_expiration": str(settings.sessions_expiration),
+                "max_sessions": str(settings.max_sessions),
+            }
             if settings.sessions_path:
                 properties["sessions_path"] = settings.sessions_path
             self.manager = SessionManager(properties)

@@ -29,7 +29,6 @@ a ``model.py``'s formatters ``handlers.engines.formatters``.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -44,6 +43,7 @@ from vllm.v1.engine.exceptions import EngineDeadError
 
 from container.core.chat_options import chat_options
 from container.core.errors import InputError
+from container.core.logs import redacted_json
 from container.core.served_names import served_names
 from handlers.api import Input, Output
 from handlers.api.context import WorkerContext
@@ -110,7 +110,7 @@ class VllmEngine(Engine):
     @classmethod
     async def start(cls, context: WorkerContext, formatters: Formatters) -> VllmEngine:
         kwargs = engine_kwargs(context)
-        log.info("starting vLLM with %s", json.dumps(kwargs, default=str, sort_keys=True))
+        log.info("starting vLLM with %s", redacted_json(kwargs))
         started = time.monotonic()
         # Building the engine blocks for tens of seconds: keep the worker's loop free meanwhile.
         engine = await asyncio.to_thread(AsyncLLM.from_engine_args, AsyncEngineArgs(**kwargs))

@@ -14,6 +14,9 @@ VLLM_CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 # Tests that compare greedy tokens across servers whose sums run in a different order (tensor and
 # pipeline shards, other batch shapes) serve in float32: in bfloat16, vLLM's CPU default, near-ties flip.
 EXACT = {"OPTION_DTYPE": "float32"}
+# A Hub token in the reference server's settings: vLLM gets it, a local model never sends it anywhere,
+# and the log shows it as ***.
+HUB_TOKEN = "hf_e2eTokenThatMustNeverBeLogged0123"
 TINY_CONTEXT = 8192
 # A first start compiles the model (later starts reuse vLLM's compile cache): allow for it on 2 busy cores.
 ENGINE_READY_TIMEOUT = 240

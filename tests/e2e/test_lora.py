@@ -7,12 +7,15 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import requests
 
+from container.core.artifacts import download_dir
 from tests.e2e.conftest import ENGINE_READY_TIMEOUT, EXACT, VLLM_CPU_ENV
 from tests.server import REPO, Server, clean_env
 
@@ -214,6 +217,34 @@ def test_an_adapter_registered_from_s3(server, model, s3):
     assert generate(server, "a3") == generate(server, "a2") != generate(server)
     missing = requests.post(adapters_url(server), params={"name": "a4", "src": "s3://adapters/none"}, timeout=120)
     assert 400 <= missing.status_code < 500 and "no objects under" in missing.json()["error"], missing.text
+
+
+def test_an_s3_adapter_registered_again_serves_its_changed_objects_and_unregistering_removes_them(server, model, s3):
+    _, client = s3
+    uri = "s3://adapters/team/a5"
+
+    def upload(source):  # the same keys each time
+        for path in source.iterdir():
+            client.upload_file(str(path), "adapters", f"team/a5/{path.name}")
+
+    def copies() -> list:
+        tmp = Path(tempfile.gettempdir())
+        return [*tmp.glob("sagelmi-*/adapters/a5-*"), *[d for d in [download_dir(uri)] if d.exists()]]
+
+    def register_a5():
+        response = requests.post(adapters_url(server), params={"name": "a5", "src": uri}, timeout=120)
+        assert response.status_code == 200, response.text
+
+    upload(model / "extra" / "a2")
+    register_a5()
+    assert generate(server, "a5") == ensure_a2(server, model)
+    assert requests.delete(adapters_url(server, "a5"), timeout=60).status_code == 200
+    upload(model / "adapters" / "a1")
+    register_a5()
+    assert generate(server, "a5") == generate(server, "a1") != generate(server, "a2")
+    assert copies()
+    assert requests.delete(adapters_url(server, "a5"), timeout=60).status_code == 200
+    assert copies() == []
 
 
 @pytest.mark.mpi

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.e2e.conftest import ENGINE_READY_TIMEOUT, VLLM_CPU_ENV
+from tests.e2e.conftest import ENGINE_READY_TIMEOUT, HUB_TOKEN, VLLM_CPU_ENV
 from tests.server import (
     REPO,
     RawStream,
@@ -51,6 +51,16 @@ def test_greedy_answer_equals_offline_vllm(vllm_server, tiny_model):
 
 
 LONG_PROMPT = "red green " * 1500  # about 3000 tokens: more than one engine step takes (2048 on the CPU)
+
+
+def test_the_hub_token_never_reaches_the_log(vllm_server):
+    """option.hf_token is a setting the supervisor logs and an engine argument the worker logs
+    ("starting vLLM with ..."): both show it as ***."""
+    log = vllm_server.log()
+    assert HUB_TOKEN not in log
+    assert "setting option.hf_token=*** (env OPTION_HF_TOKEN (passed to the handler))" in log
+    starting = [line for line in log.splitlines() if "starting vLLM with" in line]
+    assert len(starting) == 1 and '"hf_token": "***"' in starting[0]
 
 
 def test_a_seeded_sample_of_a_prompt_split_across_steps_is_answered_as_if_taken_whole(vllm_server, tiny_model):

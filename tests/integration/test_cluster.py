@@ -8,12 +8,17 @@ import os
 import secrets
 import shutil
 import signal
+import socket
+import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import requests
 
+from container.core.cluster import Channel, ClusterError
 from container.core.proc import parents
+from container.supervisor.cluster import LAUNCH_INDEX, LAUNCH_NUMBER
 from tests.server import REPO, Server, free_port, mpi_rank, processes
 
 pytestmark = [pytest.mark.mpi,
@@ -29,9 +34,14 @@ def _env(secret: str, cluster_port: int, **extra: str) -> dict[str, str]:
             "OPTION_MPI_EXTRA_ARGS": "--mca btl self,tcp --mca btl_tcp_if_include lo", **extra}
 
 
-def _worker(secret: str, cluster_port: int, address: str = "127.0.0.2") -> Server:
+# Each node's own credentials, which its ranks must see rather than the leader's.
+LEADER_OWN = {"AWS_ACCESS_KEY_ID": "AKIALEADEROWN", "HF_TOKEN": "hf_leader_own"}
+WORKER_OWN = {"AWS_ACCESS_KEY_ID": "AKIAWORKEROWN", "HF_TOKEN": "hf_worker_own"}
+
+
+def _worker(secret: str, cluster_port: int, address: str = "127.0.0.2", **extra: str) -> Server:
     wrapper = ["unshare", "--uts", "sh", "-c", 'hostname "$0"; exec "$@"', f"node-{address}"]
-    env = _env(secret, cluster_port, SAGELMI_NODE_INDEX="1", SAGELMI_NODE_ADDR=address)
+    env = _env(secret, cluster_port, SAGELMI_NODE_INDEX="1", SAGELMI_NODE_ADDR=address, **extra)
     return Server(EXAMPLE, env=env, wrapper=wrapper)
 
 
@@ -42,8 +52,9 @@ def single():
 
 
 def _start_pair(secret: str, cluster_port: int) -> Server:
-    worker = _worker(secret, cluster_port).start(wait_ready=False)
-    leader = Server(EXAMPLE, env=_env(secret, cluster_port, SAGELMI_NODE_ADDR="127.0.0.1"), ready_timeout=60)
+    worker = _worker(secret, cluster_port, **WORKER_OWN).start(wait_ready=False)
+    env = _env(secret, cluster_port, SAGELMI_NODE_ADDR="127.0.0.1", **LEADER_OWN)
+    leader = Server(EXAMPLE, env=env, ready_timeout=60)
     leader.worker = worker
     try:
         return leader.start()
@@ -81,14 +92,72 @@ def test_the_example_across_two_nodes_answers_as_one_process(cluster, single):
     assert {g["world_size"] for g in got} == {2}
     assert [g["outputs"] for g in got] == single
     assert "worker node 1 registered from 127.0.0.2" in cluster.log()
-    ranks = {rank: pid for family in (cluster.group_pids()[0], cluster.worker.process.pid)
-             for pid, cmd in processes(family).items()
-             if "container.worker" in cmd and (rank := mpi_rank(pid)) is not None}
+    ranks = _ranks(cluster)
     assert sorted(ranks) == [0, 1]
     for pid in ranks.values():  # not Open MPI's default, each node's first core (both ranks on core 0 here)
         assert os.sched_getaffinity(pid) == os.sched_getaffinity(0)
     ping = requests.get(cluster.worker.url("/ping"), timeout=5)
     assert ping.status_code == 503 and "worker of the cluster led by 127.0.0.1" in ping.json()["error"]
+
+
+def _ranks(cluster: Server) -> dict[int, int]:
+    """rank -> pid of the group's model workers, on both nodes."""
+    return {rank: pid for family in (cluster.group_pids()[0], cluster.worker.process.pid)
+            for pid, cmd in processes(family).items()
+            if "container.worker" in cmd and (rank := mpi_rank(pid)) is not None}
+
+
+def _environ(pid: int) -> dict[str, str]:
+    entries = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
+    return dict(entry.split("=", 1) for entry in entries if "=" in entry)
+
+
+def test_no_process_of_either_node_but_its_supervisor_holds_the_cluster_secret(cluster):
+    """Ranks run the model's code (a model.py, trust_remote_code): neither they nor anything else
+    the nodes start (the frontend, mpirun, the rsh agent, prted) inherits the secret; the
+    supervisors' own environment is closed to processes without CAP_SYS_PTRACE (a container's)."""
+    secret = cluster.secret.encode()
+    supervisors = (cluster.process.pid, cluster.worker.process.pid)
+    checked = {}
+    for supervisor in supervisors:
+        for pid, cmd in processes(supervisor).items():
+            if pid != supervisor:
+                assert secret not in Path(f"/proc/{pid}/environ").read_bytes(), cmd
+                checked[pid] = cmd
+    assert sorted(_ranks(cluster)) == [0, 1] and set(_ranks(cluster).values()) <= set(checked)
+    assert any("prted" in cmd for cmd in checked.values()) and any("gunicorn" in cmd or "frontend" in cmd
+                                                                   for cmd in checked.values())
+    for supervisor in supervisors:
+        look = subprocess.run(["setpriv", "--inh-caps=-all", "--bounding-set=-all", "cat", f"/proc/{supervisor}/environ"],
+                              capture_output=True)
+        assert look.returncode != 0 and secret not in look.stdout, look.stderr
+
+
+def test_each_node_s_ranks_keep_that_node_s_own_credentials(cluster):
+    """mpirun -x passes no credentials over Open MPI's plain channel: the worker node's rank reads
+    the worker node's own, the leader's stay on the leader."""
+    ranks = _ranks(cluster)
+    leader_rank, worker_rank = _environ(ranks[0]), _environ(ranks[1])
+    assert {name: leader_rank.get(name) for name in LEADER_OWN} == LEADER_OWN
+    assert {name: worker_rank.get(name) for name in WORKER_OWN} == WORKER_OWN
+    mpirun = Path(f"/proc/{cluster.group_pids()[0]}/cmdline").read_bytes().decode()
+    assert "AWS_" not in mpirun and "HF_TOKEN" not in mpirun
+
+
+def test_a_node_that_is_not_the_leader_cannot_launch_on_a_worker_node(cluster, single):
+    """A peer holding the cluster's secret (another node) is not the leader: the worker node's
+    launch service refuses it, and the cluster goes on serving."""
+    with socket.create_connection(("127.0.0.2", cluster.cluster_port), timeout=5) as sock:
+        assert LAUNCH_INDEX.unpack(sock.recv(LAUNCH_INDEX.size)) == (1,)
+        sock.sendall(LAUNCH_NUMBER.pack(1_000_000))
+        with pytest.raises(ClusterError, match="the cluster secrets differ"):
+            Channel.connect(sock, cluster.secret.encode())
+    refused = "refused a launch from 127.0.0.1: it is not the leader this node registered with"
+    deadline = time.monotonic() + 10
+    while refused not in cluster.worker.log():
+        assert time.monotonic() < deadline, cluster.worker.log()[-3000:]
+        time.sleep(0.1)
+    assert [g["outputs"] for g in _answers(cluster)] == single
 
 
 def test_a_node_with_another_secret_is_refused_and_the_cluster_keeps_serving(cluster, single):
@@ -151,7 +220,9 @@ def test_a_leader_whose_worker_never_comes_stops_after_the_timeout_naming_it():
 
 @pytest.mark.parametrize("env,message", [
     ({"SAGELMI_CLUSTER_SIZE": "2", "SAGELMI_LEADER_ADDR": "127.0.0.1"}, "needs a shared secret on every node"),
-    ({"SAGELMI_CLUSTER_SIZE": "2", "SAGELMI_LEADER_ADDR": "127.0.0.1", "SAGELMI_CLUSTER_SECRET": "x" * 20,
+    ({"SAGELMI_CLUSTER_SIZE": "2", "SAGELMI_LEADER_ADDR": "127.0.0.1", "SAGELMI_CLUSTER_SECRET": "x" * 31},
+     "SAGELMI_CLUSTER_SECRET is too short (31 characters): use at least 32 random characters"),
+    ({"SAGELMI_CLUSTER_SIZE": "2", "SAGELMI_LEADER_ADDR": "127.0.0.1", "SAGELMI_CLUSTER_SECRET": "x" * 32,
       "OPTION_MPI_MODE": "false"}, "runs each worker group as one mpirun across them"),
 ])
 def test_a_cluster_setting_that_cannot_work_stops_start_up_in_one_line(env, message):

@@ -1,5 +1,6 @@
-"""No crash loops: a request that kills its group, and a group that dies after every start
-(tests/model_dirs/crashes), with real processes."""
+"""No crash loops: a request that kills its group, a group that dies after every start
+(tests/model_dirs/crashes) and one that cannot load again (tests/model_dirs/fails_to_reload),
+with real processes."""
 
 import re
 import time
@@ -8,7 +9,7 @@ import requests
 
 from container.supervisor.processes import CRASH_WINDOW
 from tests.reliability import record
-from tests.server import MODEL_DIRS, Server, metric
+from tests.server import MODEL_DIRS, REPO, Server, metric
 
 POISON = {"exit": 5}
 
@@ -89,3 +90,28 @@ def test_a_group_that_dies_after_every_start_backs_off_and_ping_says_why(tmp_pat
         "/ping while crash-looping": f"503 ({len(pings)} polls), naming the exit",
         f"seconds until /ping was 200 (the last start stayed up {CRASH_WINDOW:g} s)": f"{recovered_in:.1f}"},
         note="tests/model_dirs/crashes with option.die_after_seconds=1 in its first 4 starts.")
+
+
+def _poll(url: str, condition, timeout: float = 60) -> requests.Response:
+    deadline = time.monotonic() + timeout
+    while not condition(answer := requests.get(url, timeout=2)):
+        assert time.monotonic() < deadline, answer.text
+        time.sleep(0.1)
+    return answer
+
+
+def test_ping_and_models_say_why_a_group_cannot_load_again_without_local_paths(tmp_path):
+    """The worker's error names the file it could not read: /ping and /models show the error
+    with the path replaced, the log keeps it whole."""
+    model_dir = MODEL_DIRS / "fails_to_reload"
+    with Server(model_dir, env={"OPTION_MARKER": str(tmp_path / "loaded-once")}) as server:
+        ping = _poll(server.url("/ping"), lambda r: "No such file" in r.json()["workers"][0].get("last_exit", ""))
+        models = _poll(server.url("/models"), lambda r: "No such file" in r.text)
+        log = server.log()
+    worker = ping.json()["workers"][0]
+    assert ping.status_code == 503 and worker["detail"].endswith("No such file or directory: '<path>'")
+    assert worker["last_exit"].endswith("FileNotFoundError: [Errno 2] No such file or directory: '<path>'")
+    assert models.json()["models"][0]["workerGroups"][0]["detail"].endswith("No such file or directory: '<path>'")
+    for text in (ping.text, models.text):
+        assert str(REPO) not in text and "missing-weights" not in text
+    assert f"No such file or directory: '{model_dir / 'missing-weights.bin'}'" in log

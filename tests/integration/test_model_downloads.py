@@ -177,3 +177,22 @@ def test_a_large_s3_object_comes_in_ranged_parts_with_the_same_bytes(s3_endpoint
     assert (local / "model.safetensors").read_bytes() == expected
     starts = sorted(int(r.removeprefix("bytes=").split("-")[0]) for r in ranges if r)
     assert starts == [i * 5 * 2**20 for i in range(4)]  # four parts of 5 MiB (the last one's end left open)
+
+
+def test_hub_file_names_leading_out_of_the_cache_stop_start_up_and_download_nothing(tmp_path):
+    """huggingface_hub (2.x) refuses such names itself, before it writes a file; the dry run that
+    sizes the download comes first, so not even the good files are downloaded."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    names = ["../" * 30 + f"{str(outside).lstrip('/')}/dotdot.pth", f"{outside}/absolute.pth"]
+    for name in names:
+        repo = Repo({"config.json": b"{}", name: b"import os"})
+        with FakeHub({"acme/escape": repo}) as hub:
+            server = Server(MODEL_DIRS / "lmi_echo", env=hub_env(hub, tmp_path, HF_MODEL_ID="acme/escape"))
+            assert server.start(wait_ready=False).wait_exit(60) == 1
+        log = server.log()
+        (line,) = [line for line in log.splitlines() if "start-up failed" in line]
+        assert f"cannot download Hub model 'acme/escape': Invalid filename '{name}'" in line, line
+        assert "Traceback" not in log
+        assert repo.downloads == [] and list(outside.iterdir()) == []
+        assert not [p for p in (tmp_path / "hf").rglob("*") if p.is_file() and p.parent.name == "blobs"]

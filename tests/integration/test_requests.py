@@ -3,6 +3,7 @@
 import concurrent.futures
 import json
 import time
+import urllib.parse
 
 import psutil
 import pytest
@@ -107,6 +108,29 @@ def test_request_id_is_generated_when_absent_and_is_on_worker_log_lines(server):
     assert r.json()["properties"]["requestId"] == rid
     server.invoke({"fail": "logged"}, headers={"X-Amzn-SageMaker-Inference-Id": "req-fail-1"})
     assert any("worker-0 [req-fail-1]" in line and "handler failed" in line for line in server.log().splitlines())
+
+
+FORGED = "1999-01-01 00:00:00,000 INFO frontend [forged] sagelmi.frontend: forged"
+
+
+def test_a_request_cannot_write_a_line_of_its_own_into_the_text_log(server):
+    """A URL path with %0D%0A (decoded by the server into CR LF) and a handler's error message
+    with a newline reach log lines: the frontend's completion line, the worker's "handler failed"
+    line and its traceback. Neither starts a line."""
+    path = "/nowhere%0D%0A" + urllib.parse.quote(FORGED, safe="")
+    r = requests.get(server.url(path), headers={"X-Amzn-SageMaker-Inference-Id": "forge-path"}, timeout=10)
+    assert r.status_code == 404
+    r = server.invoke({"fail": f"unhappy\n{FORGED}"}, headers={"X-Amzn-SageMaker-Inference-Id": "forge-error"})
+    assert r.status_code == 424
+    deadline = time.monotonic() + 10
+    while "forge-path" not in server.log() or "[forge-error]" not in server.log():
+        assert time.monotonic() < deadline, "no log line of the requests"
+        time.sleep(0.05)
+    time.sleep(0.3)
+    lines = server.log().splitlines()
+    assert not [line for line in lines if line.startswith("1999-01-01")]
+    assert any("[forge-path]" in line and f"GET /nowhere\\r\\n{FORGED} -> 404" in line for line in lines)
+    assert any("[forge-error]" in line and f"unhappy\\n{FORGED}" in line for line in lines)
 
 
 def test_unknown_route_and_wrong_method(server):

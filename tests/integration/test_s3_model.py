@@ -46,3 +46,46 @@ def test_missing_s3_prefix_stops_start_up(s3_endpoint, tmp_path):
     server = Server(MODEL_DIRS / "lmi_echo", env=env).start(wait_ready=False)
     assert server.wait_exit(30) == 1
     assert "cannot download s3://empty/nothing: no objects under the prefix 'nothing/' in bucket 'empty'" in server.log()
+
+
+def test_keys_leading_out_of_the_download_stop_start_up_and_write_nothing(s3_endpoint, tmp_path):
+    """'prefix//<abs>' and 'prefix/../../..<abs>' would write files anywhere (the server runs as root
+    in the image): start-up stops in one line naming them, before any object is downloaded."""
+    s3 = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1", aws_access_key_id="testing",
+                      aws_secret_access_key="testing")
+    s3.create_bucket(Bucket="hostile")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    absolute = f"m/{outside}/absolute.pth"  # the key's remainder after 'm/' is an absolute path
+    dotdot = "m/" + "../" * 30 + f"{str(outside).lstrip('/')}/dotdot.pth"  # '..' past / stays at /
+    for key in ("m/config.json", absolute, dotdot):
+        s3.put_object(Bucket="hostile", Key=key, Body=b"import os")
+    env = {**AWS, "AWS_ENDPOINT_URL_S3": s3_endpoint, "HF_MODEL_ID": "s3://hostile/m", "TMPDIR": str(tmp_path / "tmp")}
+    (tmp_path / "tmp").mkdir()
+    server = Server(MODEL_DIRS / "lmi_echo", env=env).start(wait_ready=False)
+    assert server.wait_exit(60) == 1
+    log = server.log()
+    assert list(outside.iterdir()) == []
+    assert not [p for p in (tmp_path / "tmp").rglob("*") if p.is_file()]  # not even config.json
+    (line,) = [line for line in log.splitlines() if "start-up failed" in line]
+    assert "cannot download s3://hostile/m:" in line and repr(absolute) in line and repr(dotdot) in line
+    assert "would be written outside the download directory" in line and "Traceback" not in log
+
+
+def test_a_later_start_downloads_again_when_the_objects_changed(s3_endpoint, tmp_path, monkeypatch):
+    from container.core.artifacts import fetch_s3
+
+    s3 = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1", aws_access_key_id="testing",
+                      aws_secret_access_key="testing")
+    s3.create_bucket(Bucket="changing")
+    s3.put_object(Bucket="changing", Key="m/config.json", Body=b'{"v": 1}')
+    for name, value in {**AWS, "AWS_ENDPOINT_URL_S3": s3_endpoint, "TMPDIR": str(tmp_path)}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr("tempfile.tempdir", None)
+    first = fetch_s3("s3://changing/m")
+    assert (first / "config.json").read_bytes() == b'{"v": 1}'
+    assert fetch_s3("s3://changing/m") == first  # unchanged: the same copy
+    s3.put_object(Bucket="changing", Key="m/config.json", Body=b'{"v": 2}')
+    s3.put_object(Bucket="changing", Key="m/extra.txt", Body=b"new")
+    again = fetch_s3("s3://changing/m")
+    assert (again / "config.json").read_bytes() == b'{"v": 2}' and (again / "extra.txt").read_bytes() == b"new"

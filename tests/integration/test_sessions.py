@@ -1,7 +1,9 @@
 """SageMaker's stateful sessions with two worker groups and a model.py that keeps
 a counter per session with djl_python's SessionManager: a session's requests all
 reach the group that opened it, a closed, unknown or malformed session is refused
-with 400 naming it, and so is one whose group was killed and restarted."""
+with 400 naming it, and so is one whose group was killed and restarted. With a
+short expiry and a small option.max_sessions: expired sessions leave the disk
+without traffic, and a session past the cap gets 429, counted on /metrics."""
 
 import os
 import re
@@ -12,7 +14,7 @@ from datetime import datetime, timezone
 import pytest
 import requests
 
-from tests.server import MODEL_DIRS, Server
+from tests.server import MODEL_DIRS, Server, metric
 
 SESSION = "X-Amzn-SageMaker-Session-Id"
 NEW_SESSION = "X-Amzn-SageMaker-New-Session-Id"
@@ -101,3 +103,48 @@ def test_a_session_whose_group_restarted_is_refused(server):
     assert kept.status_code == 200 and kept.headers[GROUP] == other.headers[GROUP] and kept.json()["count"] == 1
     fresh_id, _ = open_session(server)  # new sessions open again, on either group
     assert add(server, fresh_id).json()["count"] == 1
+
+
+@pytest.fixture(scope="module")
+def small_server(tmp_path_factory):
+    sessions = tmp_path_factory.mktemp("small-sessions")
+    env = {"OPTION_SESSIONS_PATH": str(sessions), "OPTION_SESSIONS_EXPIRATION": "4", "OPTION_MAX_SESSIONS": "2"}
+    with Server(MODEL_DIRS / "stateful", env=env) as server:
+        server.sessions_path = sessions
+        yield server
+
+
+def wait_for(condition, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def test_expired_sessions_leave_the_disk_without_traffic(small_server):
+    opened = [open_session(small_server)[0] for _ in range(2)]
+    assert all((small_server.sessions_path / s).is_dir() for s in opened)
+    # no request from here on: the group's SessionManager removes them when they expire (4 s)
+    assert wait_for(lambda: not any(small_server.sessions_path.iterdir()), timeout=10), list(
+        small_server.sessions_path.iterdir()
+    )
+    refused(add(small_server, opened[0]), opened[0], "expired at")
+    session_id, _ = open_session(small_server)  # they made room
+    assert small_server.invoke({"requestType": "CLOSE"}, headers={SESSION: session_id}).status_code == 200
+
+
+def test_a_session_past_max_sessions_gets_429_and_is_counted(small_server):
+    refused_before = metric(small_server, "sagelmi_sessions_refused_total", group="0")
+    first, _ = open_session(small_server)
+    open_session(small_server)
+    r = small_server.invoke({"requestType": "NEW_SESSION"}, headers={SESSION: "NEW_SESSION"})
+    assert r.status_code == 429, r.text
+    body = r.json()
+    assert body["code"] == 429 and "option.max_sessions=2" in body["error"], body
+    assert "X-Amzn-SageMaker-New-Session-Id" not in r.headers
+    assert metric(small_server, "sagelmi_sessions_refused_total", group="0") == refused_before + 1
+    assert len(list(small_server.sessions_path.iterdir())) == 2
+    assert small_server.invoke({"requestType": "CLOSE"}, headers={SESSION: first}).status_code == 200
+    open_session(small_server)  # a closed session made room

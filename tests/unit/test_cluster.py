@@ -13,7 +13,7 @@ from container.core.devices import GroupPlan
 from container.core.settings import resolve_settings
 from container.supervisor.cluster import cluster_config, cluster_plan
 
-SECRET = "s3cret-s3cret-s3cret"
+SECRET = "0123456789abcdef0123456789abcdef"  # 32 hex characters, the shortest allowed
 
 
 def test_no_cluster_size_or_a_size_of_one_is_a_single_machine():
@@ -44,6 +44,8 @@ def test_the_secret_can_be_a_file(tmp_path):
     ({"SAGELMI_CLUSTER_SIZE": "2"}, "needs the leader's address: set SAGELMI_LEADER_ADDR"),
     ({"SAGELMI_CLUSTER_SIZE": "2", "SAGELMI_LEADER_ADDR": "l"}, "needs a shared secret on every node"),
     ({"SAGELMI_CLUSTER_SIZE": "2", "SAGELMI_LEADER_ADDR": "l", "SAGELMI_CLUSTER_SECRET": "short"}, "too short"),
+    ({"SAGELMI_CLUSTER_SIZE": "2", "SAGELMI_LEADER_ADDR": "l", "SAGELMI_CLUSTER_SECRET": SECRET[:31]},
+     r"SAGELMI_CLUSTER_SECRET is too short \(31 characters\): use at least 32 random characters"),
     ({"SAGELMI_CLUSTER_SIZE": "2", "SAGELMI_LEADER_ADDR": "l", "SAGELMI_CLUSTER_SECRET_FILE": "/nonexistent/s"},
      "cannot read it"),
     ({"SAGELMI_CLUSTER_SIZE": "2", "SAGELMI_LEADER_ADDR": "l", "SAGELMI_CLUSTER_SECRET": SECRET,
@@ -155,25 +157,47 @@ def test_cluster_settings_are_checked_against_the_engine_settings(tmp_path, monk
         cluster_plan(settings, ["0"], config)
 
 
+def _exported(command: list[str]) -> set[str]:
+    return {command[i + 1] for i, word in enumerate(command) if word == "-x"}
+
+
 def test_mpirun_across_a_cluster_reaches_the_nodes_through_sagelmi_not_ssh(tmp_path):
     settings = resolve_settings({"OPTION_MPI_MODE": "true", "TENSOR_PARALLEL_DEGREE": "2"}, tmp_path)
     env = {"CUDA_VISIBLE_DEVICES": "0", "SAGELMI_CLUSTER_SECRET": SECRET, "SAGELMI_NODE_INDEX": "0",
            "SAGELMI_CLUSTER_SIZE": "2", "VLLM_CPU_KVCACHE_SPACE": "1"}
     command = supervisor.mpirun_command("/x/mpirun", settings, GroupPlan(0, (), 2, 1), ["w"], env,
-                                        hosts=["10.0.0.1:1", "10.0.0.2:1"])
+                                        hosts=["10.0.0.1:1", "10.0.0.2:1"], launch_keys=tmp_path / "group-0.launch")
     assert command[command.index("--host") + 1] == "10.0.0.1:1,10.0.0.2:1"
-    assert command[command.index("plm_rsh_agent") + 1].endswith(" -m container.supervisor.rsh")
-    exported = {command[i + 1] for i, word in enumerate(command) if word == "-x"}
-    assert exported == {"SAGELMI_CLUSTER_SIZE", "VLLM_CPU_KVCACHE_SPACE"}  # not the secret, not per-node values
+    agent = command[command.index("plm_rsh_agent") + 1]
+    assert agent.endswith(f" -m container.supervisor.rsh {tmp_path / 'group-0.launch'}")
+    assert _exported(command) == {"VLLM_CPU_KVCACHE_SPACE"}  # not the secret, not per-node values
+
+
+def test_mpirun_forwards_what_ranks_need_and_never_credentials(tmp_path):
+    """Open MPI's channel is plain: the leader's AWS credentials and Hub token stay on the leader
+    (each node's ranks read their own node's), and so does anything named like a credential."""
+    settings = resolve_settings({"OPTION_MPI_MODE": "true", "TENSOR_PARALLEL_DEGREE": "2"}, tmp_path)
+    credentials = {"AWS_ACCESS_KEY_ID": "AKIALEADER", "AWS_SECRET_ACCESS_KEY": "leader-secret",
+                   "AWS_SESSION_TOKEN": "leader-session", "AWS_REGION": "us-west-2", "AWS_PROFILE": "prod",
+                   "HF_TOKEN": "hf_leader", "HUGGING_FACE_HUB_TOKEN": "hf_leader2", "VLLM_API_KEY": "sk-leader",
+                   "NCCL_PASSWORD": "nccl-leader-password", "SAGELMI_CLUSTER_SECRET": SECRET}
+    needed = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_MULTI_STREAM_GEMM_TOKEN_THRESHOLD": "256", "HF_HOME": "/cache",
+              "HF_HUB_OFFLINE": "1", "NCCL_SOCKET_IFNAME": "eth0", "GLOO_SOCKET_IFNAME": "eth0",
+              "OMP_NUM_THREADS": "4", "SAGELMI_LOG_FORMAT": "json", "PYTHONPATH": "/opt/code"}
+    for hosts in (["10.0.0.1:1", "10.0.0.2:1"], None):
+        command = supervisor.mpirun_command("/x/mpirun", settings, GroupPlan(0, (), 2, 1), ["w"],
+                                            {**credentials, **needed}, hosts=hosts, launch_keys=tmp_path / "k")
+        assert _exported(command) == set(needed)
+        assert not any(value in " ".join(command) for value in credentials.values())
 
 
 def test_a_users_hostfile_names_the_cluster_s_nodes_for_mpirun(tmp_path):
     settings = resolve_settings({"OPTION_MPI_MODE": "true", "TENSOR_PARALLEL_DEGREE": "2",
                                  "OPTION_MPI_HOSTFILE": "/opt/ml/model/hostfile"}, tmp_path)
     command = supervisor.mpirun_command("/x/mpirun", settings, GroupPlan(0, (), 2, 1), ["w"], {},
-                                        hosts=["10.0.0.1:1", "10.0.0.2:1"])
+                                        hosts=["10.0.0.1:1", "10.0.0.2:1"], launch_keys=tmp_path / "k")
     assert command[command.index("--hostfile") + 1] == "/opt/ml/model/hostfile" and "--host" not in command
-    assert command[command.index("plm_rsh_agent") + 1].endswith(" -m container.supervisor.rsh")
+    assert command[command.index("plm_rsh_agent") + 1].endswith(f" -m container.supervisor.rsh {tmp_path / 'k'}")
 
 
 def test_the_leaderworkerset_manifest_of_the_docs_runs_one_image_with_one_environment():

@@ -2,13 +2,22 @@
 LMI's SessionManager (handlers/api/sessions.py, djl_python.session_manager) and the
 frontend's sticky routes (container/frontend/sessions.py) over small fake groups."""
 
+import math
 import time
 
 import pytest
+from prometheus_client import REGISTRY
 
-from container.core.errors import InputError, ServiceUnavailable
+from container.core.errors import InputError, ServiceUnavailable, TooManySessions, describe
 from container.core.protocol import WorkerState
-from container.core.sessions import expires_text, new_session_value, parse_new_session, valid_session_id
+from container.core.sessions import (
+    ExpiryIndex,
+    expires_text,
+    new_session_value,
+    parse_new_session,
+    valid_session_id,
+)
+from container.core.settings import SettingsError
 from container.core.settings import resolve_settings
 from container.frontend.sessions import SessionRoutes
 from djl_python.session_manager import SessionManager
@@ -60,13 +69,75 @@ def test_session_manager_keeps_values_until_closed(tmp_path):
         manager.create_session().put("..", 1)
 
 
-def test_session_manager_expires_sessions(tmp_path):
+def wait_for(condition, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_session_manager_removes_expired_sessions_without_traffic(tmp_path):
     manager = SessionManager({"sessions_path": str(tmp_path), "sessions_expiration": "1"})
-    old = manager.create_session()
-    old.expiration_ts = time.time() - 1
-    assert manager.get_session(old.session_id) is None  # LMI's answer for an expired session
-    manager.create_session()  # creating cleans up the expired ones
-    assert not (tmp_path / old.session_id).exists()
+    sessions = [manager.create_session() for _ in range(3)]
+    assert all((tmp_path / s.session_id).is_dir() for s in sessions)
+    # nothing calls the manager from here: its sweeper removes the files when they expire
+    assert wait_for(lambda: not any(tmp_path.iterdir()), timeout=5), list(tmp_path.iterdir())
+    assert manager.get_session(sessions[0].session_id) is None  # LMI's answer for an expired session
+    moved = manager.create_session()
+    moved.expiration_ts = time.time() - 1  # an expiry moved earlier by the handler: expired at once
+    assert manager.get_session(moved.session_id) is None
+
+
+def test_session_manager_refuses_sessions_past_max_sessions(tmp_path):
+    manager = SessionManager({"sessions_path": str(tmp_path), "max_sessions": "2"})
+    first, _ = manager.create_session(), manager.create_session()
+    refused_before = REGISTRY.get_sample_value("sagelmi_sessions_refused_total")
+    with pytest.raises(TooManySessions) as refused:
+        manager.create_session()
+    assert describe(refused.value)[0] == 429
+    assert "2 stateful sessions are open" in str(refused.value) and "option.max_sessions=2" in str(refused.value)
+    assert REGISTRY.get_sample_value("sagelmi_sessions_refused_total") == refused_before + 1
+    assert len(list(tmp_path.iterdir())) == 2  # the refusal wrote nothing
+    manager.close_session(first.session_id)
+    manager.create_session()  # a closed session makes room
+    # sessions a manager takes up from disk (another group's, or its own before a restart) are not its own
+    SessionManager({"sessions_path": str(tmp_path), "max_sessions": "2"}).create_session()
+
+
+def test_session_manager_frees_room_as_sessions_expire(tmp_path):
+    manager = SessionManager({"sessions_path": str(tmp_path), "sessions_expiration": "1", "max_sessions": "1"})
+    manager.create_session()
+    with pytest.raises(TooManySessions):
+        manager.create_session()
+    time.sleep(1.1)
+    assert manager.create_session().session_id
+
+
+def test_expiry_index_takes_due_entries_in_order_and_stays_small_under_churn():
+    index = ExpiryIndex()
+    for n, expires_at in enumerate([5.0, 1.0, 3.0, math.inf]):
+        index.put(f"s{n}", expires_at, n)
+    index.put("s2", 6.0, 2)  # moved later: its old place is stale
+    assert index.pop("s0") == 0 and index.pop("s0") is None
+    assert index.next_expiry() == 1.0
+    assert index.take_due(5.5) == [("s1", 1)]
+    assert index.take_due(10.0) == [("s2", 2)]
+    assert len(index) == 1 and "s3" in index and index.next_expiry() == math.inf
+    for n in range(10_000):  # sessions opened and closed long before they expire
+        index.put(f"c{n}", 1e12 + n, n)
+        index.pop(f"c{n}")
+    assert len(index._heap) <= 2 * len(index) + ExpiryIndex.COMPACT_SLACK
+
+
+def test_routes_forget_expired_sessions_when_one_opens():
+    routes, group = routes_with_session(time.time() + 0.2)
+    time.sleep(0.3)
+    routes.observe("NEW_SESSION", group, 1, 200, {"X-Amzn-SageMaker-New-Session-Id": "other"})
+    assert routes.open_count == 1
+    with pytest.raises(InputError, match=f"session {ID} expired at"):
+        routes.route(ID)
 
 
 def test_session_settings_from_lmi_and_vllm_sagemaker_names(tmp_path):
@@ -75,6 +146,12 @@ def test_session_settings_from_lmi_and_vllm_sagemaker_names(tmp_path):
     env = {"OPTION_ENABLE_STATEFUL_SESSIONS": "false", "SAGEMAKER_SESSIONS_EXPIRATION": "30"}
     settings = resolve_settings(env, str(tmp_path))
     assert (settings.enable_stateful_sessions, settings.sessions_expiration) == (False, 30)
+    assert (defaults.max_sessions, resolve_settings({"OPTION_MAX_SESSIONS": "5"}, str(tmp_path)).max_sessions) == (
+        1000,
+        5,
+    )
+    with pytest.raises(SettingsError, match="option.max_sessions='0'"):
+        resolve_settings({"OPTION_MAX_SESSIONS": "0"}, str(tmp_path))
 
 
 def routes_with_session(expires_at: float | None = None) -> tuple[SessionRoutes, FakeGroup]:
@@ -171,6 +248,16 @@ def test_the_built_in_engine_opens_checks_and_closes_sessions(tmp_path):
     late.expiration_ts = time.time() - 1
     with pytest.raises(InputError, match=f"session {late.session_id} has expired"):
         sessions.check(named(late.session_id))
+
+
+def test_the_built_in_engine_caps_open_sessions(tmp_path):
+    sessions = engine_sessions(tmp_path, OPTION_MAX_SESSIONS="1")
+    opened = sessions.answer(Input({}, b"{}"), {"requestType": "NEW_SESSION"})
+    with pytest.raises(TooManySessions, match="option.max_sessions=1"):
+        sessions.answer(Input({}, b"{}"), {"requestType": "NEW_SESSION"})
+    session_id, _ = parse_new_session(opened.get_property("X-Amzn-SageMaker-New-Session-Id"))
+    sessions.answer(named(session_id), {"requestType": "CLOSE"})
+    sessions.answer(Input({}, b"{}"), {"requestType": "NEW_SESSION"})
 
 
 def test_the_built_in_engine_without_sessions_refuses_them(tmp_path):

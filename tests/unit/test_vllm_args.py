@@ -4,6 +4,7 @@ import pytest
 
 from container.core.settings import resolve_settings
 from container.core.engine_args import EngineOptionError, check_engine_option
+from container.core.logs import redacted_json
 from handlers.engines.vllm_args import build_engine_kwargs
 
 
@@ -219,3 +220,15 @@ def test_runner_and_convert_given_win_over_the_task_with_a_warning(caplog):
 def test_pooling_tasks_go_to_vllm_unless_rolling_batch_is_disabled(options, reason):
     from container.core.handler_choice import accelerate_reason
     assert accelerate_reason(resolve_settings(options, "/nonexistent")) == reason
+
+
+HUB_TOKEN = "hf_aVeryPrivateTokenValue1234"
+
+
+def test_the_starting_vllm_line_shows_the_hub_token_as_stars():
+    """The built-in engine logs its engine arguments ("starting vLLM with ..."); option.hf_token is one."""
+    settings = resolve_settings({"OPTION_HF_TOKEN": HUB_TOKEN, "OPTION_MAX_MODEL_LEN": "512"}, "/nonexistent")
+    kwargs = build_engine_kwargs(settings, "/opt/ml/model", 1, cpu=True)
+    assert kwargs["hf_token"] == HUB_TOKEN  # vLLM gets it
+    line = redacted_json(kwargs)
+    assert HUB_TOKEN not in line and '"hf_token": "***"' in line and '"max_model_len": 512' in line
