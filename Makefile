@@ -76,13 +76,14 @@ reliability-report: install
 # with a raw-socket client (time to first token and to the stream's end, sagelmi against vLLM's
 # server); writes docs/benchmarks/
 BENCH_ARGS ?=
+CONTROL_ARGS ?=
 RELAY_ARGS ?=
 S3_ARGS ?=
 ROUNDS_ARGS ?=
 RELAY_BASELINE ?= 4f464b1
 bench: install
 	$(BIN)/python benchmarks/bench.py $(BENCH_ARGS)
-	$(BIN)/python benchmarks/bench.py --control $(BENCH_ARGS)
+	$(BIN)/python benchmarks/bench.py --control $(BENCH_ARGS) $(CONTROL_ARGS)
 	$(BIN)/python benchmarks/relay.py $(if $(RELAY_BASELINE),--baseline $(RELAY_BASELINE)) $(RELAY_ARGS)
 	$(BIN)/python benchmarks/s3_load.py $(S3_ARGS)
 	$(BIN)/python benchmarks/rounds.py $(ROUNDS_ARGS)

@@ -109,9 +109,25 @@ class Sample:
 class Server:
     name: str
     port: int
-    process: subprocess.Popen
+    pid: int  # the server's first process: the CPU of its process tree is what a trial counts
     log: str
-    startup_s: float = 0.0
+    process: subprocess.Popen | None = None  # None: a server the run attached to (--attach), not its own
+    startup_s: float | None = None  # seconds to /ping 200 (None: attached)
+
+
+def attach_servers(spec: str, names: tuple[str, ...] | list[str]) -> dict[str, Server]:
+    """Servers already running, from ``--attach PORT:PID,PORT:PID`` (PID: the server's first process),
+    named ``names`` in that order."""
+    items = spec.split(",")
+    if len(items) != len(names):
+        raise SystemExit(f"--attach gives {len(items)} server(s); this run compares {len(names)}: {', '.join(names)}")
+    servers = {}
+    for name, item in zip(names, items):
+        port, _, pid = item.partition(":")
+        if not (port.isdigit() and pid.isdigit()):
+            raise SystemExit(f"--attach: {item!r} is not PORT:PID")
+        servers[name] = Server(name, int(port), int(pid), "")
+    return servers
 
 
 @dataclass
@@ -154,7 +170,7 @@ def start_server(name: str, command: list[str], env: dict, port: int, timeout: f
     log = tempfile.NamedTemporaryFile(prefix=f"bench-{name}-", suffix=".log", delete=False)
     started = time.monotonic()
     process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, **OWN_GROUP)
-    server = Server(name, port, process, log.name)
+    server = Server(name, port, process.pid, log.name, process)
     while time.monotonic() - started < timeout:
         if process.poll() is not None:
             tail = "".join(Path(log.name).read_text(errors="replace").splitlines(keepends=True)[-20:])
@@ -172,6 +188,8 @@ def start_server(name: str, command: list[str], env: dict, port: int, timeout: f
 
 
 def stop_server(server: Server) -> None:
+    if server.process is None:
+        return  # attached: whoever started it stops it
     with contextlib.suppress(ProcessLookupError):  # a server that failed to start is gone already
         os.killpg(server.process.pid, signal.SIGTERM)
     try:
@@ -296,9 +314,9 @@ def histogram(port: int, metric: str) -> tuple[float, float]:
 def run_trial(server: Server, position: int, path: str, body: dict, kind: str, concurrency: int,
               count: int) -> Trial:
     steps_before = engine_steps(server.port)
-    cpu_before = tree_cpu_by_role(server.process.pid)
+    cpu_before = tree_cpu_by_role(server.pid)
     samples, seconds, errors = run_requests(server.port, path, body, kind, concurrency, count)
-    cpu_after = tree_cpu_by_role(server.process.pid)
+    cpu_after = tree_cpu_by_role(server.pid)
     steps, step_tokens = (after - before for after, before in zip(engine_steps(server.port), steps_before))
     cpu_roles = {role: round(cpu_after[role] - cpu_before.get(role, 0.0), 3) for role in cpu_after}
     cpu_s = sum(cpu_roles.values())
@@ -392,8 +410,9 @@ def targets(data: dict) -> list[str]:
         f"{verdict(all(r and r[1] >= 0.95 for r in throughput))}",
         "- TTFT p50 ratio <= 1.0 at 1 and 32 streams: "
         + (verdict(all(r and r[0] <= 1.0 for r in ttft)) if ttft else "not measured (levels 1 and 32 not run)"),
-        f"- Start-up to /ping 200 <= vLLM + 2 s: {verdict(startup['sagelmi'] <= startup['vLLM'] + 2)} "
-        f"(sagelmi {startup['sagelmi']:.1f} s, vLLM {startup['vLLM']:.1f} s)",
+        "- Start-up to /ping 200 <= vLLM + 2 s: "
+        + (f"{verdict(startup['sagelmi'] <= startup['vLLM'] + 2)} (sagelmi {startup['sagelmi']:.1f} s, "
+           f"vLLM {startup['vLLM']:.1f} s)" if None not in startup.values() else "not measured (attached servers)"),
     ]
 
 
@@ -475,7 +494,7 @@ the same machine, in the same session as both servers (one autogroup, as in a co
 - **sagelmi** is `sagelmi serve` with the built-in vLLM handler: gunicorn + Flask frontend, a model
   worker process holding the engine, the worker protocol between them.
 
-Start-up to `GET /ping` 200: sagelmi {startup['sagelmi']:.1f} s, vLLM {startup['vLLM']:.1f} s (started
+Start-up to `GET /ping` 200: sagelmi {fmt(startup['sagelmi'])} s, vLLM {fmt(startup['vLLM'])} s (started
 one after the other, so neither loads while the other does, each from its own copy of the model, so
 both compile the model's kernels cold: vLLM keys its compile cache by the model's path; an unmeasured
 vLLM server started and stopped first ({fmt(meta.get('priming_s'))} s) warms what all engines share, the
@@ -522,7 +541,7 @@ interval. Both servers are the same program, so every ratio should be 1.0: how f
 and their intervals stray from it is what this benchmark can resolve here. A sagelmi / vLLM ratio
 in results.md within that spread is not a difference this machine can show.
 
-Start-up to `GET /ping` 200: {a} {data['startup_s'][a]:.1f} s, {b} {data['startup_s'][b]:.1f} s (after an
+Start-up to `GET /ping` 200: {a} {fmt(data['startup_s'][a])} s, {b} {fmt(data['startup_s'][b])} s (after an
 unmeasured server warmed the machine's shared caches, {fmt(meta.get('priming_s'))} s).
 
 ![{a} / {b} throughput and TTFT ratios with 90% intervals]({run.stem}.png)
@@ -629,6 +648,9 @@ def main() -> int:
     parser.add_argument("--control", action="store_true",
                         help="vLLM against vLLM on /v1/completions (an A/A run): writes control.md/.json/.png")
     parser.add_argument("--replot", action="store_true", help="only rewrite the tables and plot from the .json")
+    parser.add_argument("--attach", metavar="PORT:PID,PORT:PID",
+                        help="measure two servers already running instead of starting them (sagelmi's then vLLM's; "
+                        "with --control, the two vLLM servers); their start-up is not measured")
     args = parser.parse_args()
     out = Path(args.out)
     run = CONTROL if args.control else MAIN
@@ -637,15 +659,16 @@ def main() -> int:
         return 0
     levels = [int(x) for x in args.levels.split(",")]
     workdir = Path(tempfile.mkdtemp(prefix="sagelmi-bench-"))
-    models = model_dirs([*run.servers, "priming"], args.model, workdir)
-    priming_model = models.pop("priming")
-    env = {**os.environ, **ENGINE_ENV}
-    servers: dict[str, Server] = {}
+    servers: dict[str, Server] = attach_servers(args.attach, run.servers) if args.attach else {}
+    priming_s = None
     try:
-        priming_s = prime(priming_model, env)
-        for name in run.servers:  # one after the other: neither loads while the other does
-            start = start_sagelmi if name == "sagelmi" else start_vllm
-            servers[name] = start(name, models[name], env)
+        if not servers:
+            models = model_dirs([*run.servers, "priming"], args.model, workdir)
+            env = {**os.environ, **ENGINE_ENV}
+            priming_s = prime(models.pop("priming"), env)
+            for name in run.servers:  # one after the other: neither loads while the other does
+                start = start_sagelmi if name == "sagelmi" else start_vllm
+                servers[name] = start(name, models[name], env)
         results = [bench_level(run, servers, route, concurrency, args.trials, args.requests)
                    for route in run.routes for concurrency in levels]
     finally:
@@ -656,7 +679,8 @@ def main() -> int:
 
     meta = {"date": datetime.date.today().isoformat(), "cpus": os.cpu_count(),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
-            "vllm": vllm.__version__, "engine": ", ".join(f"{k}={v}" for k, v in ENGINE.items()),
+            "vllm": vllm.__version__,
+            "engine": "attached servers' own" if args.attach else ", ".join(f"{k}={v}" for k, v in ENGINE.items()),
             "max_tokens": MAX_TOKENS, "trials": args.trials,
             "requests_per_trial": args.requests, "resamples": RESAMPLES, "confidence": CONFIDENCE,
             "seed": SEED, "servers": list(run.servers), "priming_s": priming_s}

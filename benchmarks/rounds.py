@@ -45,6 +45,7 @@ from bench import (
     SAGELMI_OPTIONS,
     SETTLE_S,
     Server,
+    attach_servers,
     free_port,
     histogram,
     model_dirs,
@@ -110,9 +111,9 @@ def run_route(route: str, servers: dict[str, Server], rounds: int, requests: int
         for name in order if number % 2 == 0 else order[::-1]:
             time.sleep(SETTLE_S)
             engine_before = histogram(servers[name].port, ENGINE_TTFT)
-            before = tree_cpu_by_role(servers[name].process.pid)
+            before = tree_cpu_by_role(servers[name].pid)
             got = [one(servers[name].port, made[name], asks[name][2]) for _ in range(requests)]
-            after = tree_cpu_by_role(servers[name].process.pid)
+            after = tree_cpu_by_role(servers[name].pid)
             for i, value in enumerate(histogram(servers[name].port, ENGINE_TTFT)):
                 engine_ttft[name][i] += value - engine_before[i]
             for role, seconds in after.items():
@@ -205,7 +206,11 @@ def main() -> int:
     parser.add_argument("--baseline", metavar="REF", help="also serve sagelmi of this git commit")
     parser.add_argument("--model", help="model directory, shared by every server (default: the tiny model, a copy each)")
     parser.add_argument("--out", default=str(DEFAULT_OUT), help="where to write results (default docs/benchmarks)")
+    parser.add_argument("--attach", metavar="PORT:PID,PORT:PID",
+                        help="measure two servers already running (sagelmi's then vLLM's) instead of starting them")
     args = parser.parse_args()
+    if args.attach and args.baseline:
+        raise SystemExit("--attach and --baseline: a baseline is a server this run starts")
     routes = args.routes.split(",")
     if unknown := set(routes) - set(ROUTES):
         raise SystemExit(f"--routes: {', '.join(sorted(unknown))} is not one of {', '.join(ROUTES)}")
@@ -214,12 +219,12 @@ def main() -> int:
     env = {**os.environ, **ENGINE_ENV}
     head = this_commit()
     trees = {"sagelmi": REPO}
-    servers: dict[str, Server] = {}
+    servers: dict[str, Server] = attach_servers(args.attach, ["sagelmi", VLLM]) if args.attach else {}
     try:
         if args.baseline:
             tree, commit = checkout(args.baseline, workdir)
             trees[f"sagelmi@{commit[:7]}"] = tree
-        models = model_dirs([*trees, VLLM], args.model, workdir)
+        models = {} if servers else model_dirs([*trees, VLLM], args.model, workdir)
         for name, model in models.items():
             servers[name] = start_vllm(name, model, env) if name == VLLM else start_sagelmi_at(name, trees[name], model, env)
         results = [run_route(route, servers, args.rounds, args.requests) for route in routes]

@@ -1,45 +1,73 @@
 """`make bench` runs end to end (short levels, two trials) and writes its tables and plots: the
 serving benchmark against vLLM's own server, the same with vLLM on both sides (the A/A control),
-then the relay benchmark with no engine, loading from S3, and one stream round by round."""
+then the relay benchmark with no engine, loading from S3, and one stream round by round.
+
+The engine benchmarks measure two servers already running (``--attach``): the session's sagelmi
+server on the tiny model and one vLLM server on the same model, which is also both sides of the A/A
+control. Starting them is what ``make bench`` does by itself (eight cold engine starts, minutes on
+two cores); what this test checks is the benchmarks' machinery and what they write."""
 
 import json
 import subprocess
+import sys
 
 import pytest
 
-from tests.server import REPO, clean_env, installed_venv
+from tests.e2e.conftest import ENGINE_READY_TIMEOUT, VLLM_CPU_ENV
+from tests.server import REPO, clean_env, free_port, installed_venv, wait_healthy
 
 pytestmark = pytest.mark.slow
 
 ROUTES = {"/v1/completions", "/v1/chat/completions", "/invocations (LMI)"}
 
 
-@pytest.mark.timeout(1260)  # make bench's own limit (1200 s) first
-def test_make_bench_compares_both_servers(tmp_path, tiny_model):
+@pytest.fixture(scope="module")
+def vllm_api_server(tiny_model, tmp_path_factory):
+    """vLLM's own OpenAI server on the tiny model (float32, as the session's sagelmi server): port and pid."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("vllm-api") / "server.log"
+    with open(log, "wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model),
+             "--served-model-name", "bench", "--port", str(port), "--dtype", "float32", "--max-num-seqs", "64",
+             "--gpu-memory-utilization", "0.5", "--disable-uvicorn-access-log"],
+            env=clean_env(VLLM_CPU_ENV), stdout=out, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+    try:
+        wait_healthy(port, ENGINE_READY_TIMEOUT)
+        yield f"{port}:{process.pid}"
+    finally:
+        process.terminate()
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@pytest.mark.timeout(900)
+def test_make_bench_compares_both_servers(tmp_path, tiny_model, vllm_server, vllm_api_server):
     venv = installed_venv()
     stamp = venv / ".sagelmi-installed"
-    # The session's tiny model for all eight servers (make bench gives each its own copy, so that
-    # all start cold): the first to start compiles its kernels and the others reuse them. With
-    # trials of 16 requests instead of 64 it took 396 s in the whole suite, against 630 s before.
-    model = tiny_model
+    sagelmi = f"{vllm_server.port}:{vllm_server.process.pid}"
+    pair = f"{sagelmi},{vllm_api_server}"
     result = subprocess.run(["make", "-o", str(stamp), "bench", f"VENV={venv}",
-                             f"BENCH_ARGS=--levels 2 --trials 2 --requests 16 --model {model} --out {tmp_path}",
+                             f"BENCH_ARGS=--levels 2 --trials 2 --requests 8 --attach {pair} --out {tmp_path}",
+                             f"CONTROL_ARGS=--attach {vllm_api_server},{vllm_api_server}",
                              f"RELAY_ARGS=--levels 1,8 --trials 2 --tokens 64 --out {tmp_path}",
                              f"S3_ARGS=--shards 8 --shard-mib 2 --mib-per-s 8 --trials 1 --out {tmp_path}",
-                             f"ROUNDS_ARGS=--rounds 2 --requests 3 --model {model} --out {tmp_path}"],
-                            cwd=REPO, env=clean_env(),
-                            capture_output=True, text=True, timeout=1200)
+                             f"ROUNDS_ARGS=--rounds 2 --requests 3 --attach {pair} --out {tmp_path}"],
+                            cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=840)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     data = json.loads((tmp_path / "results.json").read_text())
-    assert all(data["startup_s"][name] > 0 for name in ("sagelmi", "vLLM"))
-    assert data["meta"]["priming_s"] > 0  # an unmeasured server warmed the shared caches first
-    assert data["meta"]["requests_per_trial"] == 16
+    assert data["startup_s"] == {"sagelmi": None, "vLLM": None}  # attached: not started by the run
+    assert data["meta"]["priming_s"] is None
+    assert data["meta"]["requests_per_trial"] == 8
     assert {(r["route"], r["concurrency"]) for r in data["results"]} == {(route, 2) for route in ROUTES}
     for level in data["results"]:
         assert [t["server"] for t in level["trials"]] == ["sagelmi", "vLLM", "vLLM", "sagelmi"]
         for server in level["servers"].values():
             assert server["errors"] == 0 and server["tokens_per_s"] > 0 and server["cpu_s_per_1k_tokens"] > 0
-            assert server["requests"] == 2 * 16  # two trials of --requests
+            assert server["requests"] == 2 * 8  # two trials of --requests
         ratio, low, high = level["ratios"]["tokens_per_s"]
         assert low <= ratio <= high
         # the CPU split names each server's parts, and adds up to the total
@@ -50,7 +78,7 @@ def test_make_bench_compares_both_servers(tmp_path, tiny_model):
             # each engine step runs at least one token, and at 2 streams decodes at most 2 (prompts aside)
             assert trial["engine_tokens_per_step"] >= 1, trial
     assert "## Where the CPU goes" in (tmp_path / "results.md").read_text()
-    assert "each 16 requests streaming" in (tmp_path / "results.md").read_text()
+    assert "each 8 requests streaming" in (tmp_path / "results.md").read_text()
     assert "### `/v1/chat/completions`" in (tmp_path / "results.md").read_text()
     assert (tmp_path / "results.png").stat().st_size > 10_000
 
