@@ -12,12 +12,9 @@ import base64
 import concurrent.futures
 import json
 import math
-import os
-import signal
 import subprocess
 import sys
 import textwrap
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +24,8 @@ import requests
 
 from tests.e2e.conftest import ENGINE_READY_TIMEOUT, VLLM_CPU_ENV
 from tests.readme import on_port, python_snippets, run_shell, section, serve_settings, shell_commands
-from tests.server import REPO, Server, clean_env
+from tests.references import Reference
+from tests.server import Server
 
 pytestmark = pytest.mark.slow
 
@@ -66,49 +64,17 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def offline(model_dir, tmp_path_factory):
-    """vLLM's offline answers, started before the servers so that it loads while they do. It runs in
-    a session of its own: its engine processes are stopped with it once the answer is read (they
-    hold its stdout open, and vLLM's teardown at exit can abort)."""
-    script = model_dir + "-reference.py"
-    with open(script, "w") as f:
-        f.write(REFERENCE)
-    errors = tmp_path_factory.mktemp("offline") / "stderr.txt"
-    with open(errors, "w") as err:
-        process = subprocess.Popen(
-            [sys.executable, script, model_dir, json.dumps([TEXTS, QUERY, DOCUMENTS, HF_OVERRIDES])],
-            cwd=REPO, env=clean_env(VLLM_CPU_ENV), stdout=subprocess.PIPE, stderr=err, text=True,
-            start_new_session=True)
-    process.errors = errors
-    yield process
-    _stop_group(process)
-
-
-def _stop_group(process: subprocess.Popen) -> None:
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    process.wait()
+def offline(model_dir):
+    """vLLM's offline answers, started before the servers so that it loads while they do (unless they
+    are kept from an earlier run: tests/references.py)."""
+    reference = Reference(REFERENCE, model_dir, [json.dumps([TEXTS, QUERY, DOCUMENTS, HF_OVERRIDES])], "REFERENCE ")
+    yield reference.start()
+    reference.stop()
 
 
 @pytest.fixture(scope="module")
 def reference(offline):
-    found: list[str] = []
-
-    def read() -> None:
-        for line in offline.stdout:
-            if line.startswith("REFERENCE "):
-                found.append(line)
-                return
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    reader.join(600)
-    _stop_group(offline)
-    assert found, f"no answer from vLLM's offline engine (exit {offline.returncode}): " \
-                  f"{offline.errors.read_text()[-3000:]}"
-    return json.loads(found[0].removeprefix("REFERENCE "))
+    return offline.result()
 
 
 @pytest.fixture(scope="module")

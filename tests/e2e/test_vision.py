@@ -20,6 +20,7 @@ import requests
 
 from tests.e2e.conftest import ENGINE_READY_TIMEOUT, EXACT, VLLM_CPU_ENV
 from tests.readme import on_port, python_snippets, run_shell, serve_settings, shell_commands
+from tests.references import offline_reference
 from tests.server import REPO, Server, clean_env, free_port
 
 pytestmark = pytest.mark.slow
@@ -141,13 +142,10 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def offline(model_dir):
-    """vLLM's offline greedy answers, computed before the server starts (the two would share 2 cores)."""
-    args = [model_dir, json.dumps(CONVERSATIONS), str(MAX_TOKENS), str(LIMIT)]
-    result = subprocess.run([sys.executable, "-c", OFFLINE, *args], capture_output=True, text=True, timeout=400,
-                            env=clean_env(VLLM_CPU_ENV), cwd=REPO)
-    line = next((x for x in result.stdout.splitlines() if x.startswith("ANSWERS=")), None)
-    assert line, result.stdout[-2000:] + result.stderr[-4000:]
-    answers = json.loads(line[len("ANSWERS="):])
+    """vLLM's offline greedy answers, computed before the server starts (the two would share 2 cores),
+    unless they are kept from an earlier run (tests/references.py)."""
+    args = [json.dumps(CONVERSATIONS), str(MAX_TOKENS), str(LIMIT)]
+    answers = offline_reference(OFFLINE, model_dir, args, "ANSWERS=", timeout=400)
     # The image reaches the model: another picture, or none, gives another answer.
     assert len({tuple(answers[name]["ids"]) for name in ("picture", "other", "both", "text")}) == 4, answers
     return answers

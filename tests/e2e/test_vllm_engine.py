@@ -2,22 +2,16 @@
 
 import concurrent.futures
 import json
-import os
-import re
-import signal
-import subprocess
-import sys
 import textwrap
 import time
 
 import pytest
 
-from tests.e2e.conftest import ENGINE_READY_TIMEOUT, HUB_TOKEN, VLLM_CPU_ENV
+from tests.e2e.conftest import HUB_TOKEN, VLLM_CPU_ENV
+from tests.references import offline_reference
 from tests.server import (
-    REPO,
     RawStream,
     Server,
-    clean_env,
     drop_stream_and_wait_until_idle,
     metric,
     nice_of_threads,
@@ -30,27 +24,34 @@ pytestmark = pytest.mark.slow
 PROMPT = "The quick brown fox"
 
 
-def test_greedy_answer_equals_offline_vllm(vllm_server, tiny_model):
+LONG_PROMPT = "red green " * 1500  # about 3000 tokens: more than one engine step takes (2048 on the CPU)
+
+# vLLM offline on the tiny model, as the session's server runs it (float32, 64 sequences): the greedy
+# answer to PROMPT, and a seeded sample of LONG_PROMPT taken in one step (8192 tokens a step).
+OFFLINE = textwrap.dedent("""
+    import json, sys
+    if __name__ == "__main__":
+        from vllm import LLM, SamplingParams
+        prompt, long_prompt = json.loads(sys.argv[2])
+        llm = LLM(model=sys.argv[1], gpu_memory_utilization=0.5, max_num_seqs=64, dtype="float32",
+                  max_num_batched_tokens=8192)
+        greedy = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+        seeded = llm.generate([long_prompt], SamplingParams(temperature=1.0, seed=7, max_tokens=16, ignore_eos=True),
+                              use_tqdm=False)
+        print("REFERENCE=" + json.dumps({"greedy": list(greedy[0].outputs[0].token_ids),
+                                         "seeded": list(seeded[0].outputs[0].token_ids)}), flush=True)
+""")
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_model):
+    return offline_reference(OFFLINE, tiny_model, [json.dumps([PROMPT, LONG_PROMPT])], "REFERENCE=")
+
+
+def test_greedy_answer_equals_offline_vllm(vllm_server, offline):
     served = vllm_server.invoke({"inputs": PROMPT, "parameters": {
         "max_new_tokens": 24, "details": True, "ignore_eos": True}}).json()
-    served_ids = [t["id"] for t in served["details"]["tokens"]]
-    script = textwrap.dedent(f"""
-        import json
-        from vllm import LLM, SamplingParams
-        if __name__ == "__main__":
-            llm = LLM(model={str(tiny_model)!r}, gpu_memory_utilization=0.5, max_num_seqs=64, dtype="float32")
-            out = llm.generate([{PROMPT!r}], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-                               use_tqdm=False)
-            print("TOKENS=" + json.dumps(list(out[0].outputs[0].token_ids)))
-    """)
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                            env=clean_env(VLLM_CPU_ENV), cwd=REPO)
-    match = re.search(r"^TOKENS=(.*)$", result.stdout, re.M)
-    assert match, result.stdout[-2000:] + result.stderr[-4000:]
-    assert served_ids == json.loads(match.group(1))
-
-
-LONG_PROMPT = "red green " * 1500  # about 3000 tokens: more than one engine step takes (2048 on the CPU)
+    assert [t["id"] for t in served["details"]["tokens"]] == offline["greedy"]
 
 
 def test_the_hub_token_never_reaches_the_log(vllm_server):
@@ -63,7 +64,7 @@ def test_the_hub_token_never_reaches_the_log(vllm_server):
     assert len(starting) == 1 and '"hf_token": "***"' in starting[0]
 
 
-def test_a_seeded_sample_of_a_prompt_split_across_steps_is_answered_as_if_taken_whole(vllm_server, tiny_model):
+def test_a_seeded_sample_of_a_prompt_split_across_steps_is_answered_as_if_taken_whole(vllm_server, offline):
     """vLLM 0.32's CPU build died on this ("CPU Generator does not use offset": every request in
     flight 503, /ping 503 for ~25 s); handlers/engines/vllm_plugin.py rewinds the seeded generator by its
     state. The answer must be what offline vLLM gives when the whole prompt fits in one step."""
@@ -74,21 +75,7 @@ def test_a_seeded_sample_of_a_prompt_split_across_steps_is_answered_as_if_taken_
     served = [[t["id"] for t in a.json()["details"]["tokens"]] for a in answers]
     assert served[0] == served[1]
     assert "does not use offset" not in vllm_server.log()
-    script = textwrap.dedent(f"""
-        import json
-        from vllm import LLM, SamplingParams
-        if __name__ == "__main__":
-            llm = LLM(model={str(tiny_model)!r}, gpu_memory_utilization=0.5, dtype="float32",
-                      max_num_batched_tokens=8192)
-            out = llm.generate([{LONG_PROMPT!r}], SamplingParams(temperature=1.0, seed=7, max_tokens=16,
-                               ignore_eos=True), use_tqdm=False)
-            print("TOKENS=" + json.dumps(list(out[0].outputs[0].token_ids)))
-    """)
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                            env=clean_env(VLLM_CPU_ENV), cwd=REPO)
-    match = re.search(r"^TOKENS=(.*)$", result.stdout, re.M)
-    assert match, result.stdout[-2000:] + result.stderr[-4000:]
-    assert served[0] == json.loads(match.group(1))
+    assert served[0] == offline["seeded"]
 
 
 def _stream_tokens(server, n):
@@ -148,32 +135,6 @@ def test_unknown_option_stops_start_up_naming_it(tiny_model):
     assert server.wait_exit(120) == 2  # a setting that cannot work: refused before any worker starts
     assert "option.max_num_seq is neither an LMI option nor a vLLM engine argument; did you mean " \
            "option.max_num_seqs" in server.log()
-
-
-def _group_members(pgid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-g", str(pgid)], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
-
-
-def _gone(pgid: int, timeout: float = 10) -> bool:
-    deadline = time.monotonic() + timeout
-    while _group_members(pgid):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
-
-
-def test_a_killed_engine_worker_leaves_no_engine_processes_behind(tiny_model):
-    with Server(tiny_model, env=VLLM_CPU_ENV, ready_timeout=ENGINE_READY_TIMEOUT) as server:
-        (worker,) = server.worker_pids()
-        assert len(_group_members(worker)) > 1  # vLLM's EngineCore runs beside the worker
-        os.kill(worker, signal.SIGKILL)
-        assert _gone(worker), "vLLM processes of the killed worker are still running"
-        server.wait_until(lambda r: r.status_code == 200, timeout=180)
-        assert server.invoke({"inputs": "again", "parameters": {"max_new_tokens": 2}}).status_code == 200
-        (restarted,) = server.worker_pids()
-    assert _gone(restarted), "a normal stop left engine processes behind"
 
 
 def _engine_nice(worker: int) -> set[int]:
