@@ -6,10 +6,11 @@ import pytest
 
 from tests import reliability
 from tests.e2e.conftest import ENGINE_READY_TIMEOUT, EXACT, HUB_TOKEN, TINY_CONTEXT, VLLM_CPU_ENV
-from tests.server import REPO, Server, clean_env
+from tests.server import MODEL_DIRS, REPO, SHARED, Server, clean_env, shared
 
 _TREE_AT_START: str | None = None
 _TIER_SECONDS: dict[str, float] = defaultdict(float)
+_LAST_USER: dict[str, str] = {}  # fixture name -> the node id of the last test of the run that uses it
 
 
 def _tree_status() -> str | None:
@@ -40,6 +41,8 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if getattr(item.module, "record", None) is reliability.record:
             item.add_marker(pytest.mark.reliability)  # make reliability-report runs these
+        for name in getattr(item, "fixturenames", ()):
+            _LAST_USER[name] = item.nodeid
 
 
 def pytest_runtest_setup(item):
@@ -47,7 +50,12 @@ def pytest_runtest_setup(item):
 
 
 def pytest_runtest_teardown(item):
-    """A test that starts an engine must say so with ``slow``: ``make test-fast`` starts none."""
+    """A test that starts an engine must say so with ``slow``: ``make test-fast`` starts none. A shared
+    server (tests/server.py: shared) stops after its last test: engines hold gigabytes."""
+    for name, server in list(SHARED.items()):
+        if _LAST_USER.get(name) == item.nodeid:
+            del SHARED[name]
+            server.stop()
     if item.get_closest_marker("slow") is None:
         engines = [s for s in Server.started[item.stash.get(_SERVERS_BEFORE, 0):] if s.ran_an_engine()]
         assert not engines, (f"{item.nodeid} started an engine ({engines[0].model_dir}) without the slow marker; "
@@ -97,4 +105,18 @@ def vllm_server(tiny_model):
     of the e2e and container tests. It has a Hub token (unused: the model is local)."""
     env = {**VLLM_CPU_ENV, **EXACT, "OPTION_MAX_ROLLING_BATCH_SIZE": "64", "OPTION_HF_TOKEN": HUB_TOKEN}
     with Server(tiny_model, env=env, ready_timeout=ENGINE_READY_TIMEOUT) as server:
-        yield server
+        yield shared("vllm_server", server)
+
+
+@pytest.fixture(scope="session")
+def textgen_server():
+    """tests/model_dirs/sdk_textgen: a model.py that answers as LMI's text generation does (the SDK's tests)."""
+    with Server(MODEL_DIRS / "sdk_textgen") as server:
+        yield shared("textgen_server", server)
+
+
+@pytest.fixture(scope="session")
+def textgen_sse_server():
+    """The same, its streams as server-sent events (option.output_formatter=sse)."""
+    with Server(MODEL_DIRS / "sdk_textgen", env={"OPTION_OUTPUT_FORMATTER": "sse"}) as server:
+        yield shared("textgen_sse_server", server)

@@ -206,6 +206,17 @@ class Server:
         return [int(p) for p in out.split() if p not in frontend]
 
 
+SHARED: dict[str, Server] = {}  # session fixture name -> the server it shares (tests/conftest.py stops it)
+
+
+def shared(fixture: str, server: Server) -> Server:
+    """``server``, started by the session fixture ``fixture`` and shared by every test that asks for it:
+    the run stops it once the last of those tests has run (tests/conftest.py), not at the run's end.
+    A test that would stop it, or leave it serving otherwise than it started, gets a Server of its own."""
+    SHARED[fixture] = server
+    return server
+
+
 def processes(group: int) -> dict[int, str]:
     """The live processes of the group whose first process is ``group``, itself
     included: pid -> command line."""

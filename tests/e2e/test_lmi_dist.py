@@ -9,27 +9,18 @@ import requests
 
 from container.core.proc import parents
 from tests.e2e.conftest import ENGINE_READY_TIMEOUT, EXACT, VLLM_CPU_ENV
-from tests.readme import run_shell, section, serve_settings, shell_commands
 from tests.server import Server, drop_stream_and_wait_until_idle, kill_mid_stream, metric, mpi_rank, processes
 
 pytestmark = [pytest.mark.slow, pytest.mark.mpi]
 
 PROMPTS = [f"Prompt number {i} about the {word}" for i, word in
            enumerate(["sea", "sky", "river", "city", "dog", "fox", "morning", "queue"])]
-# The lmi-dist try-out (docs/large_models.md): write the tiny model, serve it split over two ranks.
-README_COMMANDS = shell_commands(section("The lmi-dist engine"))
 
 
 @pytest.fixture(scope="module")
-def lmi_dist(tmp_path_factory):
-    directory = str(tmp_path_factory.mktemp("readme-tiny"))
-    write, serve = (command.replace("/tmp/tiny-model", directory) for command in README_COMMANDS)
-    written = run_shell(write, 0, timeout=300)
-    assert written.returncode == 0, written.stderr
-    env, model_dir = serve_settings(serve)
-    assert env == {"OPTION_ROLLING_BATCH": "lmi-dist", "TENSOR_PARALLEL_DEGREE": "2", **VLLM_CPU_ENV}
-    with Server(model_dir, env={**env, **EXACT}, ready_timeout=ENGINE_READY_TIMEOUT) as server:
-        yield server
+def lmi_dist(lmi_dist_server):
+    """The README's lmi-dist try-out (tests/e2e/conftest.py), shared with the option matrix."""
+    return lmi_dist_server
 
 
 def _streamed_ids(server, prompt):

@@ -5,9 +5,13 @@ logs each ignored name once (tests/unit/test_lmi_options.py checks each name alo
 import shutil
 from pathlib import Path
 
+import pytest
+
 from container.core.lmi_options import lmi_options
 from tests.e2e.conftest import ENGINE_READY_TIMEOUT, VLLM_CPU_ENV
 from tests.server import Server
+
+pytestmark = pytest.mark.slow
 
 # Values that ask for what sagelmi does anyway are silent (option.async_mode=true): ask for the other.
 LOUD_VALUES = {"option.async_mode": "false", "option.enable_stateful_sessions": "true"}

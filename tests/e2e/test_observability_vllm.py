@@ -1,9 +1,14 @@
 """Observability on the built-in vLLM engine (real vLLM, CPU build): the token counts of
 the completion line, vLLM's own log lines with the request id, and vLLM's span in the
-request's trace (option.otlp_traces_endpoint), all exported to a local OTLP/HTTP receiver."""
+request's trace (option.otlp_traces_endpoint), all exported to a local OTLP/HTTP receiver.
+Last, on the same server (vLLM's defaults otherwise: bfloat16, 256 sequences), what a killed
+worker leaves behind: nothing."""
 
+import os
 import re
 import secrets
+import signal
+import subprocess
 import time
 
 import pytest
@@ -97,3 +102,30 @@ def test_vllms_span_joins_the_requests_trace(server, receiver):
     assert engine.parent_span_id == worker.span_id
     assert engine.attributes["gen_ai.usage.completion_tokens"] == 4
     assert frontend.attributes["gen_ai.usage.output_tokens"] == worker.attributes["gen_ai.usage.output_tokens"] == 4
+
+
+def _group_members(pgid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-g", str(pgid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def _gone(pgid: int, timeout: float = 10) -> bool:
+    deadline = time.monotonic() + timeout
+    while _group_members(pgid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def test_a_killed_engine_worker_leaves_no_engine_processes_behind(server):
+    """Last in this module: it kills the worker, then stops the server."""
+    (worker,) = server.worker_pids()
+    assert len(_group_members(worker)) > 1  # vLLM's EngineCore runs beside the worker
+    os.kill(worker, signal.SIGKILL)
+    assert _gone(worker), "vLLM processes of the killed worker are still running"
+    server.wait_until(lambda r: r.status_code == 200, timeout=ENGINE_READY_TIMEOUT)
+    assert server.invoke({"inputs": "again", "parameters": {"max_new_tokens": 2}}).status_code == 200
+    (restarted,) = server.worker_pids()
+    server.stop()
+    assert _gone(restarted), "a normal stop left engine processes behind"

@@ -1,8 +1,13 @@
-"""The LMI options users set most, in the pairs that matter, each started on the tiny model
+"""The LMI options users set most, in the pairs that matter, each served on the tiny model
 (``sagelmi serve``, vLLM's CPU build): every cell either serves the greedy tokens of the plain
-engine (float32, tests/e2e/conftest.py's ``vllm_server``) and reproducible seeded samples, or is
+engine (float32, tests/conftest.py's ``vllm_server``) and reproducible seeded samples, or is
 refused at start-up with one line naming what cannot work. No cell may start and then fail its
-requests (a crash loop behind a healthy /ping: issue 30)."""
+requests (a crash loop behind a healthy /ping).
+
+Each cell is checked where that is cheapest: one that ``sagelmi config`` refuses (settings checked
+before anything starts, as ``serve`` checks them) by ``config``; one that only the engine refuses by
+``serve``; one that serves on a server of its own, or on a shared one already serving its settings
+(the lmi-dist cell: tests/e2e/conftest.py's ``lmi_dist_server``)."""
 
 import re
 import subprocess
@@ -12,7 +17,7 @@ import time
 import pytest
 import requests
 
-from tests.e2e.conftest import ENGINE_READY_TIMEOUT, EXACT, VLLM_CPU_ENV
+from tests.e2e.conftest import ENGINE_READY_TIMEOUT, EXACT, LMI_DIST_CELL, LMI_DIST_README_ENV, VLLM_CPU_ENV
 from tests.reliability import record
 from tests.server import REPO, Server, clean_env
 
@@ -39,15 +44,6 @@ CELLS = {
     ),
     "tensor parallel 2 (Python mode) + eager": (
         {"TENSOR_PARALLEL_DEGREE": "2", "OPTION_ENFORCE_EAGER": "true"},
-        SERVES,
-    ),
-    "lmi-dist tp 2 + prefix caching + max_model_len": (
-        {
-            "OPTION_ROLLING_BATCH": "lmi-dist",
-            "TENSOR_PARALLEL_DEGREE": "2",
-            "OPTION_ENABLE_PREFIX_CACHING": "true",
-            "OPTION_MAX_MODEL_LEN": "1024",
-        },
         SERVES,
     ),
     "LoRA + chunked prefill + max_rolling_batch_size": (
@@ -77,6 +73,8 @@ CELLS = {
         "max_model_len (100000) is greater than the derived max_model_len",
     ),
 }
+# Served by a shared server: cell -> its settings (what that server runs with, checked below)
+SHARED_CELLS = {"lmi-dist tp 2 + prefix caching + max_model_len": {**LMI_DIST_README_ENV, **LMI_DIST_CELL}}
 RESULTS: dict[str, str] = {}
 
 
@@ -107,6 +105,15 @@ def _start_up_failure(server: Server, timeout: float) -> tuple[int, str]:
     return server.process.returncode, server.log()
 
 
+def _serves_exactly(server: Server, vllm_server: Server) -> None:
+    """The plain engine's greedy tokens, a seeded sample that repeats, and no traceback in its log since."""
+    since = len(server.log())
+    for prompt in PROMPTS:
+        assert _ids(server, prompt) == _ids(vllm_server, prompt), prompt
+    assert _sampled(server, PROMPTS[1]) == _sampled(server, PROMPTS[1])
+    assert "Traceback" not in server.log()[since:]
+
+
 @pytest.mark.parametrize("cell", list(CELLS))
 def test_a_cell_serves_exact_tokens_or_is_refused_in_one_line(cell, tiny_model, vllm_server):
     env, expected = CELLS[cell]
@@ -114,10 +121,7 @@ def test_a_cell_serves_exact_tokens_or_is_refused_in_one_line(cell, tiny_model, 
     started = time.monotonic()
     if expected == SERVES:
         with Server(tiny_model, env=env, ready_timeout=ENGINE_READY_TIMEOUT) as server:
-            for prompt in PROMPTS:
-                assert _ids(server, prompt) == _ids(vllm_server, prompt), prompt
-            assert _sampled(server, PROMPTS[1]) == _sampled(server, PROMPTS[1])
-            assert "Traceback" not in server.log()
+            _serves_exactly(server, vllm_server)
         RESULTS[cell] = f"serves the plain engine's greedy tokens ({time.monotonic() - started:.0f} s)"
         return
     config = subprocess.run(
@@ -128,27 +132,40 @@ def test_a_cell_serves_exact_tokens_or_is_refused_in_one_line(cell, tiny_model, 
         text=True,
         timeout=120,
     )
+    if config.returncode != 0:  # refused where settings are resolved: serve runs the same check first
+        lines = [line for line in config.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and expected in lines[0], config.stderr
+        assert "Traceback" not in config.stderr and "/tmp/" not in lines[0]
+        RESULTS[cell] = f"refused by sagelmi config and serve: {lines[0].split('sagelmi: ', 1)[-1][:200]}"
+        return
     server = Server(tiny_model, env=env).start(wait_ready=False)
     try:
         code, log = _start_up_failure(server, ENGINE_READY_TIMEOUT)
     finally:
         server.stop()
     assert code != 0
-    # the one line: the supervisor's (a failed load) or the command's own (refused settings)
-    failures = [line for line in log.splitlines() if re.search(r" ERROR .*(start-up failed: |\] sagelmi: )", line)]
+    # the one line: the supervisor's (a failed load)
+    failures = [line for line in log.splitlines() if re.search(r" ERROR .*start-up failed: ", line)]
     assert len(failures) == 1, log
     assert re.search(re.escape(expected), failures[0]), failures[0]
     assert "Traceback" not in failures[0] and "/tmp/" not in failures[0]
-    refused_by = "sagelmi config and serve" if config.returncode != 0 else "serve, when the engine loads"
-    if config.returncode != 0:
-        assert expected in config.stderr
-    reason = re.split(r"start-up failed: |\] sagelmi: ", failures[0])[1]
-    RESULTS[cell] = f"refused by {refused_by}: {reason[:200]}"
+    RESULTS[cell] = f"refused by serve, when the engine loads: {failures[0].split('start-up failed: ', 1)[1][:200]}"
+
+
+@pytest.mark.mpi
+def test_the_lmi_dist_cell_serves_exact_tokens(lmi_dist_server, vllm_server):
+    cell = "lmi-dist tp 2 + prefix caching + max_model_len"
+    assert SHARED_CELLS[cell].items() <= lmi_dist_server.env.items()
+    started = time.monotonic()
+    lmi_dist_server.wait_until(lambda r: r.status_code == 200, ENGINE_READY_TIMEOUT)
+    _serves_exactly(lmi_dist_server, vllm_server)
+    seconds = time.monotonic() - started
+    RESULTS[cell] = f"serves the plain engine's greedy tokens (on the shared lmi-dist server, {seconds:.0f} s)"
 
 
 def test_record_the_matrix():
     """Last: the table of the cells above, in docs/reliability.md."""
-    if len(RESULTS) < len(CELLS):
+    if len(RESULTS) < len(CELLS) + len(SHARED_CELLS):
         pytest.skip("not every cell ran")
     record(
         "option-matrix",

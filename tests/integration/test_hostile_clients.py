@@ -175,9 +175,8 @@ def test_errors_on_openai_routes_are_in_openais_shape(server):
 
 
 @pytest.fixture(scope="module")
-def sse_server():
-    with Server(MODEL_DIRS / "sdk_textgen", env={"OPTION_OUTPUT_FORMATTER": "sse"}) as s:
-        yield s
+def sse_server(textgen_sse_server):
+    return textgen_sse_server
 
 
 def sse_events(text: str) -> list[str]:

@@ -6,7 +6,7 @@ import os
 import pytest
 
 from tests.fake_hub import FakeHub, Repo
-from tests.server import MODEL_DIRS, Server
+from tests.server import MODEL_DIRS
 
 # Before anything imports sagemaker: its v2 deprecation warning is noise here.
 os.environ.setdefault("SAGEMAKER_SUPPRESS_V2_WARNING", "1")
@@ -54,14 +54,3 @@ def hub_api(fake_hub, monkeypatch):
                         fake_hub.url + "/{repo_id}/resolve/{revision}/{filename}")
     return fake_hub
 
-
-@pytest.fixture(scope="module")
-def textgen_server():
-    with Server(TEXTGEN) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def textgen_sse_server():
-    with Server(TEXTGEN, env={"OPTION_OUTPUT_FORMATTER": "sse"}) as server:
-        yield server
