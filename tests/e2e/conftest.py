@@ -2,6 +2,7 @@
 and tool tokens, the lmi-dist server. The tiny model and the one vLLM server on it are in
 tests/conftest.py (the container tests compare with it too)."""
 
+import shutil
 import subprocess
 import sys
 
@@ -52,3 +53,55 @@ def lmi_dist_server(tmp_path_factory):
     assert env == LMI_DIST_README_ENV
     with Server(model_dir, env={**env, **EXACT, **LMI_DIST_CELL}, ready_timeout=ENGINE_READY_TIMEOUT) as server:
         yield shared("lmi_dist_server", server)
+
+
+def make_adapter(base, directory, seed: int, rank: int = 8):
+    """A peft LoRA adapter of the tiny model ``base``, random but fixed by ``seed``, in ``directory``."""
+    subprocess.run([sys.executable, "-m", "container.tools.tiny_adapter", str(base), str(directory), "--seed", str(seed),
+                    "--rank", str(rank)], check=True, cwd=REPO, env=clean_env(), capture_output=True, timeout=300)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def lora_model(tiny_model, tmp_path_factory):
+    """The tiny model with adapter a1 under adapters/ (found at start-up) and more beside it."""
+    directory = tmp_path_factory.mktemp("lora-model") / "tiny"
+    shutil.copytree(tiny_model, directory)
+    make_adapter(directory, directory / "adapters" / "a1", seed=1)
+    make_adapter(directory, directory / "extra" / "a2", seed=2)
+    make_adapter(directory, directory / "extra" / "wide", seed=3, rank=16)
+    return directory
+
+
+LORA = {"OPTION_ENABLE_LORA": "true", "OPTION_MAX_LORA_RANK": "8", "OPTION_MAX_LORAS": "2",
+        "OPTION_MAX_CPU_LORAS": "4", "OPTION_MAX_ROLLING_BATCH_SIZE": "16"}
+# What the option matrix's LoRA cell adds (chunked prefill is vLLM's default on x86): the cell is served by
+# the same server.
+LORA_CELL = {"OPTION_ENABLE_CHUNKED_PREFILL": "true"}
+AWS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+@pytest.fixture(scope="session")
+def lora_s3():
+    """moto's S3 server, for adapters registered from s3:// (the LoRA server is given its endpoint)."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    from tests.server import free_port
+
+    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
+    moto.start()
+    endpoint = "http://{}:{}".format(*moto.get_host_and_port())
+    client = boto3.client("s3", endpoint_url=endpoint, **{k.lower(): v for k, v in AWS.items()
+                                                           if k != "AWS_DEFAULT_REGION"}, region_name="us-east-1")
+    client.create_bucket(Bucket="adapters")
+    yield endpoint, client
+    moto.stop()
+
+
+@pytest.fixture(scope="session")
+def lora_server(lora_model, lora_s3):
+    """vLLM with LoRA on the tiny model (float32), its adapters found at start-up or registered from S3."""
+    env = {**VLLM_CPU_ENV, **EXACT, **LORA, **LORA_CELL, **AWS, "AWS_ENDPOINT_URL_S3": lora_s3[0]}
+    with Server(lora_model, env=env, ready_timeout=ENGINE_READY_TIMEOUT) as server:
+        yield shared("lora_server", server)

@@ -3,10 +3,7 @@ found at start-up or registered through LMI's management routes, chosen per requ
 by LMI's ``adapters`` field, SageMaker's header or the OpenAI ``model`` field."""
 
 import os
-import shutil
 import signal
-import subprocess
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,8 +13,8 @@ import pytest
 import requests
 
 from container.core.artifacts import download_dir
-from tests.e2e.conftest import ENGINE_READY_TIMEOUT, EXACT, VLLM_CPU_ENV
-from tests.server import REPO, Server, clean_env
+from tests.e2e.conftest import ENGINE_READY_TIMEOUT, EXACT, LORA, VLLM_CPU_ENV, make_adapter
+from tests.server import Server
 
 pytestmark = pytest.mark.slow
 
@@ -26,51 +23,20 @@ PROMPT = "the quick brown fox"
 GREEDY = {"max_new_tokens": 12, "ignore_eos": True, "temperature": 0}
 
 
-def make_adapter(base, directory, seed: int, rank: int = 8):
-    subprocess.run([sys.executable, "-m", "container.tools.tiny_adapter", str(base), str(directory), "--seed", str(seed),
-                    "--rank", str(rank)], check=True, cwd=REPO, env=clean_env(), capture_output=True, timeout=300)
-    return directory
+@pytest.fixture(scope="module")
+def model(lora_model):
+    return lora_model
 
 
 @pytest.fixture(scope="module")
-def model(tiny_model, tmp_path_factory):
-    """The tiny model with adapter a1 under adapters/ (found at start-up) and more beside it."""
-    directory = tmp_path_factory.mktemp("lora-model") / "tiny"
-    shutil.copytree(tiny_model, directory)
-    make_adapter(directory, directory / "adapters" / "a1", seed=1)
-    make_adapter(directory, directory / "extra" / "a2", seed=2)
-    make_adapter(directory, directory / "extra" / "wide", seed=3, rank=16)
-    return directory
-
-
-LORA = {"OPTION_ENABLE_LORA": "true", "OPTION_MAX_LORA_RANK": "8", "OPTION_MAX_LORAS": "2",
-        "OPTION_MAX_CPU_LORAS": "4", "OPTION_MAX_ROLLING_BATCH_SIZE": "16"}
-AWS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+def s3(lora_s3):
+    return lora_s3
 
 
 @pytest.fixture(scope="module")
-def s3():
-    """moto's S3 server, for adapters registered from s3:// (the server is given its endpoint)."""
-    import boto3
-    from moto.server import ThreadedMotoServer
-
-    from tests.server import free_port
-
-    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
-    moto.start()
-    endpoint = "http://{}:{}".format(*moto.get_host_and_port())
-    client = boto3.client("s3", endpoint_url=endpoint, **{k.lower(): v for k, v in AWS.items()
-                                                           if k != "AWS_DEFAULT_REGION"}, region_name="us-east-1")
-    client.create_bucket(Bucket="adapters")
-    yield endpoint, client
-    moto.stop()
-
-
-@pytest.fixture(scope="module")
-def server(model, s3):
-    env = {**VLLM_CPU_ENV, **EXACT, **LORA, **AWS, "AWS_ENDPOINT_URL_S3": s3[0]}
-    with Server(model, env=env, ready_timeout=ENGINE_READY_TIMEOUT) as server:
-        yield server
+def server(lora_server):
+    """The tiny model with LoRA adapters (tests/e2e/conftest.py), shared with the option matrix."""
+    return lora_server
 
 
 def generate(server, adapters=None, headers=None, inputs=PROMPT) -> str:

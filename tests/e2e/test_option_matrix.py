@@ -7,7 +7,7 @@ requests (a crash loop behind a healthy /ping).
 Each cell is checked where that is cheapest: one that ``sagelmi config`` refuses (settings checked
 before anything starts, as ``serve`` checks them) by ``config``; one that only the engine refuses by
 ``serve``; one that serves on a server of its own, or on a shared one already serving its settings
-(the lmi-dist cell: tests/e2e/conftest.py's ``lmi_dist_server``)."""
+(the lmi-dist and LoRA cells: tests/e2e/conftest.py's ``lmi_dist_server`` and ``lora_server``)."""
 
 import re
 import subprocess
@@ -17,7 +17,15 @@ import time
 import pytest
 import requests
 
-from tests.e2e.conftest import ENGINE_READY_TIMEOUT, EXACT, LMI_DIST_CELL, LMI_DIST_README_ENV, VLLM_CPU_ENV
+from tests.e2e.conftest import (
+    ENGINE_READY_TIMEOUT,
+    EXACT,
+    LMI_DIST_CELL,
+    LMI_DIST_README_ENV,
+    LORA,
+    LORA_CELL,
+    VLLM_CPU_ENV,
+)
 from tests.reliability import record
 from tests.server import REPO, Server, clean_env
 
@@ -46,15 +54,6 @@ CELLS = {
         {"TENSOR_PARALLEL_DEGREE": "2", "OPTION_ENFORCE_EAGER": "true"},
         SERVES,
     ),
-    "LoRA + chunked prefill + max_rolling_batch_size": (
-        {
-            "OPTION_ENABLE_LORA": "true",
-            "OPTION_MAX_LORA_RANK": "8",
-            "OPTION_ENABLE_CHUNKED_PREFILL": "true",
-            "OPTION_MAX_ROLLING_BATCH_SIZE": "8",
-        },
-        SERVES,
-    ),
     "speculative decoding (ngram) + eager": (
         {"OPTION_SPECULATIVE_CONFIG": SPEC, "OPTION_ENFORCE_EAGER": "true"},
         SERVES,
@@ -74,7 +73,10 @@ CELLS = {
     ),
 }
 # Served by a shared server: cell -> its settings (what that server runs with, checked below)
-SHARED_CELLS = {"lmi-dist tp 2 + prefix caching + max_model_len": {**LMI_DIST_README_ENV, **LMI_DIST_CELL}}
+SHARED_CELLS = {
+    "lmi-dist tp 2 + prefix caching + max_model_len": {**LMI_DIST_README_ENV, **LMI_DIST_CELL},
+    "LoRA + chunked prefill + max_rolling_batch_size": {**LORA, **LORA_CELL},
+}
 RESULTS: dict[str, str] = {}
 
 
@@ -152,15 +154,22 @@ def test_a_cell_serves_exact_tokens_or_is_refused_in_one_line(cell, tiny_model, 
     RESULTS[cell] = f"refused by serve, when the engine loads: {failures[0].split('start-up failed: ', 1)[1][:200]}"
 
 
+def _shared_cell(cell: str, server: Server, vllm_server: Server, which: str) -> None:
+    assert SHARED_CELLS[cell].items() <= server.env.items()
+    started = time.monotonic()
+    server.wait_until(lambda r: r.status_code == 200, ENGINE_READY_TIMEOUT)
+    _serves_exactly(server, vllm_server)
+    seconds = time.monotonic() - started
+    RESULTS[cell] = f"serves the plain engine's greedy tokens (on the shared {which} server, {seconds:.0f} s)"
+
+
 @pytest.mark.mpi
 def test_the_lmi_dist_cell_serves_exact_tokens(lmi_dist_server, vllm_server):
-    cell = "lmi-dist tp 2 + prefix caching + max_model_len"
-    assert SHARED_CELLS[cell].items() <= lmi_dist_server.env.items()
-    started = time.monotonic()
-    lmi_dist_server.wait_until(lambda r: r.status_code == 200, ENGINE_READY_TIMEOUT)
-    _serves_exactly(lmi_dist_server, vllm_server)
-    seconds = time.monotonic() - started
-    RESULTS[cell] = f"serves the plain engine's greedy tokens (on the shared lmi-dist server, {seconds:.0f} s)"
+    _shared_cell("lmi-dist tp 2 + prefix caching + max_model_len", lmi_dist_server, vllm_server, "lmi-dist")
+
+
+def test_the_lora_cell_serves_exact_tokens(lora_server, vllm_server):
+    _shared_cell("LoRA + chunked prefill + max_rolling_batch_size", lora_server, vllm_server, "LoRA")
 
 
 def test_record_the_matrix():
