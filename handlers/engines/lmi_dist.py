@@ -48,6 +48,7 @@ from vllm.v1.executor.uniproc_executor import ExecutorWithExternalLauncher
 from handlers.api import Input, Output
 from handlers.api.context import WorkerContext
 from handlers.api.engine import Engine, Formatters
+from handlers.engines import vllm_media
 from handlers.engines.vllm import UnfinishedRequests, VllmEngine, engine_kwargs
 
 log = logging.getLogger("sagelmi.lmi_dist")
@@ -317,6 +318,7 @@ class LmiDistEngine(Engine):
             context.world_size,
             json.dumps(kwargs, default=str, sort_keys=True),
         )
+        vllm_media.install(context.settings, kwargs)
         started = time.monotonic()
         args = AsyncEngineArgs(**kwargs)
         vllm_config = args.create_engine_config(UsageContext.OPENAI_API_SERVER)
