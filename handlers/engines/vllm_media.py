@@ -20,11 +20,11 @@ process, where vLLM's chat renderer loads every message's media (the engine core
   refused from its header (PIL reads the size when it opens an image, and decodes on ``load``), from a
   data URL, an http(s) URL or a file alike.
 
-vLLM's own rules stay: its domain allow-list on the URL given, ``allowed_local_media_path`` for
-``file://``, its fetch timeouts and retries (``VLLM_IMAGE_FETCH_TIMEOUT``, ``VLLM_MEDIA_FETCH_MAX_RETRIES``,
-each try's timeout four times the last), ``VLLM_MEDIA_URL_ALLOW_REDIRECTS``, its media cache.
-Proxies from the environment (``HTTP_PROXY`` ...) are not used: the addresses checked must be the
-ones connected to.
+vLLM's own rules stay: ``allowed_local_media_path`` for ``file://``, its fetch timeouts and retries
+(``VLLM_IMAGE_FETCH_TIMEOUT``, ``VLLM_MEDIA_FETCH_MAX_RETRIES``, each try's timeout four times the
+last), ``VLLM_MEDIA_URL_ALLOW_REDIRECTS``, its media cache (asked once the URL's host passed the
+policy). Proxies from the environment (``HTTP_PROXY`` ...) are not used: the addresses checked must
+be the ones connected to.
 """
 
 from __future__ import annotations
@@ -433,14 +433,28 @@ class MediaConnectorWithPolicy(MediaConnector):
     def _bounded(self, media_io: MediaIO) -> MediaIO:
         return PixelBound(media_io, self.max_image_pixels) if isinstance(media_io, ImageMediaIO) else media_io
 
+    def _check_url(self, url: str) -> None:
+        """The policy's check of an http(s) URL's own host, before vLLM's (whose refusal of a host
+        outside ``allowed_media_domains`` lists them) and before its media cache is asked."""
+        if url[:5].lower() == "data:":
+            return
+        try:
+            parsed = URL(url)
+        except ValueError:
+            return  # vLLM refuses it
+        if parsed.scheme in ("http", "https"):
+            self.connection_with_policy.check_hop(parsed)
+
     def load_from_url(self, url: str, media_io: MediaIO, *, fetch_timeout: int | None = None) -> Any:
         try:
+            self._check_url(url)
             return super().load_from_url(url, self._bounded(media_io), fetch_timeout=fetch_timeout)
         except _UNREACHABLE as exc:
             raise _fetch_failed(url, exc) from None
 
     async def load_from_url_async(self, url: str, media_io: MediaIO, *, fetch_timeout: int | None = None) -> Any:
         try:
+            self._check_url(url)
             return await super().load_from_url_async(url, self._bounded(media_io), fetch_timeout=fetch_timeout)
         except _UNREACHABLE as exc:
             raise _fetch_failed(url, exc) from None
