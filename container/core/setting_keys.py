@@ -216,6 +216,30 @@ KEYS: tuple[Key, ...] = (
         "LoRA adapters registered from an s3:// prefix: the most its objects may add up to; a larger "
         "one is refused (413) from the listing's sizes, before anything is downloaded.",
     ),
+    # -- media in chat messages (vision and audio models on the built-in engine)
+    Key(
+        "max_image_pixels",
+        "max_image_pixels",
+        ("SERVING_MAX_IMAGE_PIXELS",),
+        "a whole number >= 1",
+        "Largest image a request may send, in pixels (width x height), read from the image's header before it "
+        "is decoded; a larger one gets 400.",
+    ),
+    Key(
+        "allowed_media_networks",
+        "option.allowed_media_networks",
+        ("OPTION_ALLOWED_MEDIA_NETWORKS",),
+        "CIDR ranges, comma-separated (10.0.0.0/8, fd00::/8)",
+        "Media URLs of these non-public addresses are fetched too (by default only public addresses are: "
+        "docs/vision.md). An address of this container is allowed only when named alone (/32, /128).",
+    ),
+    Key(
+        "trust_request_mm_kwargs",
+        "option.trust_request_mm_kwargs",
+        ("OPTION_TRUST_REQUEST_MM_KWARGS",),
+        "true or false",
+        "Accept a request's media_io_kwargs and mm_processor_kwargs (vLLM's flag); false: such a request gets 400.",
+    ),
     # -- dynamic batching (handlers that batch: model.py)
     Key(
         "batch_size",

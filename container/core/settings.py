@@ -21,6 +21,7 @@ message names the key, the value, where it came from and what is allowed.
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import logging
 import shlex
 from collections.abc import Mapping
@@ -76,6 +77,9 @@ class Settings(BaseModel):
     tgi_compat: bool = False
     adapter_roots: str = ""
     max_adapter_size_in_mb: float = Field(default=2048.0, gt=0)
+    max_image_pixels: int = Field(default=50_000_000, ge=1)
+    allowed_media_networks: str = ""
+    trust_request_mm_kwargs: bool = False
     enable_stateful_sessions: bool = True
     sessions_path: str | None = None
     sessions_expiration: int = Field(default=1200, ge=1)
@@ -130,6 +134,12 @@ class Settings(BaseModel):
             raise ValueError(f"cannot split into arguments ({exc})") from None
         return value
 
+    @field_validator("allowed_media_networks")
+    @classmethod
+    def _networks(cls, value: str) -> str:
+        _networks(value)
+        return value
+
     @model_validator(mode="after")
     def _consistent(self):
         if self.min_workers and self.max_workers and self.min_workers > self.max_workers:
@@ -170,6 +180,10 @@ class Settings(BaseModel):
     @property
     def max_adapter_bytes(self) -> int:
         return int(self.max_adapter_size_in_mb * 1024 * 1024)
+
+    @property
+    def allowed_media_network_list(self) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
+        return _networks(self.allowed_media_networks)
 
     @property
     def mpi_extra_args_list(self) -> list[str]:
@@ -213,6 +227,19 @@ class Settings(BaseModel):
         if tensor_parallel_degree is not None:
             properties["tensor_parallel_degree"] = str(tensor_parallel_degree)
         return properties
+
+
+def _networks(text: str) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
+    """``10.0.0.0/8, fd00::/8`` -> the networks; ValueError naming the first that is not a CIDR range."""
+    networks = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        try:
+            networks.append(ipaddress.ip_network(item))
+        except ValueError as exc:
+            raise ValueError(f"{item!r} is not a CIDR range ({exc})") from None
+    return networks
 
 
 def _text(value) -> str:

@@ -48,6 +48,7 @@ from container.core.served_names import served_names
 from handlers.api import Input, Output
 from handlers.api.context import WorkerContext
 from handlers.api.engine import Engine, Formatters
+from handlers.engines import vllm_media
 from handlers.engines.formatters import format_request, formatted
 from handlers.engines.lmi_schema import Formatter
 from handlers.engines.sessions import EngineSessions
@@ -104,13 +105,16 @@ class VllmEngine(Engine):
         self.pooling: PoolingFront | None = None
         if engine.model_config.runner_type == "pooling":
             task = self.task if settings.task else "option.runner=pooling"
-            self.pooling = PoolingFront(engine, self.openai.models, task, settings.normalize)
+            self.pooling = PoolingFront(
+                engine, self.openai.models, task, settings.normalize, settings.trust_request_mm_kwargs
+            )
         REGISTRY.register(UnfinishedRequests(engine.get_num_unfinished_requests))
 
     @classmethod
     async def start(cls, context: WorkerContext, formatters: Formatters) -> VllmEngine:
         kwargs = engine_kwargs(context)
         log.info("starting vLLM with %s", redacted_json(kwargs))
+        vllm_media.install(context.settings, kwargs)
         started = time.monotonic()
         # Building the engine blocks for tens of seconds: keep the worker's loop free meanwhile.
         engine = await asyncio.to_thread(AsyncLLM.from_engine_args, AsyncEngineArgs(**kwargs))

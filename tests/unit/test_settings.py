@@ -89,6 +89,9 @@ ALIASES = [
     ("OPTION_BATCH_SIZE", "8", "batch_size", 8),
     ("SERVING_MAX_BATCH_DELAY", "250", "max_batch_delay", 250),
     ("OPTION_MAX_BATCH_DELAY", "50", "max_batch_delay", 50),
+    ("SERVING_MAX_IMAGE_PIXELS", "1000000", "max_image_pixels", 1_000_000),
+    ("OPTION_ALLOWED_MEDIA_NETWORKS", "10.0.0.0/8,fd00::/8", "allowed_media_networks", "10.0.0.0/8,fd00::/8"),
+    ("OPTION_TRUST_REQUEST_MM_KWARGS", "true", "trust_request_mm_kwargs", True),
 ]
 
 
