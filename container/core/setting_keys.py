@@ -268,6 +268,15 @@ KEYS: tuple[Key, ...] = (
         ("SAGEMAKER_MAX_PAYLOAD_IN_MB",),
     ),
     Key(
+        "max_prompts_per_request",
+        "max_prompts_per_request",
+        ("SERVING_MAX_PROMPTS_PER_REQUEST",),
+        "a whole number >= 1",
+        "Most prompts one request may hold, each an engine request (a list in LMI's 'inputs', OpenAI's "
+        "'prompt', embeddings' 'input', score and rerank documents); more get 400. The built-in engine's "
+        "VLLM_MAX_COMPLETION_PROMPTS is set to it unless given.",
+    ),
+    Key(
         "body_read_timeout",
         "body_read_timeout",
         ("SERVING_BODY_READ_TIMEOUT",),

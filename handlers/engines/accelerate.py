@@ -37,10 +37,12 @@ from typing import Any
 
 from container.core.dtypes import canonical_dtype
 from container.core.errors import InputError
+from container.core.settings import Settings
 from handlers.api import Input, Output
 from handlers.api.context import WorkerContext
 from handlers.api.engine import Engine, Formatters
 from handlers.engines.lmi_schema import Formatter, Generation, LmiRequest, TokenInfo, parse_request
+from handlers.engines.prompts import check_prompt_count
 
 log = logging.getLogger("sagelmi.accelerate")
 
@@ -135,6 +137,7 @@ class AccelerateEngine(Engine):
         self.tokenizer = tokenizer
         self.formatter = formatter
         self.normalize = True  # text-embedding: L2-normalised vectors unless option.normalize=false
+        self.max_prompts = Settings().max_prompts_per_request  # inputs per request; load() sets the server's
         self.known_generation = set(transformers.GenerationConfig().to_dict())
         self.pipeline: Callable[..., Any] | None = None
         if task in PIPELINE_TASKS:
@@ -177,6 +180,7 @@ class AccelerateEngine(Engine):
         )
         engine = cls(task, model, tokenizer, Formatter(settings.output_formatter, settings.tgi_compat))
         engine.normalize = settings.normalize is not False
+        engine.max_prompts = settings.max_prompts_per_request
         return engine
 
     @classmethod
@@ -235,6 +239,7 @@ class AccelerateEngine(Engine):
         body = item.get_as_json()
         if not isinstance(body, dict) or "inputs" not in body:
             raise InputError("the request body must be a JSON object with 'inputs'")
+        check_prompt_count(body, "lmi", self.max_prompts)
         if self.task in GENERATION_TASKS:
             return _Item(index, body, parse_request(body, self.known_generation))
         inputs = body["inputs"]

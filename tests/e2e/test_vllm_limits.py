@@ -170,3 +170,47 @@ def test_bodies_vllm_trips_over_are_400_in_the_routes_envelope(vllm_server, mess
     assert lmi.status_code == 400, lmi.text
     assert set(lmi.json()) == {"code", "message", "error"}
     assert "Traceback" not in vllm_server.log()
+
+
+MANY_PROMPTS = [f"{i:04d} " + "x" * 1195 for i in range(5000)]  # 5,000 prompts in a body of about 6 MB
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/invocations", {"inputs": MANY_PROMPTS, "parameters": {"max_new_tokens": 4}}),
+    ("/v1/completions", {"prompt": MANY_PROMPTS, "max_tokens": 4}),
+    ("/invocations", {"prompt": MANY_PROMPTS, "max_tokens": 4}),  # an OpenAI completion body
+], ids=["lmi", "openai", "openai-on-invocations"])
+def test_too_many_prompts_are_400_at_once_while_the_server_keeps_serving(vllm_server, path, body):
+    """LMI's 'inputs' took any number of prompts, each an engine request; vLLM refused more than
+    1,024 completion prompts naming its own variable, not the server's setting."""
+    wait_idle(vllm_server)
+    data = json.dumps(body).encode()
+    assert 5_500_000 < len(data) < 6 * 1024 * 1024
+    beside = {}
+
+    def normal():
+        started = time.monotonic()
+        r = vllm_server.invoke({"inputs": "Hello", "parameters": {"max_new_tokens": 8}})
+        beside["answer"] = (r.status_code, time.monotonic() - started)
+
+    thread = threading.Thread(target=normal)
+    thread.start()
+    started = time.monotonic()
+    r = requests.post(vllm_server.url(path), data=data, headers={"content-type": "application/json"}, timeout=30)
+    elapsed = time.monotonic() - started
+    thread.join(60)
+    assert r.status_code == 400, r.text[:500]
+    message = r.json()["error"]["message"] if path.startswith("/v1/") else r.json()["error"]
+    field = "inputs" if "inputs" in body else "prompt"
+    assert f"'{field}' holds 5000 prompts; a request may hold at most 1024" in message
+    assert "max_prompts_per_request" in message
+    assert elapsed < 1, f"the 400 took {elapsed:.2f}s"
+    assert beside["answer"][0] == 200
+    assert metric(vllm_server, "sagelmi_engine_unfinished_requests") == 0
+    record("too-many-prompts", "5,000 prompts in one request (a 6 MB body)", {
+        f"{path} ({'LMI' if field == 'inputs' else 'OpenAI'}): answer": f"400 in {elapsed:.2f} s",
+        f"{path} ({'LMI' if field == 'inputs' else 'OpenAI'}): an 8-token request beside it":
+            f"{beside['answer'][0]} in {beside['answer'][1]:.2f} s",
+    }, note="Before the limit (max_prompts_per_request, default 1,024) an LMI request made one engine request "
+            "per prompt; /v1/completions was refused by vLLM, naming VLLM_MAX_COMPLETION_PROMPTS.", merge=True)
+

@@ -87,6 +87,7 @@ ALIASES = [
     ("OPTION_BATCH_SIZE", "8", "batch_size", 8),
     ("SERVING_MAX_BATCH_DELAY", "250", "max_batch_delay", 250),
     ("OPTION_MAX_BATCH_DELAY", "50", "max_batch_delay", 50),
+    ("SERVING_MAX_PROMPTS_PER_REQUEST", "16", "max_prompts_per_request", 16),
 ]
 
 
@@ -233,6 +234,7 @@ def test_empty_variables_count_as_unset(tmp_path):
     ({"TENSOR_PARALLEL_DEGREE": "two"}, None, ["option.tensor_parallel_degree='two'", "or max"]),
     ({"SAGEMAKER_BIND_TO_PORT": "99999"}, None, ["port='99999'", "SageMaker SAGEMAKER_BIND_TO_PORT", "1-65535"]),
     ({"SAGEMAKER_MAX_PAYLOAD_IN_MB": "0"}, None, ["max_payload_in_mb='0'", "MiB > 0"]),
+    ({"SERVING_MAX_PROMPTS_PER_REQUEST": "0"}, None, ["max_prompts_per_request='0'", "whole number >= 1"]),
     ({"OPTION_MPI_MODE": "perhaps"}, None, ["option.mpi_mode='perhaps'", "true or false"]),
     ({"SERVING_MIN_WORKERS": "4", "SERVING_MAX_WORKERS": "2"}, None, ["min_workers=4", "max_workers=2"]),
     ({"OPTION_ROLLING_BATCH": "vlm"}, None, ["option.rolling_batch='vlm'", "auto, vllm, lmi-dist or disable"]),
