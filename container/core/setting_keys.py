@@ -277,6 +277,14 @@ KEYS: tuple[Key, ...] = (
         "VLLM_MAX_COMPLETION_PROMPTS is set to it unless given.",
     ),
     Key(
+        "max_multipart_parts",
+        "max_multipart_parts",
+        ("SERVING_MAX_MULTIPART_PARTS",),
+        "a whole number >= 1",
+        "Most parts of a multipart/form-data body a model.py handler is given; more get 400 before the body "
+        "is parsed. The built-in engines take no multipart bodies (415).",
+    ),
+    Key(
         "body_read_timeout",
         "body_read_timeout",
         ("SERVING_BODY_READ_TIMEOUT",),

@@ -9,6 +9,13 @@ functions of ``model.py``). The content is the query parameters, in order, then
 the body: one entry per field for ``multipart/form-data`` and
 ``application/x-www-form-urlencoded``, else the whole body under ``data``.
 
+Forms are parsed only for handlers that read them (``BodyRules``): a built-in engine
+reads JSON, so a multipart body to it is refused (415) and a url-encoded one stays whole
+(``curl -d`` labels JSON so). A multipart body with more than ``max_multipart_parts`` parts
+is refused (400) before it is parsed: the parts are counted with one scan for the
+boundary, cheap beside the parse (Python's email parser). Parsing a form is the caller's
+to keep off the worker's loop (``parses_form``).
+
 Batch (``batch_size`` > 1): the items' properties and content keys get the
 prefix ``batch_000.``, ``batch_001.`` ..., and ``batch_size`` is set; the
 handler answers each item under ``batch_<i>.<key>``.
@@ -20,12 +27,14 @@ import os
 import re
 import struct
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from email.message import Message
 from email.parser import BytesParser
 from email.policy import HTTP
 from typing import Any, cast
 from urllib.parse import parse_qsl
 
-from container.core.errors import AnswerError, HandlerError, InputError
+from container.core.errors import AnswerError, HandlerError, InputError, UnsupportedMediaType
 from container.core.protocol import Invoke
 from container.core.settings import Settings
 from handlers.api import Input, Output
@@ -44,8 +53,58 @@ def common_properties(settings: Settings, tensor_parallel_degree: int) -> dict[s
     return common
 
 
+MULTIPART = "multipart/form-data"
+URL_FORM = "application/x-www-form-urlencoded"
+
+
+@dataclass(frozen=True)
+class BodyRules:
+    """What the worker does with a body that is a form."""
+
+    forms: bool = True  # the handler reads form fields (a model.py); False: a built-in engine, which reads JSON
+    max_parts: int = 1000  # most parts of a multipart body (max_multipart_parts)
+
+
 def _content_type(properties: dict[str, str]) -> str:
     return next((v for k, v in properties.items() if k.lower() == "content-type"), "")
+
+
+def _media_type(message: Invoke) -> str:
+    return _content_type(message.properties).split(";")[0].strip().lower()
+
+
+def check_body(message: Invoke, rules: BodyRules) -> None:
+    """Refuse what can be refused without parsing the body: a multipart body to a handler
+    that reads no forms (``UnsupportedMediaType``), one with more than ``rules.max_parts``
+    parts (``InputError``). Costs a look at a header, and for multipart one scan of the body."""
+    if _media_type(message) != MULTIPART:
+        return
+    if not rules.forms:
+        raise UnsupportedMediaType(
+            f"the built-in engine reads JSON bodies, not {MULTIPART}; send the request as application/json"
+        )
+    parts = _count_parts(message.body, _content_type(message.properties))
+    if parts > rules.max_parts:
+        raise InputError(
+            f"the {MULTIPART} body has {parts} parts; at most {rules.max_parts} are read "
+            f"(max_multipart_parts / SERVING_MAX_MULTIPART_PARTS)"
+        )
+
+
+def _count_parts(body: bytes, content_type: str) -> int:
+    """The parts of a multipart body, counted by its delimiters (each part opens with one, and
+    one more closes the body) without parsing it; 0 without a boundary (the parse says why)."""
+    header = Message()
+    header["content-type"] = content_type
+    boundary = header.get_boundary()
+    if not boundary:
+        return 0
+    return max(body.count(b"--" + boundary.encode("latin-1", "replace")) - 1, 0)
+
+
+def parses_form(message: Invoke, rules: BodyRules) -> bool:
+    """Whether building the request's ``Input`` parses a form (work to keep off the loop)."""
+    return rules.forms and _media_type(message) in (MULTIPART, URL_FORM)
 
 
 def _form_fields(body: bytes, content_type: str) -> list[tuple[str, bytes]]:
@@ -65,15 +124,14 @@ def _form_fields(body: bytes, content_type: str) -> list[tuple[str, bytes]]:
     return fields
 
 
-def request_content(message: Invoke) -> list[tuple[str, bytes]]:
-    """The content entries of a request, in DJL Serving's order."""
+def request_content(message: Invoke, rules: BodyRules) -> list[tuple[str, bytes]]:
+    """The content entries of a request, in DJL Serving's order (``check_body`` passed)."""
     content = [(k, v.encode("utf-8")) for k, v in parse_qsl(message.query, keep_blank_values=True)]
-    content_type = _content_type(message.properties)
-    kind = content_type.split(";")[0].strip().lower()
+    kind = _media_type(message) if rules.forms else ""
     fields = None
-    if kind == "multipart/form-data":
-        fields = _form_fields(message.body, content_type)
-    elif kind == "application/x-www-form-urlencoded":
+    if kind == MULTIPART:
+        fields = _form_fields(message.body, _content_type(message.properties))
+    elif kind == URL_FORM:
         fields = _url_form_fields(message.body)
     return content + (fields if fields is not None else [("data", message.body)])
 
@@ -88,10 +146,10 @@ def _url_form_fields(body: bytes) -> list[tuple[str, bytes]] | None:
     return [(k, v.encode("utf-8")) for k, v in pairs] or None
 
 
-def request_input(message: Invoke, common: dict) -> Input:
+def request_input(message: Invoke, common: dict, rules: BodyRules) -> Input:
     """The ``Input`` of one request; ``common`` holds the per-call properties."""
     inputs = Input(properties={**message.properties, **common}, request_path=message.path)
-    for key, value in request_content(message):
+    for key, value in request_content(message, rules):
         inputs.content.add(key, value)
     return inputs
 
@@ -100,14 +158,14 @@ def batch_prefix(index: int) -> str:
     return f"batch_{index:03d}."
 
 
-def batch_input(messages: list[Invoke], common: dict) -> Input:
+def batch_input(messages: list[Invoke], common: dict, rules: BodyRules) -> Input:
     """One ``Input`` holding the requests of a batch (two or more)."""
     batch = Input(properties={**common, "batch_size": str(len(messages))}, request_path=messages[0].path)
     for i, message in enumerate(messages):
         prefix = batch_prefix(i)
         for key, value in message.properties.items():
             batch.properties[prefix + key] = value
-        for key, data in request_content(message):
+        for key, data in request_content(message, rules):
             batch.content.add(prefix + key, data)
     return batch
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import logging
 import os
 import signal
@@ -39,7 +40,7 @@ from typing import TYPE_CHECKING, Any, cast
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from container.core import logs, proc
-from container.core.errors import ClientClosedRequest, ServiceUnavailable, describe, one_line
+from container.core.errors import ClientClosedRequest, ServiceUnavailable, ServingError, describe, one_line
 from container.core.protocol import (
     EXIT_ENGINE_DEAD,
     EXIT_LOAD_FAILED,
@@ -65,7 +66,16 @@ from container.worker.direct import DescriptorChannel
 from container.worker.handoff import Handoffs
 from container.worker.observe import Observer, metrics_text
 from container.worker.priority import EnginePriority
-from container.worker.requests import batch_input, common_properties, request_input, split_batch, to_output
+from container.worker.requests import (
+    BodyRules,
+    batch_input,
+    check_body,
+    common_properties,
+    parses_form,
+    request_input,
+    split_batch,
+    to_output,
+)
 from handlers.api import Input, Output
 from handlers.api.context import Formatters, WorkerContext, set_current
 from handlers.api.engine import Engine
@@ -96,6 +106,7 @@ class Worker:
         self.dropped = DroppedAnswers()
         self.batcher: Batcher[Connection | DroppedAnswers] | None = None
         self.common: dict[str, Any] = {}  # properties LMI adds to every call (device_id, model_dir ...)
+        self.body_rules = BodyRules(max_parts=self.settings.max_multipart_parts)  # the forms a handler reads
         self.stopping = asyncio.Event()
         self.loop = asyncio.get_running_loop()
         self.adapters = AdapterTable(self.loop)  # LoRA adapters the frontend registered (rank 0)
@@ -156,6 +167,7 @@ class Worker:
             await self._shutdown_handler()
             self.observer.close()
             self.executor.shutdown(wait=False, cancel_futures=True)
+            self.calls.close()
             if server is not None:
                 Path(self.context.launch.socket_path).unlink(missing_ok=True)
         return code
@@ -190,13 +202,14 @@ class Worker:
             self.common = common_properties(self.settings, self.context.launch.tensor_parallel_degree)
             if self.handler.engine is not None:
                 self.engine = await self.handler.engine.start(self.context, self.handler.formatters)
+                self.body_rules = BodyRules(self.engine.reads_forms, self.settings.max_multipart_parts)
                 self.calls.handler_loaded(self.engine.handle, self.handler.kind)
             else:
                 assert self.handler.fn is not None  # a handler is an engine or a model.py's handle
                 self.calls.handler_loaded(self.handler.fn, self.handler.kind)
                 # LMI's initialisation call: an empty Input with the model properties
                 properties = {**self.context.launch.model_properties, **self.common}
-                init = to_output(await self.calls.call(Input(properties=properties)))
+                init = to_output(await self.calls.call(lambda: Input(properties=properties)))
                 if init.stream_content is not None:  # a generator handle(): run its body
                     async for _ in self.calls.stream(init, cancelled=threading.Event()):
                         pass
@@ -355,6 +368,11 @@ class Worker:
                     self.follower.send_metrics(message.id, generate_latest().decode())
                     return
             elif self.batcher is not None and self.own_state.state is WorkerState.READY:
+                try:
+                    check_body(message, self.body_rules)  # a refused body never joins a batch
+                except ServingError as exc:
+                    self.loop.create_task(self._fail(conn, message.id, exc))
+                    return
                 self.batcher.submit(conn, message)  # relayed with its batch (InvokeBatch)
                 return
             elif (leader := self._relay()) is not None:
@@ -417,7 +435,9 @@ class Worker:
             elif self.own_state.state is not WorkerState.READY:
                 raise ServiceUnavailable("the model worker is not ready")
             else:
-                output = to_output(await self.calls.call(request_input(message, self.common), seen))
+                check_body(message, self.body_rules)
+                build = functools.partial(request_input, message, self.common, self.body_rules)
+                output = to_output(await self.calls.call(build, seen, parses_form(message, self.body_rules)))
             await self.calls.send_output(conn, rid, output, cancelled, seen)
         except asyncio.CancelledError:
             cancelled.set()
@@ -450,7 +470,10 @@ class Worker:
         if self.priority is not None and serving is not None:
             self.priority.follow(serving, len(batch))
         try:
-            output = to_output(await self.calls.call(batch_input([message for _, message in batch], self.common)))
+            messages = [message for _, message in batch]
+            build = functools.partial(batch_input, messages, self.common, self.body_rules)
+            parse = any(parses_form(message, self.body_rules) for message in messages)
+            output = to_output(await self.calls.call(build, parse=parse))
             answers = split_batch(output, len(batch))
         except asyncio.CancelledError:
             for conn, message in batch:

@@ -88,6 +88,7 @@ ALIASES = [
     ("SERVING_MAX_BATCH_DELAY", "250", "max_batch_delay", 250),
     ("OPTION_MAX_BATCH_DELAY", "50", "max_batch_delay", 50),
     ("SERVING_MAX_PROMPTS_PER_REQUEST", "16", "max_prompts_per_request", 16),
+    ("SERVING_MAX_MULTIPART_PARTS", "50", "max_multipart_parts", 50),
 ]
 
 
@@ -235,6 +236,7 @@ def test_empty_variables_count_as_unset(tmp_path):
     ({"SAGEMAKER_BIND_TO_PORT": "99999"}, None, ["port='99999'", "SageMaker SAGEMAKER_BIND_TO_PORT", "1-65535"]),
     ({"SAGEMAKER_MAX_PAYLOAD_IN_MB": "0"}, None, ["max_payload_in_mb='0'", "MiB > 0"]),
     ({"SERVING_MAX_PROMPTS_PER_REQUEST": "0"}, None, ["max_prompts_per_request='0'", "whole number >= 1"]),
+    (None, "max_multipart_parts=-1\n", ["max_multipart_parts='-1'", "serving.properties line 1", ">= 1"]),
     ({"OPTION_MPI_MODE": "perhaps"}, None, ["option.mpi_mode='perhaps'", "true or false"]),
     ({"SERVING_MIN_WORKERS": "4", "SERVING_MAX_WORKERS": "2"}, None, ["min_workers=4", "max_workers=2"]),
     ({"OPTION_ROLLING_BATCH": "vlm"}, None, ["option.rolling_batch='vlm'", "auto, vllm, lmi-dist or disable"]),
