@@ -69,12 +69,14 @@ class Calls:
         self.forms = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forms")
 
     def close(self) -> None:
+        """Stop both pools: what is queued on them is dropped."""
+        self.executor.shutdown(wait=False, cancel_futures=True)
         self.forms.shutdown(wait=False, cancel_futures=True)
 
     def handler_loaded(self, handle: Callable[[Input], Any], kind: str) -> None:
         self.handle, self.kind = handle, kind
 
-    async def call(self, build: Callable[[], Input], seen: Observation | None = None, parse: bool = False) -> Any:
+    async def call(self, build: Callable[[], Input], parse: bool = False, seen: Observation | None = None) -> Any:
         """Call the handler with the ``Input`` that ``build`` makes; ``seen`` learns when the call
         began (a synchronous one: when a pool thread took it). ``parse``: building it parses a form,
         whose size the client chose: the forms thread does it, never the loop, which serves every
