@@ -14,6 +14,7 @@ _HANDLER_ERRORS = {
     "400": "the body or a parameter is not acceptable (the message names the field)",
     "404": "an adapter named in the request is not registered",
     "413": "the body is over max_payload_in_mb",
+    "415": "a multipart/form-data body (the built-in engines read JSON)",
     "424": "the handler failed",
     "503": "the server is full (job_queue_size), draining, still loading, or the worker group stopped",
     "504": "no answer within predict_timeout",

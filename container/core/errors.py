@@ -82,6 +82,13 @@ class TooManySessions(ServingError):
     message = "too many sessions"
 
 
+class UnsupportedMediaType(ServingError):
+    """The handler does not read bodies of the request's content type (a form sent to a built-in engine)."""
+
+    status = 415
+    message = "unsupported media type"
+
+
 class ClientClosedRequest(ServingError):
     """The client went away before its answer was ready (nginx's 499: nobody reads it)."""
 

@@ -308,6 +308,23 @@ KEYS: tuple[Key, ...] = (
         ("SAGEMAKER_MAX_PAYLOAD_IN_MB",),
     ),
     Key(
+        "max_prompts_per_request",
+        "max_prompts_per_request",
+        ("SERVING_MAX_PROMPTS_PER_REQUEST",),
+        "a whole number >= 1",
+        "Most prompts one request may hold, each an engine request (a list in LMI's 'inputs', OpenAI's "
+        "'prompt', embeddings' 'input', score and rerank documents); more get 400. The built-in engine's "
+        "VLLM_MAX_COMPLETION_PROMPTS is set to it unless given.",
+    ),
+    Key(
+        "max_multipart_parts",
+        "max_multipart_parts",
+        ("SERVING_MAX_MULTIPART_PARTS",),
+        "a whole number >= 1",
+        "Most parts of a multipart/form-data body a model.py handler is given; more get 400 before the body "
+        "is parsed. The built-in engines take no multipart bodies (415).",
+    ),
+    Key(
         "body_read_timeout",
         "body_read_timeout",
         ("SERVING_BODY_READ_TIMEOUT",),

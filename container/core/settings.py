@@ -89,6 +89,8 @@ class Settings(BaseModel):
     max_batch_delay: float = Field(default=100.0, ge=0)
     job_queue_size: int = Field(default=1000, ge=1)
     max_payload_in_mb: float = Field(default=6.0, gt=0)
+    max_prompts_per_request: int = Field(default=1024, ge=1)  # as vLLM's VLLM_MAX_COMPLETION_PROMPTS
+    max_multipart_parts: int = Field(default=1000, ge=1)
     body_read_timeout: float = Field(default=60.0, gt=0)
     predict_timeout: float = Field(default=120.0, gt=0)
     model_loading_timeout: float = Field(default=1800.0, gt=0)

@@ -92,6 +92,8 @@ ALIASES = [
     ("SERVING_MAX_IMAGE_PIXELS", "1000000", "max_image_pixels", 1_000_000),
     ("OPTION_ALLOWED_MEDIA_NETWORKS", "10.0.0.0/8,fd00::/8", "allowed_media_networks", "10.0.0.0/8,fd00::/8"),
     ("OPTION_TRUST_REQUEST_MM_KWARGS", "true", "trust_request_mm_kwargs", True),
+    ("SERVING_MAX_PROMPTS_PER_REQUEST", "16", "max_prompts_per_request", 16),
+    ("SERVING_MAX_MULTIPART_PARTS", "50", "max_multipart_parts", 50),
 ]
 
 
@@ -239,6 +241,8 @@ def test_empty_variables_count_as_unset(tmp_path):
     ({"SAGEMAKER_BIND_TO_PORT": "99999"}, None, ["port='99999'", "SageMaker SAGEMAKER_BIND_TO_PORT", "1-65535"]),
     ({"SAGEMAKER_MAX_PAYLOAD_IN_MB": "0"}, None, ["max_payload_in_mb='0'", "MiB > 0"]),
     ({"SERVING_MAX_ADAPTER_SIZE_IN_MB": "0"}, None, ["max_adapter_size_in_mb='0'", "MiB > 0"]),
+    ({"SERVING_MAX_PROMPTS_PER_REQUEST": "0"}, None, ["max_prompts_per_request='0'", "whole number >= 1"]),
+    (None, "max_multipart_parts=-1\n", ["max_multipart_parts='-1'", "serving.properties line 1", ">= 1"]),
     ({"OPTION_MPI_MODE": "perhaps"}, None, ["option.mpi_mode='perhaps'", "true or false"]),
     ({"SERVING_MIN_WORKERS": "4", "SERVING_MAX_WORKERS": "2"}, None, ["min_workers=4", "max_workers=2"]),
     ({"OPTION_ROLLING_BATCH": "vlm"}, None, ["option.rolling_batch='vlm'", "auto, vllm, lmi-dist or disable"]),
