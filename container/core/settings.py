@@ -82,6 +82,8 @@ class Settings(BaseModel):
     job_queue_size: int = Field(default=1000, ge=1)
     max_payload_in_mb: float = Field(default=6.0, gt=0)
     body_read_timeout: float = Field(default=60.0, gt=0)
+    header_read_timeout: float = Field(default=10.0, gt=0)
+    max_connections_per_client: int | None = Field(default=None, ge=1)
     predict_timeout: float = Field(default=120.0, gt=0)
     model_loading_timeout: float = Field(default=1800.0, gt=0)
     shutdown_grace_period: float = Field(default=25.0, ge=0)
@@ -162,6 +164,12 @@ class Settings(BaseModel):
     @property
     def max_payload_bytes(self) -> int:
         return int(self.max_payload_in_mb * 1024 * 1024)
+
+    @property
+    def connections_per_client(self) -> int:
+        """``max_connections_per_client``, or when unset ``job_queue_size``: a client that sent
+        that many requests at once (SageMaker's proxy) keeps every connection it used."""
+        return self.max_connections_per_client or self.job_queue_size
 
     @property
     def mpi_extra_args_list(self) -> list[str]:
