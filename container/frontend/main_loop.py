@@ -119,13 +119,14 @@ class HeadWaitingWorker(ThreadWorker):
         self.max_head = max(cfg.limit_request_line, 4094) + max(cfg.limit_request_fields, 100) * (
             max(cfg.limit_request_field_size, 8190) + 2
         )
+        self.tls = bool(cfg.is_ssl)
         self.closed: Counter[str] = Counter()
         self.reported = -math.inf
         self.stopped = math.inf
 
     # -- where a connection with a request to come goes (gthread calls this for every one)
     def enqueue_req(self, conn) -> None:
-        if self.cfg.is_ssl:  # the socket holds TLS records: gunicorn reads them in a thread
+        if self.tls:  # the socket holds TLS records: gunicorn reads them in a thread
             super().enqueue_req(conn)
             return
         if getattr(conn, "head", None) is not None:
@@ -314,22 +315,29 @@ class HeadWaitingWorker(ThreadWorker):
 
     def murder_pending(self) -> None:
         """gthread's, with one clock for all (``pending_expired``), then the heads past their
-        deadline (all of them ``STOP_KEEPALIVE_LINGER`` after the worker began to stop)."""
+        deadline (all of them ``STOP_KEEPALIVE_LINGER`` after the worker began to stop). Runs
+        after every pass of the loop: it looks at nothing more when nothing is due."""
         now = time.monotonic()
-        for conn in [conn for conn in self.pending_conns if conn.timeout <= now]:
-            self.pending_conns.remove(conn)
-            self.poller.unregister(conn.sock)
-            self.pending_expired(conn)
+        if self.pending_conns:
+            for conn in [conn for conn in self.pending_conns if conn.timeout <= now]:
+                self.pending_conns.remove(conn)
+                self.poller.unregister(conn.sock)
+                self.pending_expired(conn)
         if not self.alive:
             self.stopped = min(self.stopped, now)
-        due = math.inf if now >= self.stopped + STOP_KEEPALIVE_LINGER else now
+        due = self.waits.next_deadline()
+        if due is not None and (due <= now or now >= self.stopped + STOP_KEEPALIVE_LINGER):
+            self._expire_heads(math.inf if now >= self.stopped + STOP_KEEPALIVE_LINGER else now)
+        if self.closed:
+            self._report(now)
+
+    def _expire_heads(self, now: float) -> None:
         late = RequestTimeout(
             f"the request head did not arrive whole within {self.header_read_timeout:g}s (header_read_timeout)"
         )
-        for conn in self.waits.expired(due):
+        for conn in self.waits.expired(now):
             self._count("head")
             self.close_waiting(conn, late)
-        self._report(now)
 
     def pending_expired(self, conn) -> None:
         """A connection gthread deferred to its poller that sent nothing in time: closed."""
@@ -338,9 +346,13 @@ class HeadWaitingWorker(ThreadWorker):
 
     def wait_for_and_dispatch_events(self, timeout: float) -> None:
         """gthread's, waking in time for the next deadline of a waiting connection."""
-        due = min((conn.timeout for conn in self.pending_conns), default=math.inf)
-        due = min(due, self.waits.next_deadline() or math.inf)
-        super().wait_for_and_dispatch_events(max(min(timeout, due - time.monotonic()), 0.0))
+        due = self.waits.next_deadline()
+        if self.pending_conns:
+            body_due = min(conn.timeout for conn in self.pending_conns)
+            due = body_due if due is None else min(due, body_due)
+        if due is not None:
+            timeout = max(min(timeout, due - time.monotonic()), 0.0)
+        super().wait_for_and_dispatch_events(timeout)
 
     def accept(self, listener) -> None:
         """gthread's; at the server's bound on connections (gthread stops accepting there), the
