@@ -325,12 +325,32 @@ KEYS: tuple[Key, ...] = (
         "is parsed. The built-in engines take no multipart bodies (415).",
     ),
     Key(
+        "header_read_timeout",
+        "header_read_timeout",
+        ("SERVING_HEADER_READ_TIMEOUT",),
+        "seconds > 0",
+        "Longest time a client may take to send a request's head (request line and headers), from the "
+        "connection's opening or, on a kept-alive connection, from the request's first bytes; then 408 "
+        "and the connection is closed. Until its head is whole a connection holds no request thread.",
+    ),
+    Key(
         "body_read_timeout",
         "body_read_timeout",
         ("SERVING_BODY_READ_TIMEOUT",),
         "seconds > 0",
-        "Longest time a client may take to send a request body; a body still incomplete then, or cut "
-        "short by the client, gets 400 and is not run.",
+        "Longest time a client may take to send a request body; a body still incomplete then gets 408, "
+        "one cut short by the client 400, and neither is run.",
+    ),
+    Key(
+        "max_connections_per_client",
+        "max_connections_per_client",
+        ("SERVING_MAX_CONNECTIONS_PER_CLIENT",),
+        "a whole number >= 1",
+        "Connections one client address may hold waiting: idle between requests, or still sending a "
+        "request head. Past it, that address's oldest waiting connection is closed (408 if it had sent "
+        "part of a head); new connections and requests being served are never refused, so /ping always "
+        "goes through. Unset: job_queue_size (SageMaker's traffic comes from a few proxy addresses, "
+        "each keeping as many connections as requests it sent at once).",
     ),
     Key(
         "predict_timeout",

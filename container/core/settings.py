@@ -92,6 +92,8 @@ class Settings(BaseModel):
     max_prompts_per_request: int = Field(default=1024, ge=1)  # as vLLM's VLLM_MAX_COMPLETION_PROMPTS
     max_multipart_parts: int = Field(default=1000, ge=1)
     body_read_timeout: float = Field(default=60.0, gt=0)
+    header_read_timeout: float = Field(default=10.0, gt=0)
+    max_connections_per_client: int | None = Field(default=None, ge=1)
     predict_timeout: float = Field(default=120.0, gt=0)
     model_loading_timeout: float = Field(default=1800.0, gt=0)
     shutdown_grace_period: float = Field(default=25.0, ge=0)
@@ -186,6 +188,12 @@ class Settings(BaseModel):
     @property
     def allowed_media_network_list(self) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
         return _networks(self.allowed_media_networks)
+
+    @property
+    def connections_per_client(self) -> int:
+        """``max_connections_per_client``, or when unset ``job_queue_size``: a client that sent
+        that many requests at once (SageMaker's proxy) keeps every connection it used."""
+        return self.max_connections_per_client or self.job_queue_size
 
     @property
     def mpi_extra_args_list(self) -> list[str]:

@@ -43,6 +43,8 @@ ALIASES = [
     ("SERVING_MAX_PAYLOAD_IN_MB", "12", "max_payload_in_mb", 12),
     ("SERVING_BODY_READ_TIMEOUT", "5", "body_read_timeout", 5),
     ("SERVING_MAX_ADAPTER_SIZE_IN_MB", "512", "max_adapter_size_in_mb", 512),
+    ("SERVING_HEADER_READ_TIMEOUT", "2.5", "header_read_timeout", 2.5),
+    ("SERVING_MAX_CONNECTIONS_PER_CLIENT", "64", "max_connections_per_client", 64),
     ("SAGEMAKER_BIND_TO_PORT", "9090", "port", 9090),
     ("SAGEMAKER_NUM_MODEL_WORKERS", "2", "min_workers", 2),
     ("SAGEMAKER_MODEL_SERVER_WORKERS", "3", "max_workers", 3),
@@ -162,6 +164,13 @@ def test_defaults(tmp_path):
     assert settings.shutdown_grace_period == 25
     assert settings.engine == "Python" and not settings.use_mpi
     assert settings.sources["job_queue_size"] == "default"
+    assert settings.header_read_timeout == 10
+
+
+def test_connections_per_client_are_the_queue_bound_unless_set(tmp_path):
+    assert resolve({"SERVING_JOB_QUEUE_SIZE": "300"}, tmp_path=tmp_path).connections_per_client == 300
+    settings = resolve({"SERVING_MAX_CONNECTIONS_PER_CLIENT": "20"}, tmp_path=tmp_path)
+    assert settings.connections_per_client == 20
 
 
 # -- precedence ------------------------------------------------------------------------
@@ -243,6 +252,8 @@ def test_empty_variables_count_as_unset(tmp_path):
     ({"SERVING_MAX_ADAPTER_SIZE_IN_MB": "0"}, None, ["max_adapter_size_in_mb='0'", "MiB > 0"]),
     ({"SERVING_MAX_PROMPTS_PER_REQUEST": "0"}, None, ["max_prompts_per_request='0'", "whole number >= 1"]),
     (None, "max_multipart_parts=-1\n", ["max_multipart_parts='-1'", "serving.properties line 1", ">= 1"]),
+    ({"SERVING_HEADER_READ_TIMEOUT": "0"}, None, ["header_read_timeout='0'", "seconds > 0"]),
+    ({"SERVING_MAX_CONNECTIONS_PER_CLIENT": "0"}, None, ["max_connections_per_client='0'", ">= 1"]),
     ({"OPTION_MPI_MODE": "perhaps"}, None, ["option.mpi_mode='perhaps'", "true or false"]),
     ({"SERVING_MIN_WORKERS": "4", "SERVING_MAX_WORKERS": "2"}, None, ["min_workers=4", "max_workers=2"]),
     ({"OPTION_ROLLING_BATCH": "vlm"}, None, ["option.rolling_batch='vlm'", "auto, vllm, lmi-dist or disable"]),
