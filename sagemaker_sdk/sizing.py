@@ -76,8 +76,8 @@ def hub_gb(
     repo_id: str, revision: str | None = None, token: str | bool | None = None, timeout: float = 10
 ) -> float | None:
     """The size in GB of what the container downloads for a Hub model (its
-    ``container.core.artifacts.selected_files``); None when the Hub cannot tell (logged)."""
-    from container.core.artifacts import selected_files
+    ``container.core.hub_download.selected_files``); None when the Hub cannot tell (logged)."""
+    from container.core.hub_download import selected_files
 
     try:
         from huggingface_hub import HfApi

@@ -13,8 +13,11 @@ SCHEMAS = "#/components/schemas/"
 _HANDLER_ERRORS = {
     "400": "the body or a parameter is not acceptable (the message names the field)",
     "404": "an adapter named in the request is not registered",
+    "408": "the request's head or body did not arrive within header_read_timeout / body_read_timeout",
     "413": "the body is over max_payload_in_mb",
+    "415": "a multipart/form-data body (the built-in engines read JSON)",
     "424": "the handler failed",
+    "429": "a new stateful session past option.max_sessions",
     "503": "the server is full (job_queue_size), draining, still loading, or the worker group stopped",
     "504": "no answer within predict_timeout",
     "507": "the handler ran out of (device) memory",

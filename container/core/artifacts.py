@@ -8,7 +8,7 @@ the workers start, and start-up logs how the download goes.
   sizes, ETags) is the one it was downloaded from, and downloads again when not.
   boto3 finds credentials and endpoints the usual way (instance role, ``AWS_*``
   variables, ``AWS_ENDPOINT_URL_S3``).
-- a Hugging Face Hub id (``org/name``): the model's files are downloaded into the
+- a Hugging Face Hub id (``org/name``; ``container/core/hub_download.py``): the model's files are downloaded into the
   Hub cache (``HF_HOME``; ``HF_TOKEN`` for gated and private models,
   ``HF_ENDPOINT`` for a mirror, ``HF_HUB_OFFLINE=1`` to use the cache alone) and
   the id is handed on unchanged: vLLM and transformers find the files in the cache.
@@ -30,7 +30,6 @@ with: what lands is what was listed.
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import logging
 import os
@@ -52,8 +51,6 @@ S3_CONCURRENCY = 32  # requests in flight at once (objects, and parts of large o
 S3_PART_BYTES = 64 * 2**20  # objects above this come in ranged parts of this size
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 # Weight formats no engine here loads; and, when safetensors are there, the other formats of the same weights.
-_NEVER = ("*.msgpack", "*.h5", "*.ot", "*.onnx", "*.onnx_data", "*.tflite", "*.mlmodel")
-_DUPLICATES_OF_SAFETENSORS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "original/*")
 
 
 class ArtifactError(Exception):
@@ -78,7 +75,7 @@ def landing(root: Path | str, name: str) -> Path | None:
     return Path(where) / leaf
 
 
-def _outside(names: Iterable[str], what: str) -> ArtifactError:
+def outside_error(names: Iterable[str], what: str) -> ArtifactError:
     names = list(names)
     shown = ", ".join(repr(n) for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
     return ArtifactError(
@@ -272,7 +269,7 @@ def _landings(listing: S3Listing, root: Path) -> list[tuple[S3Object, Path]]:
     placed = [(obj, landing(root, listing.name(obj))) for obj in listing.objects]
     refused = [obj.key for obj, path in placed if path is None]
     if refused:
-        raise _outside(refused, listing.uri)
+        raise outside_error(refused, listing.uri)
     seen: dict[Path | None, str] = {}
     for obj, path in placed:
         if path in seen:
@@ -378,121 +375,6 @@ def fetch_s3(uri: str, interval: float = PROGRESS_INTERVAL) -> Path:
     return download_s3(listing, target, interval)
 
 
-# -- Hugging Face Hub
-
-
-def selected_files(files: list[str]) -> list[str]:
-    """The repository's files worth downloading (see the module docstring)."""
-    from fnmatch import fnmatch
-
-    skip = _NEVER + (_DUPLICATES_OF_SAFETENSORS if any(f.endswith(".safetensors") for f in files) else ())
-    return [f for f in files if not any(fnmatch(f, pattern) for pattern in skip)]
-
-
-def _hub_error(repo_id: str, revision: str | None, exc: Exception) -> ArtifactError:
-    from huggingface_hub.errors import (
-        GatedRepoError,
-        HfHubHTTPError,
-        LocalEntryNotFoundError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
-
-    where = f"Hub model {repo_id!r}"
-    if isinstance(exc, GatedRepoError):
-        return ArtifactError(f"{where} is gated: set HF_TOKEN to a token of an account that was granted access")
-    if isinstance(exc, RepositoryNotFoundError):
-        return ArtifactError(
-            f"{where} not found (a private model needs HF_TOKEN; check the spelling of option.model_id / HF_MODEL_ID)"
-        )
-    if isinstance(exc, RevisionNotFoundError):
-        return ArtifactError(f"{where} has no revision {revision!r} (option.revision / HF_REVISION)")
-    if isinstance(exc, LocalEntryNotFoundError):
-        return ArtifactError(
-            f"{where} is not in the cache and the Hub could not be reached "
-            f"(HF_ENDPOINT, proxy settings, HF_HUB_OFFLINE)"
-        )
-    if isinstance(exc, HfHubHTTPError) and exc.response is not None and exc.response.status_code == 401:
-        return ArtifactError(f"{where}: the Hub refused HF_TOKEN (401)")
-    return ArtifactError(f"cannot download {where}: {exc}")
-
-
-class _CacheWatcher:
-    """Feeds ``progress`` with the bytes under a Hub cache folder (downloads in
-    flight included), polled once a second from a thread."""
-
-    def __init__(self, folder: Path, progress: Progress) -> None:
-        self.folder, self.progress = folder, progress
-        self.initial = self._bytes()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="download-progress", daemon=True)
-
-    def _bytes(self) -> int:
-        blobs = self.folder / "blobs"
-        return sum(p.stat().st_size for p in blobs.iterdir() if p.is_file()) if blobs.is_dir() else 0
-
-    def _run(self) -> None:
-        while not self._stop.wait(1.0):
-            try:
-                self.progress.set(self._bytes() - self.initial)
-            except OSError:  # a file renamed between listing and stat
-                pass
-
-    def __enter__(self) -> _CacheWatcher:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.progress.set(self._bytes() - self.initial)
-
-
-def fetch_hub(repo_id: str, revision: str | None = None, interval: float = PROGRESS_INTERVAL) -> str:
-    """Download a Hub model into the Hub cache; return its local snapshot directory.
-
-    Raises ``ArtifactError`` (repository, revision or token problems, Hub unreachable
-    and nothing cached)."""
-    try:
-        from huggingface_hub import constants, snapshot_download
-        from huggingface_hub.errors import DryRunError, HfHubHTTPError, LocalEntryNotFoundError
-        from huggingface_hub.file_download import repo_folder_name
-    except ImportError:
-        raise ArtifactError(
-            f"option.model_id={repo_id!r} is a Hub model id, and downloading it needs the "
-            f"huggingface_hub package (installed with the cpu and gpu extras)"
-        ) from None
-
-    try:
-        listing = None if constants.HF_HUB_OFFLINE else snapshot_download(repo_id, revision=revision, dry_run=True)
-    except DryRunError:
-        listing = None  # unreachable, or refused: the real call below says which, or finds the cache
-    except (HfHubHTTPError, LocalEntryNotFoundError, ValueError) as exc:
-        raise _hub_error(repo_id, revision, exc) from None
-    folder = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="model")
-    try:
-        if listing is None:  # the cache alone: nothing is downloaded
-            return snapshot_download(repo_id, revision=revision)
-        refused = [f.filename for f in listing if landing(folder / "snapshots" / f.commit_hash, f.filename) is None]
-        if refused:
-            raise _outside(refused, f"Hub model {repo_id!r}")
-        wanted = selected_files([f.filename for f in listing])
-        # Patterns that match these names only (a name may hold '*', '?' or '['), should the
-        # repository list other files by the time the download lists it again.
-        patterns = [glob.escape(f) for f in wanted]
-        pending = [f for f in listing if f.filename in wanted and f.will_download]
-        if not pending:
-            log.info("Hub model %s is in the cache", repo_id)
-            return snapshot_download(repo_id, revision=revision, allow_patterns=patterns)
-        progress = Progress(f"{repo_id} from the Hub", sum(f.file_size or 0 for f in pending), len(pending), interval)
-        with _CacheWatcher(folder, progress):
-            path = snapshot_download(repo_id, revision=revision, allow_patterns=patterns)
-        progress.finish()
-        return path
-    except (HfHubHTTPError, LocalEntryNotFoundError, ValueError) as exc:
-        raise _hub_error(repo_id, revision, exc) from None
-
-
 def fetch_model(model_id: str, revision: str | None = None) -> str:
     """Where the engine and the handler find the model named by ``option.model_id``:
     a downloaded ``s3://`` prefix's directory, a Hub id (now in the cache) or a
@@ -505,5 +387,7 @@ def fetch_model(model_id: str, revision: str | None = None) -> str:
         raise ArtifactError(
             f"option.model_id={model_id!r} is neither a directory here, an s3:// URI nor a Hub model id (org/name)"
         )
+    from container.core.hub_download import fetch_hub  # a module of its own: it imports this one
+
     fetch_hub(model_id, revision)
     return model_id

@@ -47,6 +47,7 @@ class ChatOptions:
     tool_call_parser: str | None = None
     tool_parser_plugin: str | None = None  # a Python file registering a tool parser (vLLM's plugin form)
     reasoning_parser: str | None = None
+    trust_request_mm_kwargs: bool = False  # a request's media_io_kwargs / mm_processor_kwargs taken (vLLM's flag)
 
 
 def _flag(name: str, raw: str | None) -> bool:
@@ -94,6 +95,7 @@ def chat_options(settings: Settings) -> ChatOptions:
         tool_call_parser=tool_parser,
         tool_parser_plugin=text("tool_parser_plugin"),
         reasoning_parser=reasoning_parser,
+        trust_request_mm_kwargs=settings.trust_request_mm_kwargs,
     )
 
 

@@ -62,6 +62,14 @@ class MethodNotAllowed(ServingError):
     message = "method not allowed"
 
 
+class RequestTimeout(ServingError):
+    """The client did not send its request (its head, or its body) within the time the server
+    waits for it; the connection is closed after the answer."""
+
+    status = 408
+    message = "request timeout"
+
+
 class Conflict(ServingError):
     """The request clashes with the server's state (an adapter name already registered)."""
 
@@ -80,6 +88,13 @@ class TooManySessions(ServingError):
 
     status = 429
     message = "too many sessions"
+
+
+class UnsupportedMediaType(ServingError):
+    """The handler does not read bodies of the request's content type (a form sent to a built-in engine)."""
+
+    status = 415
+    message = "unsupported media type"
 
 
 class ClientClosedRequest(ServingError):

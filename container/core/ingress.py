@@ -1,5 +1,6 @@
-"""A request as the handler gets it (its ``Input`` properties), and the streamed requests
-gthread's main loop takes without a request thread (``container.frontend.early``).
+"""A request as the handler gets it (its ``Input`` properties), the streamed requests
+gthread's main loop takes without a request thread (``container.frontend.early``), and what that
+loop looks for in a request head before a thread reads it (``head_ready``, ``request_path``).
 
 ``read_request`` looks at what a connection has sent (peeked, ``MSG_PEEK``) and takes only what
 gunicorn would read the same way: a streamed completion, chat or LMI call over HTTP/1.1 with one
@@ -35,6 +36,10 @@ _VALUE = re.compile(rb"[\t\x20-\x7e]*")  # a header value of visible ASCII, spac
 _DECLINED = frozenset(
     {b"transfer-encoding", b"expect", b"upgrade", b"x-amzn-sagemaker-session-id", b"http2-settings", b"te"}
 )
+HEAD_END = b"\r\n\r\n"
+_BARE_LF = re.compile(rb"(?<!\r)\n")
+_PING_LINES = (b"GET /ping HTTP/", b"GET /ping?")
+_BODY_FIELD = re.compile(rb"\r\n(?:content-length|transfer-encoding)[ \t]*:", re.IGNORECASE)
 
 
 def request_properties(
@@ -60,6 +65,30 @@ def request_properties(
     if trace_headers:
         props.update(trace_headers)
     return props
+
+
+def head_ready(data: bytes, start: int = 0) -> bool:
+    """Whether ``data``, the start of a request, holds its whole head (up to its empty line), or
+    something gunicorn refuses without reading more (a line ended by a bare LF): a request thread
+    may read it then without waiting on the client. ``start``: where to look from (what came
+    before was looked at already)."""
+    start = max(start - 3, 0)
+    return data.find(HEAD_END, start) >= 0 or _BARE_LF.search(data, start) is not None
+
+
+def request_path(data: bytes) -> str:
+    """The path of the request line at the start of ``data`` ("" until that line is whole)."""
+    line, crlf, _ = data.lstrip(b"\r\n")[:8192].partition(b"\r\n")
+    parts = line.split(b" ")
+    if not crlf or len(parts) != 3:
+        return ""
+    return parts[1].partition(b"?")[0].decode("latin-1")
+
+
+def is_bare_ping(head: bytes) -> bool:
+    """Whether the whole head ``head`` is SageMaker's health check, ``GET /ping``, without a body."""
+    end = head.find(HEAD_END)
+    return end >= 0 and head.startswith(_PING_LINES) and _BODY_FIELD.search(head, 0, end + 2) is None
 
 
 @dataclass(frozen=True)

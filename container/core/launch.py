@@ -54,6 +54,8 @@ class FrontendLaunch(msgspec.Struct, frozen=True):
     predict_timeout: float
     grace_period: float
     body_read_timeout: float = 60.0
+    header_read_timeout: float = 10.0
+    max_connections_per_client: int = 1000  # connections one address may hold waiting (Settings.connections_per_client)
     log_level: str = "INFO"
     log_format: str = "text"  # text or json (container.core.logs)
     traces_exporter: str = "none"  # container.core.tracing: none (off), otlp-http, otlp-grpc, console

@@ -216,6 +216,30 @@ KEYS: tuple[Key, ...] = (
         "LoRA adapters registered from an s3:// prefix: the most its objects may add up to; a larger "
         "one is refused (413) from the listing's sizes, before anything is downloaded.",
     ),
+    # -- media in chat messages (vision and audio models on the built-in engine)
+    Key(
+        "max_image_pixels",
+        "max_image_pixels",
+        ("SERVING_MAX_IMAGE_PIXELS",),
+        "a whole number >= 1",
+        "Largest image a request may send, in pixels (width x height), read from the image's header before it "
+        "is decoded; a larger one gets 400.",
+    ),
+    Key(
+        "allowed_media_networks",
+        "option.allowed_media_networks",
+        ("OPTION_ALLOWED_MEDIA_NETWORKS",),
+        "CIDR ranges, comma-separated (10.0.0.0/8, fd00::/8)",
+        "Media URLs of these non-public addresses are fetched too (by default only public addresses are: "
+        "docs/vision.md). An address of this container is allowed only when named alone (/32, /128).",
+    ),
+    Key(
+        "trust_request_mm_kwargs",
+        "option.trust_request_mm_kwargs",
+        ("OPTION_TRUST_REQUEST_MM_KWARGS",),
+        "true or false",
+        "Accept a request's media_io_kwargs and mm_processor_kwargs (vLLM's flag); false: such a request gets 400.",
+    ),
     # -- dynamic batching (handlers that batch: model.py)
     Key(
         "batch_size",
@@ -284,12 +308,49 @@ KEYS: tuple[Key, ...] = (
         ("SAGEMAKER_MAX_PAYLOAD_IN_MB",),
     ),
     Key(
+        "max_prompts_per_request",
+        "max_prompts_per_request",
+        ("SERVING_MAX_PROMPTS_PER_REQUEST",),
+        "a whole number >= 1",
+        "Most prompts one request may hold, each an engine request (a list in LMI's 'inputs', OpenAI's "
+        "'prompt', embeddings' 'input', score and rerank documents); more get 400. The built-in engine's "
+        "VLLM_MAX_COMPLETION_PROMPTS is set to it unless given.",
+    ),
+    Key(
+        "max_multipart_parts",
+        "max_multipart_parts",
+        ("SERVING_MAX_MULTIPART_PARTS",),
+        "a whole number >= 1",
+        "Most parts of a multipart/form-data body a model.py handler is given; more get 400 before the body "
+        "is parsed. The built-in engines take no multipart bodies (415).",
+    ),
+    Key(
+        "header_read_timeout",
+        "header_read_timeout",
+        ("SERVING_HEADER_READ_TIMEOUT",),
+        "seconds > 0",
+        "Longest time a client may take to send a request's head (request line and headers), from the "
+        "connection's opening or, on a kept-alive connection, from the request's first bytes; then 408 "
+        "and the connection is closed. Until its head is whole a connection holds no request thread.",
+    ),
+    Key(
         "body_read_timeout",
         "body_read_timeout",
         ("SERVING_BODY_READ_TIMEOUT",),
         "seconds > 0",
-        "Longest time a client may take to send a request body; a body still incomplete then, or cut "
-        "short by the client, gets 400 and is not run.",
+        "Longest time a client may take to send a request body; a body still incomplete then gets 408, "
+        "one cut short by the client 400, and neither is run.",
+    ),
+    Key(
+        "max_connections_per_client",
+        "max_connections_per_client",
+        ("SERVING_MAX_CONNECTIONS_PER_CLIENT",),
+        "a whole number >= 1",
+        "Connections one client address may hold waiting: idle between requests, or still sending a "
+        "request head. Past it, that address's oldest waiting connection is closed (408 if it had sent "
+        "part of a head); new connections and requests being served are never refused, so /ping always "
+        "goes through. Unset: job_queue_size (SageMaker's traffic comes from a few proxy addresses, "
+        "each keeping as many connections as requests it sent at once).",
     ),
     Key(
         "predict_timeout",

@@ -21,6 +21,7 @@ message names the key, the value, where it came from and what is allowed.
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import logging
 import shlex
 from collections.abc import Mapping
@@ -76,6 +77,9 @@ class Settings(BaseModel):
     tgi_compat: bool = False
     adapter_roots: str = ""
     max_adapter_size_in_mb: float = Field(default=2048.0, gt=0)
+    max_image_pixels: int = Field(default=50_000_000, ge=1)
+    allowed_media_networks: str = ""
+    trust_request_mm_kwargs: bool = False
     enable_stateful_sessions: bool = True
     sessions_path: str | None = None
     sessions_expiration: int = Field(default=1200, ge=1)
@@ -85,7 +89,11 @@ class Settings(BaseModel):
     max_batch_delay: float = Field(default=100.0, ge=0)
     job_queue_size: int = Field(default=1000, ge=1)
     max_payload_in_mb: float = Field(default=6.0, gt=0)
+    max_prompts_per_request: int = Field(default=1024, ge=1)  # as vLLM's VLLM_MAX_COMPLETION_PROMPTS
+    max_multipart_parts: int = Field(default=1000, ge=1)
     body_read_timeout: float = Field(default=60.0, gt=0)
+    header_read_timeout: float = Field(default=10.0, gt=0)
+    max_connections_per_client: int | None = Field(default=None, ge=1)
     predict_timeout: float = Field(default=120.0, gt=0)
     model_loading_timeout: float = Field(default=1800.0, gt=0)
     shutdown_grace_period: float = Field(default=25.0, ge=0)
@@ -130,6 +138,12 @@ class Settings(BaseModel):
             raise ValueError(f"cannot split into arguments ({exc})") from None
         return value
 
+    @field_validator("allowed_media_networks")
+    @classmethod
+    def _networks(cls, value: str) -> str:
+        _networks(value)
+        return value
+
     @model_validator(mode="after")
     def _consistent(self):
         if self.min_workers and self.max_workers and self.min_workers > self.max_workers:
@@ -170,6 +184,16 @@ class Settings(BaseModel):
     @property
     def max_adapter_bytes(self) -> int:
         return int(self.max_adapter_size_in_mb * 1024 * 1024)
+
+    @property
+    def allowed_media_network_list(self) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
+        return _networks(self.allowed_media_networks)
+
+    @property
+    def connections_per_client(self) -> int:
+        """``max_connections_per_client``, or when unset ``job_queue_size``: a client that sent
+        that many requests at once (SageMaker's proxy) keeps every connection it used."""
+        return self.max_connections_per_client or self.job_queue_size
 
     @property
     def mpi_extra_args_list(self) -> list[str]:
@@ -213,6 +237,19 @@ class Settings(BaseModel):
         if tensor_parallel_degree is not None:
             properties["tensor_parallel_degree"] = str(tensor_parallel_degree)
         return properties
+
+
+def _networks(text: str) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
+    """``10.0.0.0/8, fd00::/8`` -> the networks; ValueError naming the first that is not a CIDR range."""
+    networks = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        try:
+            networks.append(ipaddress.ip_network(item))
+        except ValueError as exc:
+            raise ValueError(f"{item!r} is not a CIDR range ({exc})") from None
+    return networks
 
 
 def _text(value) -> str:

@@ -56,6 +56,7 @@ def create_app(launch: FrontendLaunch) -> Flask:
     app.config["MAX_CONTENT_LENGTH"] = launch.max_payload_bytes
     app.extensions["sagelmi"] = router
     metrics = FrontendMetrics()
+    app.extensions["sagelmi.metrics"] = metrics  # the server's main loop counts the connections it closes
     tracer = make_tracer(launch.traces_exporter, "frontend")
     app.extensions["sagelmi.tracer"] = tracer  # shut down (spans flushed) when the frontend drains
 

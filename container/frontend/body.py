@@ -10,10 +10,10 @@ truncated body was served. Here the body is read from gunicorn's
 - a body past the limit is 413, whether its size was announced or not; reading
   stops as soon as it passes the limit (the rest is left unread, and the
   connection is closed after the answer: ``CLOSE_CONNECTION``);
-- the whole body must arrive within ``body_read_timeout`` seconds; a body still
-  incomplete then, or one the client ended early (fewer bytes than its
-  ``Content-Length``, a chunked body without its last chunk), is 400 and is
-  never handed to the handler.
+- the whole body must arrive within ``body_read_timeout`` seconds: a body still
+  incomplete then is 408; one the client ended early (fewer bytes than its
+  ``Content-Length``, a chunked body without its last chunk) is 400. Neither is
+  ever handed to the handler.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import time
 
 from gunicorn.http.errors import NoMoreData
 
-from container.core.errors import InputError, PayloadTooLarge
+from container.core.errors import InputError, PayloadTooLarge, RequestTimeout
 
 READ_SIZE = 1 << 16
 
@@ -53,8 +53,8 @@ def _expected(announced: int | None) -> str:
 def read_body(environ: dict, announced: int | None, limit: int, timeout: float) -> bytes:
     """The whole body of the request of ``environ`` (``announced`` is its
     Content-Length, None when chunked), read within ``timeout`` seconds.
-    Raises ``PayloadTooLarge`` past ``limit``, ``IncompleteBody`` for a body
-    that ended early or did not arrive in time."""
+    Raises ``PayloadTooLarge`` past ``limit``, ``RequestTimeout`` for a body
+    that did not arrive in time, ``IncompleteBody`` for one that ended early."""
     if announced is not None and announced > limit:
         environ[CLOSE_CONNECTION] = True
         raise too_large(announced, limit)
@@ -79,7 +79,7 @@ def read_body(environ: dict, announced: int | None, limit: int, timeout: float) 
         environ[CLOSE_CONNECTION] = True
         # (what did come may sit in gunicorn's buffer, uncounted here)
         whole = f"all {announced} bytes of the request body" if announced is not None else "the whole chunked body"
-        raise IncompleteBody(f"{whole} did not arrive within {timeout:g}s (body_read_timeout)") from None
+        raise RequestTimeout(f"{whole} did not arrive within {timeout:g}s (body_read_timeout)") from None
     except NoMoreData:
         environ[CLOSE_CONNECTION] = True
         raise IncompleteBody(

@@ -40,7 +40,7 @@ from typing import Any, Protocol
 from gunicorn import SERVER
 
 from container.core.errors import ServingError
-from container.core.ingress import GROUP_HEADER, PEEK_BYTES, Partial, may_be_read
+from container.core.ingress import GROUP_HEADER, Partial, may_be_read
 from container.core.launch import FrontendLaunch
 from container.core.protocol import ResponseHead, Taken
 from container.frontend.client import CLIENT_CHECK_INTERVAL, client_gone, client_waiting
@@ -52,7 +52,7 @@ from container.frontend.router import Router
 
 log = logging.getLogger("sagelmi.frontend")
 
-TAKEN, CLOSED = "taken", "closed"  # what EarlyRequests.send found ("": a request for a thread)
+TAKEN = "taken"  # what EarlyRequests.send did ("": the request is a thread's)
 
 
 class Connections(Protocol):
@@ -105,24 +105,15 @@ class EarlyRequests:
         self._sent: dict[socket.socket, EarlyRequest] = {}
         self._watch: threading.Thread | None = None
 
-    def send(self, conn: Any, close: bool) -> str | Partial:
-        """gthread's main loop, a connection with something to read: hand it to a group unread if
-        its request may be read early (``TAKEN``: the connection is this module's until it
-        gives it back). ``CLOSED``: the client closed the connection. A ``Partial``: it may be,
-        once the rest of it came. ``close``: gunicorn would close the connection after the answer."""
+    def send(self, conn: Any, close: bool, data: bytes) -> str | Partial:
+        """gthread's main loop, a connection whose next request's head is there (``data``, peeked):
+        hand it to a group unread if that request may be read early (``TAKEN``: the connection is
+        this module's until it gives it back). A ``Partial``: it may be, once the rest of its body
+        came. ``close``: gunicorn would close the connection after the answer."""
         if not self.enabled or self.connections is None or self.router.draining or self.router.poison.refused:
             return ""
-        sock = conn.sock
-        if type(sock) is not socket.socket:
+        if type(conn.sock) is not socket.socket:
             return ""  # TLS: gunicorn's to read
-        try:
-            data = sock.recv(PEEK_BYTES, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-        except BlockingIOError:
-            return Partial(1)  # a new connection whose client has not sent its request yet
-        except OSError:
-            return ""
-        if not data:
-            return CLOSED
         readable = may_be_read(data)
         if isinstance(readable, Partial):
             return readable

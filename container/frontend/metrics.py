@@ -67,6 +67,14 @@ class FrontendMetrics:
             "accepting thread, without a request thread",
             registry=self.registry,
         )
+        self.connections_closed = Counter(
+            "sagelmi_connections_closed",
+            "Connections the frontend closed while they waited for a request: reason head (its head was not "
+            "whole within header_read_timeout), client (past max_connections_per_client from one address) or "
+            "server (at the frontend's bound on connections)",
+            ["reason"],
+            registry=self.registry,
+        )
         self.worker_ready = Gauge(
             "sagelmi_worker_ready", "1 when the worker group is ready", ["group"], registry=self.registry
         )

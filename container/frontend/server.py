@@ -2,8 +2,9 @@
 
 One gunicorn worker process with a thread per request (gthread), so all
 requests share one ``Router`` (queue bound, least-in-flight routing, health).
-The listening socket is created by the supervisor before the model loads and
-passed in as a file descriptor.
+A connection gets a thread only once its request's head is there whole
+(``container.frontend.main_loop``). The listening socket is created by the
+supervisor before the model loads and passed in as a file descriptor.
 
 Shutdown: on SIGTERM the worker first drains: it keeps accepting connections
 but answers 503, lets the requests in flight finish (up to the grace period),
@@ -13,11 +14,10 @@ waits (blocked) until it has loaded the app, so none is lost.
 
 from __future__ import annotations
 
-import json
 import logging
+import resource
 import selectors
 import signal
-import socket
 import sys
 import threading
 import time
@@ -31,20 +31,22 @@ from gunicorn.arbiter import Arbiter
 from gunicorn.workers.gthread import ThreadWorker
 
 from container.core import logs, proc
-from container.core.errors import InputError, envelope_for, scrub
-from container.core.ingress import Partial
+from container.core.errors import InputError, scrub
+from container.core.ingress import Partial, may_be_read
 from container.core.launch import FrontendLaunch, decode_frontend_launch
 from container.frontend.app import create_app
 from container.frontend.body import CLOSE_CONNECTION, WSGI_RESPONSE
 from container.frontend.client import client_waiting
-from container.frontend.early import CLOSED, TAKEN, EarlyRequests
+from container.frontend.early import TAKEN, EarlyRequests
+from container.frontend.main_loop import HeadWaitingWorker, json_answer
 
 log = logging.getLogger("sagelmi.frontend")
 
 EARLY_WAITS = 3  # how many times a request that may be read early is waited for before a thread reads it
 EARLY_WAIT = 0.5  # seconds such a request may take to arrive whole
-# Threads beyond the queue bound, so /ping and rejections never wait for a thread.
+# Threads beyond the queue bound, so rejections never wait for a thread (/ping has threads of its own).
 SPARE_THREADS = 32
+FD_RESERVE = 128  # file descriptors the frontend keeps for itself (its groups' sockets, logs, pipes ...)
 
 
 class GunicornLog(glogging.Logger):
@@ -92,12 +94,8 @@ def write_json_error(sock, status: int, reason: str, mesg: str) -> None:
     Installed as ``gunicorn.util.write_error``: gunicorn's ``handle_error``
     picks the status and message and calls it (its only caller)."""
     message = InputError.message if status == 400 else reason.lower()
-    body = json.dumps(envelope_for(getattr(_rejected, "path", ""), status, message, scrub(mesg) or reason)).encode()
-    head = (
-        f"HTTP/1.1 {status} {reason}\r\nConnection: close\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\n\r\n"
-    ).encode("latin-1")
-    util.write_nonblock(sock, head + body)
+    path = getattr(_rejected, "path", "")
+    util.write_nonblock(sock, json_answer(path, status, message, scrub(mesg) or reason, reason))
 
 
 def _nothing_read_ahead(conn) -> bool:
@@ -105,15 +103,19 @@ def _nothing_read_ahead(conn) -> bool:
     return not conn.is_http2 and not conn.parser.unreader.buf.getvalue()
 
 
-class DrainingWorker(ThreadWorker):
-    """A gthread worker that answers 503 while draining instead of refusing
-    connections, stops once its requests are done, and answers the requests it
-    rejects itself in JSON."""
+class DrainingWorker(HeadWaitingWorker):
+    """A gthread worker whose main loop keeps connections until their request heads are whole
+    (``container.frontend.main_loop``), hands streamed requests to their group unread
+    (``container.frontend.early``), answers 503 while draining instead of refusing
+    connections, stops once its requests are done, and answers the requests it rejects itself
+    in JSON."""
 
     def init_process(self) -> None:
-        logs.configure("frontend", self.cfg.loglevel.upper(), cast("FrontendServer", self.app).launch.log_format)
+        launch = cast("FrontendServer", self.app).launch
+        logs.configure("frontend", self.cfg.loglevel.upper(), launch.log_format)
         proc.die_with_parent()
         util.write_error = write_json_error
+        self.hold(launch.header_read_timeout, launch.max_connections_per_client)
         super().init_process()
 
     early: EarlyRequests | None = None
@@ -123,11 +125,15 @@ class DrainingWorker(ThreadWorker):
         self.early = self.wsgi.extensions.get("sagelmi.early")
         if self.early is not None:
             self.early.connections = self
+        metrics = self.wsgi.extensions.get("sagelmi.metrics")
+        if metrics is not None:
+            self.closed_metric = metrics.connections_closed
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # what came while booting is handled now
 
-    def enqueue_req(self, conn) -> None:
-        """gthread's, unless the connection's request is taken early (``container.frontend.early``):
-        sent to its group from here, followed by no thread unless something goes wrong."""
+    def serve(self, conn, head: bytes) -> None:
+        """A connection whose request head is whole: to its group unread if the request is taken
+        early (``container.frontend.early``), followed by no thread unless something goes wrong;
+        else to a thread."""
         if self.early is not None and (not conn.initialized or _nothing_read_ahead(conn)):
             close = (  # gthread's handle_request closes it after this answer
                 not self.alive
@@ -136,37 +142,43 @@ class DrainingWorker(ThreadWorker):
                 or len(self.keepalived_conns) >= self.max_keepalived
             )
             waited = getattr(conn, "early_waits", 0)
-            if waited:
-                conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
-            taken = self.early.send(conn, close)
+            taken = self.early.send(conn, close, head)
             if taken == TAKEN:
                 return
-            if taken == CLOSED:  # nothing for a thread to read
-                self._let_go(conn, False)
-                return
             if isinstance(taken, Partial) and waited < EARLY_WAITS:
-                # Until its request (or the rest of it: a client may send its body apart from its
-                # head) is there, the connection waits in gthread's poller, woken by the kernel
-                # only once ``need`` bytes came (SO_RCVLOWAT); a thread reads what is still not
-                # whole after EARLY_WAIT seconds (murder_pending) or EARLY_WAITS wake-ups.
+                # Until its body is there (a client may send it apart from its head), the
+                # connection waits in gthread's poller, woken by the kernel only once ``need``
+                # bytes came (SO_RCVLOWAT); a thread reads what is still not whole after
+                # EARLY_WAIT seconds (pending_expired) or EARLY_WAITS wake-ups.
                 conn.early_waits = waited + 1
-                conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, taken.need)
+                self.set_lowat(conn, taken.need)
                 conn.timeout = time.monotonic() + EARLY_WAIT
                 self.pending_conns.append(conn)
                 self.poller.register(conn.sock, selectors.EVENT_READ, partial(self.on_pending_socket_readable, conn))
                 return
-        super().enqueue_req(conn)
+        super().serve(conn, head)
 
-    def murder_pending(self) -> None:
-        """gthread's, after handing to a thread the connections whose request did not come whole
-        within ``EARLY_WAIT`` (their deadline is shorter than the others', so not in order)."""
-        now = time.monotonic()
-        for conn in [conn for conn in self.pending_conns if getattr(conn, "early_waits", 0) and conn.timeout <= now]:
-            self.pending_conns.remove(conn)
-            self.poller.unregister(conn.sock)
+    def peek_for(self, conn, seen: bytes) -> bool:
+        """The start of a request the early hand-off may take is peeked at, not read, while its
+        head comes: it must be on the socket when it is whole."""
+        return (
+            self.early is not None
+            and self.early.enabled
+            and (not conn.initialized or _nothing_read_ahead(conn))
+            and isinstance(may_be_read(seen), Partial)
+        )
+
+    def pending_expired(self, conn) -> None:
+        """A connection whose body did not come whole within ``EARLY_WAIT`` goes to a thread."""
+        if getattr(conn, "early_waits", 0):
             conn.early_waits = EARLY_WAITS
             self.enqueue_req(conn)
-        super().murder_pending()
+        else:
+            super().pending_expired(conn)
+
+    def idle(self, conn) -> None:
+        conn.early_waits = 0
+        super().idle(conn)
 
     # -- container.frontend.early.Connections: called from any thread, run here (the main loop)
     def requeue(self, conn, raw: bytes) -> None:
@@ -184,7 +196,7 @@ class DrainingWorker(ThreadWorker):
             return
         conn.parser.unreader.unread(raw)
         conn.data_ready = True
-        super().enqueue_req(conn)
+        self.to_thread(conn)
 
     def _let_go(self, conn, keep: bool) -> None:
         """As gthread's ``finish_request`` after an answer: wait for the client's next request
@@ -192,13 +204,14 @@ class DrainingWorker(ThreadWorker):
         conn.early_waits = 0
         waiting = client_waiting(conn.sock) if keep and self.alive else False
         if waiting:
-            self.enqueue_req(conn)  # its next request is there already
+            self.enqueue_req(conn)  # its next request is coming already
             return
         if waiting is None:
             conn.sock.setblocking(False)
             conn.set_timeout()
             self.keepalived_conns.append(conn)
             self.poller.register(conn.sock, selectors.EVENT_READ, partial(self.on_client_socket_readable, conn))
+            self.idle(conn)
             return
         self.nr_conns -= 1
         conn.close()
@@ -208,20 +221,17 @@ class DrainingWorker(ThreadWorker):
         A client that closed it is let go here: gthread would hand the connection back to its
         main loop, which wakes on the close and hands it to a thread again only to read the
         end (three wake-ups and ~200 µs of this process's CPU in the first millisecond of the
-        client's next request, docs/benchmarks/README.md). A next request already sent is
-        served in this thread, without the main loop's wake-up and another thread's.
-
-        Before: a new connection whose request is already there (a client sends it right
-        after connecting, and this thread runs after the main loop's accept) is marked
-        ready, so gthread does not build a selector to wait for it (~70-100 µs at 1
-        stream, in the time to first token); one that has sent nothing yet waits in it."""
-        if not conn.initialized and not getattr(conn, "data_ready", True) and client_waiting(conn.sock):
-            conn.data_ready = True
+        client's next request, docs/benchmarks/README.md). A next request whose head is there
+        whole is served in this thread, without the main loop's wake-up and another thread's;
+        one not whole yet waits in the main loop. /ping's threads serve one request and go back."""
         keepalive = super().handle(conn)
         if self.early is not None and self.early.abandon_sock(conn.sock, "was not read as a request"):
             return False  # the application was not called: the group's answer is stopped, the connection closed
+        if getattr(conn, "ping", False):
+            conn.ping = False
+            return keepalive
         while keepalive is True and self.alive and not conn.is_http2:
-            waiting = client_waiting(conn.sock)
+            waiting = self.next_head_here(conn)
             if waiting is None:
                 break  # the main loop waits for its next request
             if not waiting:
@@ -279,6 +289,30 @@ class GunicornBridge:
         return result
 
 
+def connection_bound(threads: int) -> int:
+    """How many connections the frontend may hold at once (gthread's ``worker_connections``): as
+    many as its file-descriptor limit allows, once the soft limit is raised to the hard one (a
+    container often starts with 1,024 of a much larger hard limit), less ``FD_RESERVE``. Past
+    it, the connection waiting longest is closed for a new one (``HeadWaitingWorker.accept``)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+            soft = wanted
+        except (ValueError, OSError) as exc:
+            log.warning("could not raise the open-file limit from %d to %d: %s", soft, wanted, exc)
+    bound = (1 << 20 if soft == resource.RLIM_INFINITY else soft) - FD_RESERVE
+    if bound < threads:
+        log.warning(
+            "the open-file limit (%d) leaves room for %d connections, fewer than the %d request threads",
+            soft,
+            bound,
+            threads,
+        )
+    return max(bound, 1)
+
+
 class FrontendServer(BaseApplication):
     def __init__(self, launch: FrontendLaunch) -> None:
         self.launch = launch
@@ -291,7 +325,7 @@ class FrontendServer(BaseApplication):
             "workers": 1,
             "worker_class": f"{__name__}.DrainingWorker",
             "threads": threads,
-            "worker_connections": threads + 256,
+            "worker_connections": connection_bound(threads),
             "keepalive": 75,  # longer than SageMaker's idle connection reuse
             "timeout": 120,  # heartbeat of the worker's main loop, not a request limit
             "graceful_timeout": int(self.launch.grace_period) + 5,

@@ -151,6 +151,8 @@ class Supervisor:
             sessions_expiration=self.settings.sessions_expiration,
             model=model_info(self.settings, str(self.runtime / "adapters")),  # removed with the runtime directory
             body_read_timeout=self.settings.body_read_timeout,
+            header_read_timeout=self.settings.header_read_timeout,
+            max_connections_per_client=self.settings.connections_per_client,
         )
         path = self.runtime / "frontend.json"
         path.write_bytes(encode_launch(launch))

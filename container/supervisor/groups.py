@@ -106,6 +106,8 @@ class WorkerGroup:
             env["MASTER_ADDR"] = self.cluster.local_address  # rank 0's node, as the others reach it
         if self.cpu_binding is not None and "VLLM_CPU_OMP_THREADS_BIND" not in env:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_binding
+        # vLLM's own cap on a completion's prompt list, the same as the server's on every route
+        env.setdefault("VLLM_MAX_COMPLETION_PROMPTS", str(self.settings.max_prompts_per_request))
         return env
 
     def command(self, env: dict[str, str]) -> list[str]:

@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
 
 from container.core.protocol import Invoke
+from container.core.settings import Settings
 
 log = logging.getLogger("sagelmi.worker")
 
@@ -37,6 +38,14 @@ class Batcher(Generic[Conn]):
         self.dropped: set[str] = set()  # ids cancelled while queued or running
         self.running: set[asyncio.Task] = set()
         self._loop_task: asyncio.Task | None = None
+
+    @classmethod
+    def for_settings(cls, settings: Settings, run: Callable[[list[Entry[Conn]]], Awaitable[None]]) -> Batcher[Conn]:
+        """The batcher ``batch_size``, ``max_batch_delay`` and ``sync_handler_threads`` ask for."""
+        log.info(
+            "dynamic batching: up to %d requests, waiting up to %g ms", settings.batch_size, settings.max_batch_delay
+        )
+        return cls(settings.batch_size, settings.max_batch_delay, settings.sync_handler_threads, run)
 
     def start(self) -> None:
         self._loop_task = asyncio.get_running_loop().create_task(self._form_batches())

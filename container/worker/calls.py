@@ -34,8 +34,10 @@ def _tokens(seen: Observation | None) -> tuple[int | None, int | None]:
     return (usage.prompt_tokens, usage.completion_tokens) if usage is not None else (None, None)
 
 
-def _timed(handle: Callable[[Input], Any], seen: Observation, inputs: Input) -> Any:
-    seen.call_started()
+def _build_and_call(handle: Callable[[Input], Any], build: Callable[[], Input], seen: Observation | None) -> Any:
+    inputs = build()
+    if seen is not None:
+        seen.call_started()
     return handle(inputs)
 
 
@@ -62,24 +64,38 @@ class Calls:
         self.mpi = mpi
         self.handle: Callable[[Input], Any] | None = None  # the engine's handle, or model.py's
         self.kind = "sync"
+        # Forms for the handlers on the loop are parsed here, one at a time: a parse holds the GIL
+        # most of the time, and each thread doing one takes more of it from the loop.
+        self.forms = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forms")
+
+    def close(self) -> None:
+        """Stop both pools: what is queued on them is dropped."""
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.forms.shutdown(wait=False, cancel_futures=True)
 
     def handler_loaded(self, handle: Callable[[Input], Any], kind: str) -> None:
         self.handle, self.kind = handle, kind
 
-    async def call(self, inputs: Input, seen: Observation | None = None) -> Any:
-        """Call the handler with ``inputs``; ``seen`` learns when the call began (a
-        synchronous one: when a pool thread took it)."""
+    async def call(self, build: Callable[[], Input], parse: bool = False, seen: Observation | None = None) -> Any:
+        """Call the handler with the ``Input`` that ``build`` makes; ``seen`` learns when the call
+        began (a synchronous one: when a pool thread took it). ``parse``: building it parses a form,
+        whose size the client chose: the forms thread does it, never the loop, which serves every
+        other request. A synchronous handler's ``Input`` is built in its pool job, so calls still
+        reach the handler in the order they were queued (MPI ranks rely on it)."""
         kind, handle = self.kind, self.handle
         assert handle is not None, "a call before handler_loaded()"  # the worker calls once it has loaded
-        if seen is not None and kind != "sync":
-            seen.call_started()
-        if kind in ("async_generator", "generator"):  # sagelmi's own: handle() itself streams
-            return Output().add_stream_content(handle(inputs), output_formatter=generator_item)
-        if kind == "async":
+        if kind != "sync":
+            if parse:
+                inputs = await self.loop.run_in_executor(self.forms, contextvars.copy_context().run, build)
+            else:
+                inputs = build()
+            if seen is not None:
+                seen.call_started()
+            if kind in ("async_generator", "generator"):  # sagelmi's own: handle() itself streams
+                return Output().add_stream_content(handle(inputs), output_formatter=generator_item)
             return await handle(inputs)
-        if seen is not None:
-            handle = functools.partial(_timed, handle, seen)
-        call = self.loop.run_in_executor(self.executor, contextvars.copy_context().run, handle, inputs)
+        job = functools.partial(_build_and_call, handle, build, seen)
+        call = self.loop.run_in_executor(self.executor, contextvars.copy_context().run, job)
         if not self.mpi:
             return await call
         # In MPI mode a queued call runs on every rank even if cancelled (see the module's docstring).

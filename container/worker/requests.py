@@ -9,6 +9,13 @@ functions of ``model.py``). The content is the query parameters, in order, then
 the body: one entry per field for ``multipart/form-data`` and
 ``application/x-www-form-urlencoded``, else the whole body under ``data``.
 
+Forms are parsed only for handlers that read them (``Inputs``): a built-in engine
+reads JSON, so a multipart body to it is refused (415) and a url-encoded one stays whole
+(``curl -d`` labels JSON so). A multipart body with more than ``max_multipart_parts`` parts
+is refused (400) before it is parsed: the parts are counted with one scan for the
+boundary, cheap beside the parse (Python's email parser). Parsing a form is the caller's
+to keep off the worker's loop (``Inputs.of`` says when it does).
+
 Batch (``batch_size`` > 1): the items' properties and content keys get the
 prefix ``batch_000.``, ``batch_001.`` ..., and ``batch_size`` is set; the
 handler answers each item under ``batch_<i>.<key>``.
@@ -16,19 +23,23 @@ handler answers each item under ``batch_<i>.<key>``.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import struct
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from email.message import Message
 from email.parser import BytesParser
 from email.policy import HTTP
 from typing import Any, cast
 from urllib.parse import parse_qsl
 
-from container.core.errors import AnswerError, HandlerError, InputError
+from container.core.errors import AnswerError, HandlerError, InputError, ServingError, UnsupportedMediaType
 from container.core.protocol import Invoke
 from container.core.settings import Settings
 from handlers.api import Input, Output
+from handlers.api.engine import Engine
 
 _BATCH_KEY = re.compile(r"^batch_(\d+)\.(.*)$", re.S)
 
@@ -44,8 +55,73 @@ def common_properties(settings: Settings, tensor_parallel_degree: int) -> dict[s
     return common
 
 
+MULTIPART = "multipart/form-data"
+URL_FORM = "application/x-www-form-urlencoded"
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """How a worker makes its handler's ``Input`` of a request: the properties LMI adds to every
+    call (``common_properties``), and the forms the handler reads."""
+
+    common: dict[str, Any] = field(default_factory=dict)
+    forms: bool = True  # the handler reads form fields (a model.py); False: a built-in engine, which reads JSON
+    max_parts: int = 1000  # most parts of a multipart body (max_multipart_parts)
+
+    @classmethod
+    def for_handler(cls, settings: Settings, tensor_parallel_degree: int, engine: type[Engine] | None) -> Inputs:
+        forms = engine is None or engine.reads_forms
+        return cls(common_properties(settings, tensor_parallel_degree), forms, settings.max_multipart_parts)
+
+    def refusal(self, message: Invoke) -> ServingError | None:
+        """What refuses ``message`` without parsing its body, or None: a multipart body to a
+        handler that reads no forms (``UnsupportedMediaType``), one with more than ``max_parts``
+        parts (``InputError``). Costs a look at a header, and for multipart one scan of the body."""
+        if _media_type(message) != MULTIPART:
+            return None
+        if not self.forms:
+            return UnsupportedMediaType(
+                f"the built-in engine reads JSON bodies, not {MULTIPART}; send the request as application/json"
+            )
+        parts = _count_parts(message.body, _content_type(message.properties))
+        if parts > self.max_parts:
+            return InputError(
+                f"the {MULTIPART} body has {parts} parts; at most {self.max_parts} are read "
+                f"(max_multipart_parts / SERVING_MAX_MULTIPART_PARTS)"
+            )
+        return None
+
+    def parses_form(self, message: Invoke) -> bool:
+        """Whether building the request's ``Input`` parses a form (work to keep off the loop)."""
+        return self.forms and _media_type(message) in (MULTIPART, URL_FORM)
+
+    def of(self, message: Invoke) -> tuple[Callable[[], Input], bool]:
+        """What builds the ``Input`` of a request that ``refusal`` let through, and whether that
+        parses a form."""
+        return functools.partial(request_input, message, self), self.parses_form(message)
+
+    def of_batch(self, messages: list[Invoke]) -> tuple[Callable[[], Input], bool]:
+        """The same for a batch (two or more requests)."""
+        return functools.partial(batch_input, messages, self), any(self.parses_form(m) for m in messages)
+
+
 def _content_type(properties: dict[str, str]) -> str:
     return next((v for k, v in properties.items() if k.lower() == "content-type"), "")
+
+
+def _media_type(message: Invoke) -> str:
+    return _content_type(message.properties).split(";")[0].strip().lower()
+
+
+def _count_parts(body: bytes, content_type: str) -> int:
+    """The parts of a multipart body, counted by its delimiters (each part opens with one, and
+    one more closes the body) without parsing it; 0 without a boundary (the parse says why)."""
+    header = Message()
+    header["content-type"] = content_type
+    boundary = header.get_boundary()
+    if not boundary:
+        return 0
+    return max(body.count(b"--" + boundary.encode("latin-1", "replace")) - 1, 0)
 
 
 def _form_fields(body: bytes, content_type: str) -> list[tuple[str, bytes]]:
@@ -65,15 +141,14 @@ def _form_fields(body: bytes, content_type: str) -> list[tuple[str, bytes]]:
     return fields
 
 
-def request_content(message: Invoke) -> list[tuple[str, bytes]]:
-    """The content entries of a request, in DJL Serving's order."""
+def request_content(message: Invoke, inputs: Inputs) -> list[tuple[str, bytes]]:
+    """The content entries of a request, in DJL Serving's order (``Inputs.refusal`` let it through)."""
     content = [(k, v.encode("utf-8")) for k, v in parse_qsl(message.query, keep_blank_values=True)]
-    content_type = _content_type(message.properties)
-    kind = content_type.split(";")[0].strip().lower()
+    kind = _media_type(message) if inputs.forms else ""
     fields = None
-    if kind == "multipart/form-data":
-        fields = _form_fields(message.body, content_type)
-    elif kind == "application/x-www-form-urlencoded":
+    if kind == MULTIPART:
+        fields = _form_fields(message.body, _content_type(message.properties))
+    elif kind == URL_FORM:
         fields = _url_form_fields(message.body)
     return content + (fields if fields is not None else [("data", message.body)])
 
@@ -88,26 +163,26 @@ def _url_form_fields(body: bytes) -> list[tuple[str, bytes]] | None:
     return [(k, v.encode("utf-8")) for k, v in pairs] or None
 
 
-def request_input(message: Invoke, common: dict) -> Input:
-    """The ``Input`` of one request; ``common`` holds the per-call properties."""
-    inputs = Input(properties={**message.properties, **common}, request_path=message.path)
-    for key, value in request_content(message):
-        inputs.content.add(key, value)
-    return inputs
+def request_input(message: Invoke, inputs: Inputs) -> Input:
+    """The ``Input`` of one request."""
+    made = Input(properties={**message.properties, **inputs.common}, request_path=message.path)
+    for key, value in request_content(message, inputs):
+        made.content.add(key, value)
+    return made
 
 
 def batch_prefix(index: int) -> str:
     return f"batch_{index:03d}."
 
 
-def batch_input(messages: list[Invoke], common: dict) -> Input:
+def batch_input(messages: list[Invoke], inputs: Inputs) -> Input:
     """One ``Input`` holding the requests of a batch (two or more)."""
-    batch = Input(properties={**common, "batch_size": str(len(messages))}, request_path=messages[0].path)
+    batch = Input(properties={**inputs.common, "batch_size": str(len(messages))}, request_path=messages[0].path)
     for i, message in enumerate(messages):
         prefix = batch_prefix(i)
         for key, value in message.properties.items():
             batch.properties[prefix + key] = value
-        for key, data in request_content(message):
+        for key, data in request_content(message, inputs):
             batch.content.add(prefix + key, data)
     return batch
 

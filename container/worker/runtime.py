@@ -34,7 +34,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -65,7 +65,7 @@ from container.worker.direct import DescriptorChannel
 from container.worker.handoff import Handoffs
 from container.worker.observe import Observer, metrics_text
 from container.worker.priority import EnginePriority
-from container.worker.requests import batch_input, common_properties, request_input, split_batch, to_output
+from container.worker.requests import Inputs, split_batch, to_output
 from handlers.api import Input, Output
 from handlers.api.context import Formatters, WorkerContext, set_current
 from handlers.api.engine import Engine
@@ -95,7 +95,7 @@ class Worker:
         self.channel: DescriptorChannel | None = None  # rank 0's descriptor channel (container.worker.direct)
         self.dropped = DroppedAnswers()
         self.batcher: Batcher[Connection | DroppedAnswers] | None = None
-        self.common: dict[str, Any] = {}  # properties LMI adds to every call (device_id, model_dir ...)
+        self.inputs = Inputs(max_parts=self.settings.max_multipart_parts)  # the handler's, once it is loaded
         self.stopping = asyncio.Event()
         self.loop = asyncio.get_running_loop()
         self.adapters = AdapterTable(self.loop)  # LoRA adapters the frontend registered (rank 0)
@@ -155,7 +155,7 @@ class Worker:
             await asyncio.sleep(0)  # let the cancelled requests unwind before the engine stops
             await self._shutdown_handler()
             self.observer.close()
-            self.executor.shutdown(wait=False, cancel_futures=True)
+            self.calls.close()
             if server is not None:
                 Path(self.context.launch.socket_path).unlink(missing_ok=True)
         return code
@@ -187,7 +187,9 @@ class Worker:
             # Import on the loop's thread: some libraries insist on the main thread.
             self.handler = load_handler(self.settings)
             set_current(self.context, self.loop, self.handler.formatters)
-            self.common = common_properties(self.settings, self.context.launch.tensor_parallel_degree)
+            self.inputs = Inputs.for_handler(
+                self.settings, self.context.launch.tensor_parallel_degree, self.handler.engine
+            )
             if self.handler.engine is not None:
                 self.engine = await self.handler.engine.start(self.context, self.handler.formatters)
                 self.calls.handler_loaded(self.engine.handle, self.handler.kind)
@@ -195,8 +197,8 @@ class Worker:
                 assert self.handler.fn is not None  # a handler is an engine or a model.py's handle
                 self.calls.handler_loaded(self.handler.fn, self.handler.kind)
                 # LMI's initialisation call: an empty Input with the model properties
-                properties = {**self.context.launch.model_properties, **self.common}
-                init = to_output(await self.calls.call(Input(properties=properties)))
+                properties = {**self.context.launch.model_properties, **self.inputs.common}
+                init = to_output(await self.calls.call(lambda: Input(properties=properties)))
                 if init.stream_content is not None:  # a generator handle(): run its body
                     async for _ in self.calls.stream(init, cancelled=threading.Event()):
                         pass
@@ -206,19 +208,9 @@ class Worker:
                     )
             await self.adapters.loaded(self.engine, self.handler.origin)
             if self.settings.batch_size > 1 and (self.engine is None or self.engine.dynamic_batching):
-                self.batcher = Batcher(
-                    self.settings.batch_size,
-                    self.settings.max_batch_delay,
-                    self.settings.sync_handler_threads,
-                    self._serve_batch,
-                )
+                self.batcher = Batcher.for_settings(self.settings, self._serve_batch)
                 if self.context.follower is None:  # the other ranks run the batches rank 0 formed
                     self.batcher.start()
-                log.info(
-                    "dynamic batching: up to %d requests, waiting up to %g ms",
-                    self.settings.batch_size,
-                    self.settings.max_batch_delay,
-                )
         except HandlerLoadError as exc:
             return await self._set_own_state(WorkerState.FAILED, str(exc))
         except Exception as exc:
@@ -354,6 +346,9 @@ class Worker:
                 if self.follower is not None:  # rank 0 collects every rank's metrics
                     self.follower.send_metrics(message.id, generate_latest().decode())
                     return
+            elif (refused := self.inputs.refusal(message)) is not None:  # before it is relayed, batched or parsed
+                self.loop.create_task(self._fail(conn, message.id, refused))
+                return
             elif self.batcher is not None and self.own_state.state is WorkerState.READY:
                 self.batcher.submit(conn, message)  # relayed with its batch (InvokeBatch)
                 return
@@ -417,7 +412,7 @@ class Worker:
             elif self.own_state.state is not WorkerState.READY:
                 raise ServiceUnavailable("the model worker is not ready")
             else:
-                output = to_output(await self.calls.call(request_input(message, self.common), seen))
+                output = to_output(await self.calls.call(*self.inputs.of(message), seen))
             await self.calls.send_output(conn, rid, output, cancelled, seen)
         except asyncio.CancelledError:
             cancelled.set()
@@ -450,7 +445,7 @@ class Worker:
         if self.priority is not None and serving is not None:
             self.priority.follow(serving, len(batch))
         try:
-            output = to_output(await self.calls.call(batch_input([message for _, message in batch], self.common)))
+            output = to_output(await self.calls.call(*self.inputs.of_batch([message for _, message in batch])))
             answers = split_batch(output, len(batch))
         except asyncio.CancelledError:
             for conn, message in batch:

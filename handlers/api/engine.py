@@ -26,6 +26,7 @@ class Engine(ABC):
     requests_on_rank0_only: ClassVar[bool] = False  # MPI mode: it hands work to its other ranks itself
     dynamic_batching: ClassVar[bool] = False  # the worker's dynamic batching feeds it, as it feeds a model.py
     serves_adapters: ClassVar[bool] = False  # it serves LoRA adapters (add_adapter / remove_adapter)
+    reads_forms: ClassVar[bool] = False  # it reads form fields; False: multipart bodies are refused (415)
 
     @classmethod
     @abstractmethod

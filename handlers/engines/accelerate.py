@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -38,10 +37,13 @@ from typing import Any
 from container.core.dtypes import canonical_dtype
 from container.core.errors import InputError
 from container.core.logs import redacted_json
+from container.core.settings import Settings
 from handlers.api import Input, Output
 from handlers.api.context import WorkerContext
 from handlers.api.engine import Engine, Formatters
 from handlers.engines.lmi_schema import Formatter, Generation, LmiRequest, TokenInfo, parse_request
+from handlers.engines.prompts import check_prompt_count
+from handlers.engines.token_streamer import TokenStreamer
 
 log = logging.getLogger("sagelmi.accelerate")
 
@@ -136,6 +138,7 @@ class AccelerateEngine(Engine):
         self.tokenizer = tokenizer
         self.formatter = formatter
         self.normalize = True  # text-embedding: L2-normalised vectors unless option.normalize=false
+        self.max_prompts = Settings().max_prompts_per_request  # inputs per request; load() sets the server's
         self.known_generation = set(transformers.GenerationConfig().to_dict())
         self.pipeline: Callable[..., Any] | None = None
         if task in PIPELINE_TASKS:
@@ -178,6 +181,7 @@ class AccelerateEngine(Engine):
         )
         engine = cls(task, model, tokenizer, Formatter(settings.output_formatter, settings.tgi_compat))
         engine.normalize = settings.normalize is not False
+        engine.max_prompts = settings.max_prompts_per_request
         return engine
 
     @classmethod
@@ -236,6 +240,7 @@ class AccelerateEngine(Engine):
         body = item.get_as_json()
         if not isinstance(body, dict) or "inputs" not in body:
             raise InputError("the request body must be a JSON object with 'inputs'")
+        check_prompt_count(body, "lmi", self.max_prompts)
         if self.task in GENERATION_TASKS:
             return _Item(index, body, parse_request(body, self.known_generation))
         inputs = body["inputs"]
@@ -440,39 +445,6 @@ class AccelerateEngine(Engine):
                 token_id = after
         finally:
             stop.set()  # a client that left stops the generation
-
-
-class TokenStreamer:
-    """A ``transformers`` streamer (as ``TextIteratorStreamer``) handing out token ids:
-    ``generate`` puts them in its thread, the answer's iterator takes them in another."""
-
-    _END = object()
-
-    def __init__(self) -> None:
-        self.queue: queue.Queue = queue.Queue()
-        self.prompt_seen = False
-        self.error: Exception | None = None
-
-    def put(self, value) -> None:
-        if not self.prompt_seen:  # the prompt (or the decoder's start token) comes first
-            self.prompt_seen = True
-            return
-        for token_id in value.reshape(-1).tolist():
-            self.queue.put(token_id)
-
-    def fail(self, exc: Exception) -> None:
-        self.error = exc
-
-    def end(self) -> None:
-        self.queue.put(self._END)
-
-    def __iter__(self) -> Iterator[int]:
-        while (item := self.queue.get()) is not self._END:
-            yield item
-        if self.error is not None:
-            if isinstance(self.error, (TypeError, ValueError)):
-                raise InputError(f"invalid generation parameters: {self.error}")
-            raise self.error
 
 
 def _eos_ids(model) -> set[int]:

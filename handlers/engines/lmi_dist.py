@@ -55,6 +55,7 @@ from container.core.logs import redacted_json
 from handlers.api import Input, Output
 from handlers.api.context import WorkerContext
 from handlers.api.engine import Engine, Formatters
+from handlers.engines import vllm_media
 from handlers.engines.vllm import UnfinishedRequests, VllmEngine, engine_kwargs
 
 log = logging.getLogger("sagelmi.lmi_dist")
@@ -380,6 +381,7 @@ class LmiDistEngine(Engine):
             context.world_size,
             redacted_json(kwargs),
         )
+        vllm_media.install(context.settings, kwargs)
         started = time.monotonic()
         args = AsyncEngineArgs(**kwargs)
         vllm_config = args.create_engine_config(UsageContext.OPENAI_API_SERVER)

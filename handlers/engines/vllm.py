@@ -48,8 +48,10 @@ from container.core.served_names import served_names
 from handlers.api import Input, Output
 from handlers.api.context import WorkerContext
 from handlers.api.engine import Engine, Formatters
+from handlers.engines import vllm_media
 from handlers.engines.formatters import format_request, formatted
 from handlers.engines.lmi_schema import Formatter
+from handlers.engines.prompts import check_prompt_count
 from handlers.engines.sessions import EngineSessions
 from handlers.engines.vllm_adapters import ADAPTER_HEADER, Adapters
 from handlers.engines.vllm_args import build_engine_kwargs
@@ -100,17 +102,21 @@ class VllmEngine(Engine):
         self.adapters = Adapters(engine, self.openai.models, names, bool(kwargs.get("enable_lora")))
         self.lmi = LmiFront(engine, Formatter(settings.output_formatter, settings.tgi_compat), self.adapters)
         self.sessions = EngineSessions(settings)
+        self.max_prompts = settings.max_prompts_per_request
         self.task = f"option.task={settings.task}" if settings.task else "option.task unset"
         self.pooling: PoolingFront | None = None
         if engine.model_config.runner_type == "pooling":
             task = self.task if settings.task else "option.runner=pooling"
-            self.pooling = PoolingFront(engine, self.openai.models, task, settings.normalize)
+            self.pooling = PoolingFront(
+                engine, self.openai.models, task, settings.normalize, settings.trust_request_mm_kwargs
+            )
         REGISTRY.register(UnfinishedRequests(engine.get_num_unfinished_requests))
 
     @classmethod
     async def start(cls, context: WorkerContext, formatters: Formatters) -> VllmEngine:
         kwargs = engine_kwargs(context)
         log.info("starting vLLM with %s", redacted_json(kwargs))
+        vllm_media.install(context.settings, kwargs)
         started = time.monotonic()
         # Building the engine blocks for tens of seconds: keep the worker's loop free meanwhile.
         engine = await asyncio.to_thread(AsyncLLM.from_engine_args, AsyncEngineArgs(**kwargs))
@@ -161,6 +167,7 @@ class VllmEngine(Engine):
         if self.pooling is not None:
             if kind is None:
                 return self._wrong_task(path, f"{self.pooling.task}, a pooling model (vLLM's pooling runner)")
+            check_prompt_count(body, kind, self.max_prompts)
             model = self.adapters.for_openai(body.get("model"), header)
             return await self.pooling.answer(kind, {**body, "model": model}, path)
         if kind is not None:
@@ -168,8 +175,10 @@ class VllmEngine(Engine):
         if path == "/v1/chat/completions" or (path == "/invocations" and "messages" in body):
             return await self._openai("chat", body, header, path)
         if path == "/v1/completions" or (path == "/invocations" and "prompt" in body and "inputs" not in body):
+            check_prompt_count(body, "completion", self.max_prompts)
             return await self._openai("completion", body, header, path)
         if "inputs" in body:
+            check_prompt_count(body, "lmi", self.max_prompts)
             return await self.lmi.answer(body, inputs.get_property("requestId"), header)
         if path == "/invocations" and "requestType" in body:
             return self.sessions.answer(inputs, body)

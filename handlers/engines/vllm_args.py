@@ -35,6 +35,11 @@ def engine_fields() -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(AsyncEngineArgs)}
 
 
+# Media items of each kind one prompt may carry when option.limit_mm_per_prompt does not name the kind
+# (vLLM's default is 999 of each; LMI's guides use 1). vLLM reads the kinds the model takes and
+# ignores the others, and the whole option on a text-only model. vision_chunk: the kind of models
+# that count images and videos together.
+MEDIA_PER_PROMPT = {"image": 1, "video": 1, "audio": 1, "vision_chunk": 1}
 # On vLLM's CPU build gpu_memory_utilization is the share of CPU memory vLLM reserves;
 # its 0.92 default refuses to start on a machine doing anything else.
 CPU_DEFAULTS = {"gpu_memory_utilization": 0.5}
@@ -78,6 +83,7 @@ def build_engine_kwargs(
             raise EngineOptionError(f"{given} need option.speculative_draft_model (the draft model, or [ngram])")
         speculative.setdefault("num_speculative_tokens", 5)  # LMI's default speculative_length
         kwargs["speculative_config"] = {**speculative, **(kwargs.get("speculative_config") or {})}
+    kwargs["limit_mm_per_prompt"] = {**MEDIA_PER_PROMPT, **(kwargs.get("limit_mm_per_prompt") or {})}
     _pooling_runner(settings, kwargs)
     if cpu:
         for name, default in CPU_DEFAULTS.items():

@@ -5,12 +5,12 @@ logprobs, ``n``, usage, SSE ending with ``data: [DONE]``) are vLLM's."""
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import AsyncGenerator
 from typing import Any
 
 import aiohttp
 from pydantic import BaseModel, ValidationError
-from vllm import envs as vllm_envs
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
@@ -29,6 +29,7 @@ from container.core.chat_options import ChatOptions, chat_template
 from container.core.errors import AnswerError, InputError, NotFound, OpenAIError, OpenAIErrorInfo, is_openai_path
 from handlers.api import Output
 from handlers.engines.chat_setup import check_parsers
+from handlers.engines.vllm_media import FETCH_FAILED
 from handlers.engines.vllm_observe import started
 
 log = logging.getLogger("sagelmi.vllm")
@@ -47,12 +48,13 @@ def _media_error(exc: Exception) -> str | None:
     """What to tell the client when vLLM could not load a message's media (an ``image_url``):
     None for an exception that is not about media. vLLM answers the body's own faults (an
     undecodable image, more images than ``limit_mm_per_prompt``, a 404 from the image's host)
-    itself; what it raises instead are the fetch's failures (after its retries) and its refusals
-    of ``file://`` URLs, worded for its command line."""
+    itself, and sagelmi's media connector (``handlers.engines.vllm_media``) a host it could not
+    reach; what vLLM raises instead are its refusals of ``file://`` URLs, worded for its command
+    line, and, should any reach here, a fetch's raw failures: answered as the connector answers
+    them, without the host, port or reason (those would map the network for the client)."""
     if isinstance(exc, (aiohttp.ClientError, TimeoutError)):  # asyncio's TimeoutError is this one
-        timeout = vllm_envs.VLLM_IMAGE_FETCH_TIMEOUT
-        reason = str(exc) or f"its host did not answer (VLLM_IMAGE_FETCH_TIMEOUT={timeout} s, then longer retries)"
-        return f"could not fetch a media URL of the messages: {reason}"
+        log.info("a media URL could not be fetched: %s: %s", type(exc).__name__, exc)
+        return FETCH_FAILED
     if isinstance(exc, (RuntimeError, ValueError)) and "allowed-local-media-path" in str(exc):
         # vLLM's text names its CLI flag and, for a file outside the directory, both local paths
         if "Cannot load local files" in str(exc):
@@ -90,11 +92,36 @@ def tokenize_short_prompts_inline(renderer: Any) -> bool:
     return True
 
 
+# vLLM's messages name its server's command-line flags; a sagelmi user sets the options of those names
+_FLAGS = {
+    "`--limit-mm-per-prompt`": "option.limit_mm_per_prompt",
+    "--limit-mm-per-prompt": "option.limit_mm_per_prompt",
+    "--trust-request-mm-kwargs": "option.trust_request_mm_kwargs=true",
+}
+
+
+# vLLM's refusal of more media than allowed; it names its flag only when the model would take more
+# than the flag's value, and not for a model without a limit of its own
+_MEDIA_COUNT = re.compile(r"^(At most \d+ \w+\(s\) may be provided in one prompt\.)(?! Set)")
+
+
+def _options_named(message: str) -> str:
+    """``message`` with vLLM's command-line flags replaced by the sagelmi options that set them, and
+    a refusal of too many media naming ``option.limit_mm_per_prompt``."""
+    for flag, option in _FLAGS.items():
+        message = message.replace(flag, option)
+    return _MEDIA_COUNT.sub(
+        r"\1 Set option.limit_mm_per_prompt to increase this limit, as far as the model takes more.", message
+    )
+
+
 def _openai_error(
     path: str, status: int, message: str, err_type: str = "BadRequestError", param: str | None = None
 ) -> Output:
     """vLLM's refusal of an OpenAI body: in OpenAI's envelope on ``/v1/...`` (vLLM's type and
-    param kept); on ``/invocations`` raised, so that it gets LMI's envelope like every error there."""
+    param kept); on ``/invocations`` raised, so that it gets LMI's envelope like every error there.
+    vLLM's flags in ``message`` are named as the options that set them."""
+    message = _options_named(message)
     if not is_openai_path(path):
         raise (
             InputError(message)
@@ -128,7 +155,12 @@ class OpenAIFront:
         }
         if not tokenize_short_prompts_inline(engine.renderer):
             log.debug("prompts are tokenized on vLLM's renderer thread (%s)", type(engine.renderer.tokenizer).__name__)
-        renderer = OnlineRenderer(model_config=engine.model_config, renderer=engine.renderer, **chat_kwargs)
+        renderer = OnlineRenderer(
+            model_config=engine.model_config,
+            renderer=engine.renderer,
+            trust_request_mm_kwargs=options.trust_request_mm_kwargs,
+            **chat_kwargs,
+        )
         self.chat = OpenAIServingChat(engine, self.models, "assistant", online_renderer=renderer, **chat_kwargs)
         self.completion = OpenAIServingCompletion(engine, self.models, online_renderer=renderer, request_logger=None)
         self.tokenization = ServingTokenization(

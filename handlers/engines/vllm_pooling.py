@@ -88,11 +88,14 @@ class PoolingFront:
     """vLLM's pooling serving classes around one engine whose runner is ``pooling``; built at the
     first request (the engine's supported tasks are only known asynchronously)."""
 
-    def __init__(self, engine: Any, models: Any, task: str, normalize: bool | None) -> None:
+    def __init__(
+        self, engine: Any, models: Any, task: str, normalize: bool | None, trust_request_mm_kwargs: bool = False
+    ) -> None:
         self.engine = engine
         self.models = models
         self.task = task  # how the model is served, for messages: option.task=text-embedding ...
         self.normalize = normalize
+        self.trust_request_mm_kwargs = trust_request_mm_kwargs  # vLLM's flag: a request's media_io_kwargs taken
         self.pooling_task: str | None = None
         self.serving: dict[str, Any] = {}
         self._lock = asyncio.Lock()
@@ -103,7 +106,7 @@ class PoolingFront:
                 return
             tasks = tuple(await self.engine.get_supported_tasks())
             model_config = self.engine.model_config
-            config = ChatTemplateConfig()
+            config = ChatTemplateConfig(trust_request_mm_kwargs=self.trust_request_mm_kwargs)
             pooling_task = model_config.get_pooling_task(tasks)
             if pooling_task == "embed":
                 self.serving["embeddings"] = ServingEmbedding(

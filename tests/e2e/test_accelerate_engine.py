@@ -162,6 +162,21 @@ def test_pipeline_tasks_answer_as_the_transformers_pipeline(tmp_path_factory, ta
             service.answer(Input(body=b'{"inputs": "no mask here"}'))
 
 
+def test_too_many_inputs_are_400_naming_the_setting(tmp_path_factory):
+    """In-process: a list of inputs was one model call over all of them, however many."""
+    from transformers import AutoModel, AutoTokenizer
+    from container.core.errors import InputError
+    from handlers.api import Input
+    from handlers.engines.accelerate import AccelerateEngine
+    from handlers.engines.lmi_schema import Formatter
+    directory = str(_bert_dir(tmp_path_factory))
+    service = AccelerateEngine("text-embedding", AutoModel.from_pretrained(directory).eval(),
+                               AutoTokenizer.from_pretrained(directory), Formatter("jsonlines", False))
+    with pytest.raises(InputError, match="'inputs' holds 5000 prompts; a request may hold at most 1024"):
+        service.answer(Input(body=json.dumps({"inputs": ["hello"] * 5000}).encode()))
+    assert len(json.loads(service.answer(Input(body=b'{"inputs": ["hello", "world"]}')).body())) == 2
+
+
 _BERT = {}
 
 

@@ -103,7 +103,9 @@ DROPPED = {  # streams long enough to be running when their client leaves
 }
 
 _CHAT = [{"role": "user", "content": "hi"}]
-MALFORMED = {  # kind -> (path, raw body)
+_MULTIPART = "multipart/form-data; boundary=sagelmi"
+_PARTS = b"".join(b'--sagelmi\r\nContent-Disposition: form-data; name="f%d"\r\n\r\nx\r\n' % i for i in range(2000))
+MALFORMED = {  # kind -> (path, raw body[, content type]): each past a rule or a limit, answered 4xx
     "lmi-invalid-json": ("/invocations", b'{"inputs": "Hello", "parameters": {'),
     "lmi-inputs-number": ("/invocations", {"inputs": 5}),
     "lmi-seed-2^70": ("/invocations", {"inputs": "Hello", "parameters": {"seed": 2**70}}),
@@ -125,6 +127,12 @@ MALFORMED = {  # kind -> (path, raw body)
                                                      "stream": True}),
     "tokenize-prompt-number": ("/tokenize", {"prompt": 5}),
     "embeddings-on-a-generation-model": ("/v1/embeddings", {"input": "hello"}),
+    # past the limits a request may ask for (docs/security.md)
+    "lmi-too-many-prompts": ("/invocations", {"inputs": ["Hello"] * 1025, "parameters": {"max_new_tokens": 1}}),
+    "completions-too-many-prompts": ("/v1/completions", {"prompt": ["Hello"] * 1025, "max_tokens": 1}),
+    "lmi-multipart": ("/invocations", _PARTS + b"--sagelmi--\r\n", _MULTIPART),
+    "chat-media-io-kwargs": ("/v1/chat/completions", {"messages": _CHAT, "max_tokens": 4,
+                                                      "media_io_kwargs": {"image": {"size": [1, 1]}}}),
 }
 
 
@@ -268,11 +276,12 @@ def _session(server: Server, body: dict, tokens: int) -> str | None:
 
 def malformed(server: Server, rng: random.Random, tally: Tally) -> None:
     kind = rng.choice(list(MALFORMED))
-    path, body = MALFORMED[kind]
+    path, body, *content_type = MALFORMED[kind]
     tally.sent[f"malformed/{kind}"] += 1
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     try:
-        response = requests.post(server.url(path), data=data, headers={"Content-Type": "application/json"},
+        response = requests.post(server.url(path), data=data,
+                                 headers={"Content-Type": content_type[0] if content_type else "application/json"},
                                  timeout=(30, REQUEST_TIMEOUT))
         wrong = check_error(path, response)
     except Exception as exc:
@@ -476,7 +485,7 @@ def test_64_streams_with_leaving_and_malformed_clients(vllm_server):
         f"{DROP_SHARE:.0%} streams (LMI, /v1/completions, /v1/chat/completions) asking 1000-4000 tokens whose "
         f"client closes the connection after 1-5 lines, {MALFORMED_SHARE:.0%} malformed bodies "
         f"({len(MALFORMED)} kinds: invalid JSON, wrong types, out-of-range numbers, an empty, a non-UTF-8 and a "
-        f"deeply nested body), the rest well-formed requests of 16-128 tokens (ignore_eos) on the three routes, "
+        f"deeply nested body; past the limits: 1,025 prompts, a multipart body, per-request media options), the rest well-formed requests of 16-128 tokens (ignore_eos) on the three routes, "
         f"streamed and not, greedy or sampled with a seed, {LONG_PROMPT_SHARE:.0%} of their prompts long enough "
         f"(2400-4800 tokens) for a chunked prefill, checked for a complete answer with exactly the tokens asked. "
         f"Memory is sampled every {MEMORY_SAMPLE_SECONDS} s over the server's whole process tree (supervisor, "

@@ -260,3 +260,20 @@ def test_normalize_false_gives_the_raw_vectors(raw_server, reference):
     asked = client.embeddings.create(model="tiny", input=TEXTS, encoding_format="float",
                                      extra_body={"use_activation": True})  # the request's own choice wins
     assert close([d.embedding for d in asked.data], reference["embed"])
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/invocations", {"inputs": ["x"] * 5000}),  # LMI's embedding form
+    ("/v1/embeddings", {"input": ["x"] * 5000}),
+    ("/invocations", {"input": [[1, 2]] * 5000}),
+    ("/v1/score", {"queries": "x", "documents": ["x"] * 5000}),
+    ("/v1/rerank", {"query": "x", "documents": ["x"] * 5000}),
+], ids=["lmi", "embeddings", "embeddings-tokens-on-invocations", "score", "rerank"])
+def test_too_many_prompts_are_400_naming_the_setting(server, path, body):
+    """Each of them was one engine request per item, however many (max_prompts_per_request)."""
+    answer = requests.post(server.url(path), json=body, timeout=60)
+    assert answer.status_code == 400, answer.text[:500]
+    error = answer.json()["error"]
+    message = error["message"] if path.startswith("/v1/") else error
+    assert "holds 5000 prompts; a request may hold at most 1024" in message
+    assert "max_prompts_per_request" in message

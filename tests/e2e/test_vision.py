@@ -19,9 +19,10 @@ import pytest
 import requests
 
 from tests.e2e.conftest import ENGINE_READY_TIMEOUT, EXACT, VLLM_CPU_ENV
+from tests.listener import Listener
 from tests.readme import on_port, python_snippets, run_shell, serve_settings, shell_commands
 from tests.references import offline_reference
-from tests.server import REPO, Server, clean_env, free_port
+from tests.server import REPO, Server, clean_env, processes
 
 pytestmark = pytest.mark.slow
 
@@ -92,9 +93,12 @@ OFFLINE = textwrap.dedent("""
 """)
 
 
+ALLOWED_HOST = "127.0.0.2"  # the doc's OPTION_ALLOWED_MEDIA_NETWORKS; 127.0.0.1 stays refused
+
+
 class ImageHost:
-    """A local web server: ``/picture.png`` is PICTURE, ``/silent.png`` never answers in time,
-    anything else 404. Counts the GETs of each path."""
+    """A local web server on ALLOWED_HOST: ``/picture.png`` is PICTURE, ``/silent.png`` never
+    answers in time, ``/redirect?to=URL`` sends there, anything else 404. Counts the GETs of each path."""
 
     def __init__(self) -> None:
         self.gets: dict[str, int] = {}
@@ -103,6 +107,12 @@ class ImageHost:
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self):
                 host.gets[self.path] = host.gets.get(self.path, 0) + 1
+                if self.path.startswith("/redirect?to="):
+                    self.send_response(302)
+                    self.send_header("Location", self.path.split("?to=", 1)[1])
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
                 if self.path == "/silent.png":
                     time.sleep(10)
                 if self.path not in ("/picture.png", "/silent.png"):
@@ -120,13 +130,13 @@ class ImageHost:
             def log_message(self, *args):
                 pass
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = http.server.ThreadingHTTPServer((ALLOWED_HOST, 0), Handler)
         self.server.daemon_threads = True
         self.port = self.server.server_address[1]
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.port}{path}"
+        return f"http://{ALLOWED_HOST}:{self.port}{path}"
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +172,8 @@ def media_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(model_dir, offline, media_dir):
     env, directory = serve_settings(SERVE)
-    assert env == {**VLLM_CPU_ENV, "OPTION_LIMIT_MM_PER_PROMPT": f"image={LIMIT}"}
+    assert env == {**VLLM_CPU_ENV, "OPTION_LIMIT_MM_PER_PROMPT": f"image={LIMIT}",
+                   "OPTION_ALLOWED_MEDIA_NETWORKS": f"{ALLOWED_HOST}/32"}
     # float32: the answers are compared with offline vLLM's token for token (see tests/e2e/conftest.py)
     more = {**EXACT, **FAST_FETCH, "OPTION_ALLOWED_LOCAL_MEDIA_PATH": str(media_dir)}
     with Server(directory.replace("/tmp/tiny-vision", model_dir), env={**env, **more},
@@ -228,10 +239,18 @@ def test_a_file_in_the_allowed_directory_is_read(server, media_dir, offline):
 
 
 def _refused_port() -> int:
-    port = free_port()  # nothing listens there once the probe socket is closed
+    with socket.create_server((ALLOWED_HOST, 0)) as probe:
+        port = probe.getsockname()[1]  # nothing listens there once the probe socket is closed
     with socket.socket() as probe:
-        assert probe.connect_ex(("127.0.0.1", port)) != 0
+        assert probe.connect_ex((ALLOWED_HOST, port)) != 0
     return port
+
+
+# What the client is told whenever a media URL's host is not reached: a refused address, a closed
+# port, a silent host alike (handlers/engines/vllm_media.py: FETCH_FAILED)
+UNREACHED = ("could not fetch a media URL of the messages: its address is not one this server fetches from, or "
+             "its host did not answer in time or refused the connection (internal hosts need "
+             "option.allowed_media_networks or option.allowed_media_domains)")
 
 
 # (image parts, status, what the message says)
@@ -239,15 +258,15 @@ BAD_IMAGES = {
     "undecodable": ([image_part("data:image/png;base64," + base64.b64encode(b"not a picture").decode())], 400,
                     "Failed to load image"),
     "not_base64": ([image_part("data:image/png;base64,@@@@")], 400, "base64"),
-    "refused": ([image_part(f"http://127.0.0.1:{_refused_port()}/picture.png")], 400,
-                "could not fetch a media URL of the messages: Cannot connect to host 127.0.0.1"),
-    "silent": ([image_part("SILENT")], 400, "could not fetch a media URL of the messages"),
+    "refused": ([image_part(f"http://{ALLOWED_HOST}:{_refused_port()}/picture.png")], 400, UNREACHED),
+    "silent": ([image_part("SILENT")], 400, UNREACHED),
     "missing": ([image_part("MISSING")], 422, "HTTP 404"),
     "s3": ([image_part("s3://bucket/picture.png")], 400, "The URL must be either a HTTP, data or file URL"),
     "outside_file": ([image_part("file:///etc/hostname")], 400,
                      "a file:// media URL must name a file inside the directory option.allowed_local_media_path"),
     "too_many": ([image_part(data_url(PICTURE))] * (LIMIT + 1), 400,
-                 f"At most {LIMIT} image(s) may be provided in one prompt"),
+                 f"At most {LIMIT} image(s) may be provided in one prompt. Set option.limit_mm_per_prompt to "
+                 f"increase this limit"),
 }
 
 
@@ -286,7 +305,7 @@ def test_the_server_keeps_serving_after_bad_images(server, offline):
 def test_the_docs_examples(server, image_host, offline, tmp_path):
     by_data = json.loads(run_shell(DATA_CURL, server.port).stdout)
     assert by_data["choices"][0]["message"]["content"] == offline["doc_data_url"]["text"]
-    by_http = json.loads(run_shell(HTTP_CURL.replace("localhost:8000", f"127.0.0.1:{image_host.port}"),
+    by_http = json.loads(run_shell(HTTP_CURL.replace(f"{ALLOWED_HOST}:8000", f"{ALLOWED_HOST}:{image_host.port}"),
                                    server.port).stdout)
     assert by_http["choices"][0]["message"]["content"] == offline["doc_http"]["text"]
     (tmp_path / "picture.png").write_bytes(PICTURE)
@@ -294,3 +313,93 @@ def test_the_docs_examples(server, image_host, offline, tmp_path):
                              timeout=120, cwd=tmp_path)  # bytes: the tiny model's text may hold a "\r"
     assert printed.returncode == 0, printed.stderr.decode()
     assert printed.stdout.decode() == offline["picture"]["text"] + "\n"
+
+
+# -- hostile media: URLs the container must not reach, images too large to decode, per-request options
+
+
+@pytest.fixture()
+def listener():
+    forbidden = Listener()
+    yield forbidden
+    forbidden.close()
+
+
+def test_loopback_link_local_and_redirected_urls_are_refused_without_a_connection(server, image_host, listener):
+    """The container reaches neither its own loopback (a name resolving there too) nor the
+    instance metadata service, also through a redirect from an allowed host; the client cannot
+    tell any of them from a closed port or a silent host."""
+    urls = {
+        "loopback": f"http://127.0.0.1:{listener.port}/picture.png",
+        "name of loopback": f"http://localhost:{listener.port}/picture.png",
+        "link-local": "http://169.254.169.254/latest/meta-data/iam/security-credentials/",
+        "redirected": image_host.url(f"/redirect?to=http://127.0.0.1:{listener.port}/picture.png"),
+    }
+    for name, url in urls.items():
+        for path in ("/v1/chat/completions", "/invocations"):
+            answer = chat(server, path, user(image_part(url)))
+            assert answer.status_code == 400, (name, answer.text)
+            message = answer.json()["error"]["message"] if path.startswith("/v1/") else answer.json()["error"]
+            assert message == f"{UNREACHED} (parameter=image_url)", (name, message)
+    assert listener.connections() == 0
+    log = server.log()
+    assert f"media URL of http://127.0.0.1:{listener.port} refused: 127.0.0.1 is loopback" in log
+    assert "169.254.169.254 is link-local" in log
+    assert f"redirected to http://127.0.0.1:{listener.port}: 127.0.0.1 is loopback" in log
+    refusals = [line for line in log.splitlines() if "refused: 169.254.169.254" in line]
+    assert refusals and all(" WARNING " in line and "[-]" not in line for line in refusals), refusals  # request id
+
+
+def worker_tree_rss(server) -> int:
+    import psutil
+
+    total = 0
+    for group in server.group_pids():
+        for pid in processes(group):
+            try:
+                total += psutil.Process(pid).memory_info().rss
+            except psutil.Error:
+                pass
+    return total
+
+
+def test_an_image_bomb_is_refused_within_seconds_without_growing_the_worker(server, offline):
+    """A 20 KB 1-bit PNG of 13,000 x 13,000 decodes to 169 MB, 507 MB in RGB."""
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("1", (13_000, 13_000)).save(buffer, "PNG")
+    assert len(buffer.getvalue()) < 30_000
+    warm = chat(server, "/v1/chat/completions", CONVERSATIONS["picture"])
+    assert warm.status_code == 200, warm.text
+    before, peak, done = worker_tree_rss(server), [0], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], worker_tree_rss(server))
+            time.sleep(0.02)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    started = time.monotonic()
+    try:
+        answer = chat(server, "/v1/chat/completions", user(image_part(data_url(buffer.getvalue()))))
+    finally:
+        took = time.monotonic() - started
+        done.set()
+        sampler.join()
+    grown = (peak[0] - before) / 2**20
+    print(f"image bomb: answered {answer.status_code} in {took:.2f} s; worker tree RSS {before / 2**20:.0f} MiB, "
+          f"peak +{grown:.0f} MiB")
+    assert 400 <= answer.status_code < 500, answer.text[:300]
+    assert "max_image_pixels" in answer.json()["error"]["message"], answer.text
+    assert took < 10, took
+    assert grown < 300, grown
+
+
+def test_per_request_media_options_are_refused_naming_the_setting(server):
+    for field, value in (("media_io_kwargs", {"image": {"image_mode": "L"}}),
+                         ("mm_processor_kwargs", {"do_resize": False})):
+        answer = chat(server, "/v1/chat/completions", CONVERSATIONS["picture"], **{field: value})
+        assert answer.status_code == 400, answer.text
+        assert field in answer.text and "option.trust_request_mm_kwargs=true" in answer.text, answer.text

@@ -9,7 +9,7 @@ import pytest
 import requests
 
 from tests.reliability import record
-from tests.server import metric, send_and_leave_open, wait_idle
+from tests.server import RawStream, metric, send_and_leave_open, wait_idle
 
 pytestmark = pytest.mark.slow
 
@@ -170,3 +170,97 @@ def test_bodies_vllm_trips_over_are_400_in_the_routes_envelope(vllm_server, mess
     assert lmi.status_code == 400, lmi.text
     assert set(lmi.json()) == {"code", "message", "error"}
     assert "Traceback" not in vllm_server.log()
+
+
+MANY_PROMPTS = [f"{i:04d} " + "x" * 1195 for i in range(5000)]  # 5,000 prompts in a body of about 6 MB
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/invocations", {"inputs": MANY_PROMPTS, "parameters": {"max_new_tokens": 4}}),
+    ("/v1/completions", {"prompt": MANY_PROMPTS, "max_tokens": 4}),
+    ("/invocations", {"prompt": MANY_PROMPTS, "max_tokens": 4}),  # an OpenAI completion body
+], ids=["lmi", "openai", "openai-on-invocations"])
+def test_too_many_prompts_are_400_at_once_while_the_server_keeps_serving(vllm_server, path, body):
+    """LMI's 'inputs' took any number of prompts, each an engine request; vLLM refused more than
+    1,024 completion prompts naming its own variable, not the server's setting."""
+    wait_idle(vllm_server)
+    data = json.dumps(body).encode()
+    assert 5_500_000 < len(data) < 6 * 1024 * 1024
+    beside = {}
+
+    def normal():
+        started = time.monotonic()
+        r = vllm_server.invoke({"inputs": "Hello", "parameters": {"max_new_tokens": 8}})
+        beside["answer"] = (r.status_code, time.monotonic() - started)
+
+    thread = threading.Thread(target=normal)
+    thread.start()
+    started = time.monotonic()
+    r = requests.post(vllm_server.url(path), data=data, headers={"content-type": "application/json"}, timeout=30)
+    elapsed = time.monotonic() - started
+    thread.join(60)
+    assert r.status_code == 400, r.text[:500]
+    message = r.json()["error"]["message"] if path.startswith("/v1/") else r.json()["error"]
+    field = "inputs" if "inputs" in body else "prompt"
+    assert f"'{field}' holds 5000 prompts; a request may hold at most 1024" in message
+    assert "max_prompts_per_request" in message
+    assert elapsed < 1, f"the 400 took {elapsed:.2f}s"
+    assert beside["answer"][0] == 200
+    assert metric(vllm_server, "sagelmi_engine_unfinished_requests") == 0
+    record("too-many-prompts", "5,000 prompts in one request (a 6 MB body)", {
+        f"{path} ({'LMI' if field == 'inputs' else 'OpenAI'}): answer": f"400 in {elapsed:.2f} s",
+        f"{path} ({'LMI' if field == 'inputs' else 'OpenAI'}): an 8-token request beside it":
+            f"{beside['answer'][0]} in {beside['answer'][1]:.2f} s",
+    }, note="Before the limit (max_prompts_per_request, default 1,024) an LMI request made one engine request "
+            "per prompt; /v1/completions was refused by vLLM, naming VLLM_MAX_COMPLETION_PROMPTS.", merge=True)
+
+
+def _multipart(parts: int) -> tuple[bytes, str]:
+    boundary = "b" * 32
+    part = f'--{boundary}\r\nContent-Disposition: form-data; name="f"\r\n\r\nx\r\n'.encode()
+    return part * parts + f"--{boundary}--\r\n".encode(), f"multipart/form-data; boundary={boundary}"
+
+
+def test_a_multipart_body_is_415_and_does_not_stall_a_concurrent_stream(vllm_server):
+    """A 60,000-part body was parsed by Python's email parser on the worker's loop before the
+    engine said it wanted JSON: every stream of the group stopped for 20-55 s here."""
+    wait_idle(vllm_server)
+    body, content_type = _multipart(60_000)
+    stream = RawStream(vllm_server.port, "/invocations", {"inputs": "Hello", "stream": True, "parameters": {
+        "max_new_tokens": 4000, "ignore_eos": True}}, timeout=120)
+    assert stream.read_lines(1)
+    arrivals: list[float] = []
+
+    def read():
+        try:
+            while stream.response.read1(65536):
+                arrivals.append(time.monotonic())
+        except (OSError, ValueError, AttributeError):  # closed by the test
+            pass
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    time.sleep(0.5)
+    sent = time.monotonic()
+    answers = {path: requests.post(vllm_server.url(path), data=body, headers={"content-type": content_type},
+                                   timeout=120) for path in ("/invocations", "/v1/completions")}
+    answered = time.monotonic()
+    time.sleep(1)
+    stream.close()
+    reader.join(10)
+    window = [t for t in arrivals if sent - 0.5 <= t <= answered + 1]
+    gaps = [b - a for a, b in zip(window, window[1:])]
+    assert len(window) > 10, "the stream ended or stopped before the multipart bodies were answered"
+    largest = max(gaps)
+    assert largest < 1, f"the stream's largest gap between tokens was {largest:.2f}s"
+    for path, answer in answers.items():
+        assert answer.status_code == 415, answer.text[:500]
+        error = answer.json()["error"]
+        message = error["message"] if path.startswith("/v1/") else error
+        assert "multipart/form-data" in message and "application/json" in message
+    wait_idle(vllm_server, timeout=30)
+    record("multipart-beside-a-stream", "Two 60,000-part multipart bodies beside a stream (built-in engine)", {
+        "answers": f"415, in {answered - sent:.2f} s for both",
+        "the stream's largest gap between chunks meanwhile": f"{largest:.2f} s",
+    }, note="Before, the worker parsed each body with Python's email parser on its event loop before the engine "
+            "refused it: the stream stopped for 20-55 s.")

@@ -1,6 +1,7 @@
 """Clients that break HTTP's rules, against a real server (tests/model_dirs/lmi_echo):
 oversized chunked bodies, bodies shorter than their Content-Length, bytes gunicorn
-rejects before the app sees them. Raw sockets, since ``requests`` will not send these."""
+rejects before the app sees them. Raw sockets, since ``requests`` will not send these.
+Slow clients, many at once: tests/integration/test_slow_clients.py."""
 
 import http.client
 import json
@@ -83,13 +84,14 @@ def handler_ran(server: Server, request_id: str) -> bool:
     return any(f"[{request_id}]" in line and "handler failed" in line for line in server.log().splitlines())
 
 
-def test_a_body_shorter_than_its_content_length_is_400_after_the_body_read_timeout(server):
+def test_a_body_shorter_than_its_content_length_is_408_after_the_body_read_timeout(server):
     head = ("POST /invocations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             f"X-Amzn-SageMaker-Inference-Id: short-stalled\r\nContent-Length: {len(SHORT_BODY) + 1000}")
     r, elapsed = send(server.port, head, SHORT_BODY, timeout=BODY_READ_TIMEOUT + 10)
-    assert r.status == 400, r.body
+    assert r.status == 408, r.body
     error = json.loads(r.body)
-    assert error["code"] == 400 and "body_read_timeout" in error["error"]
+    assert error == {"code": 408, "message": "request timeout", "error": error["error"]}
+    assert "body_read_timeout" in error["error"]
     assert f"all {len(SHORT_BODY) + 1000} bytes" in error["error"]
     assert BODY_READ_TIMEOUT - 0.5 < elapsed < BODY_READ_TIMEOUT + 2
     assert r.getheader("Connection") == "close"
@@ -115,10 +117,10 @@ def test_a_body_cut_short_by_the_client_leaving_is_never_run(server):
     assert not handler_ran(server, "short-closed")
 
 
-def test_a_stalled_chunked_body_is_400_after_the_body_read_timeout(server):
+def test_a_stalled_chunked_body_is_408_after_the_body_read_timeout(server):
     head = "POST /invocations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked"
     r, elapsed = send(server.port, head, chunked(SHORT_BODY), timeout=BODY_READ_TIMEOUT + 10)
-    assert r.status == 400, r.body
+    assert r.status == 408, r.body
     assert "body_read_timeout" in json.loads(r.body)["error"]
     assert elapsed < BODY_READ_TIMEOUT + 2
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import requests
 from PIL import Image
+from urllib3 import encode_multipart_formdata
 
 from djl_python.np_util import from_nd_list, to_nd_list
 from tests.server import MODEL_DIRS, Server
@@ -50,6 +51,18 @@ def test_multipart_form_fields_become_content_keys(server):
     assert r.json() == {"prompt": "a cat", "data_size": 3, "keys": ["op", "prompt", "data"]}
     r = post(server, "form", data={"prompt": "urlencoded", "data": "xy"})  # application/x-www-form-urlencoded
     assert r.json() == {"prompt": "urlencoded", "data_size": 2, "keys": ["op", "prompt", "data"]}
+
+
+def test_a_multipart_body_over_max_multipart_parts_is_400_and_one_at_the_limit_is_served(server):
+    fields = [("prompt", "a cat"), ("data", "xyz")] + [(f"f{i}", "x") for i in range(998)]
+    body, content_type = encode_multipart_formdata(fields)
+    r = post(server, "form", data=body, headers={"Content-Type": content_type})
+    assert r.status_code == 200, r.text
+    assert r.json()["prompt"] == "a cat" and len(r.json()["keys"]) == 1001  # op and the 1,000 parts
+    body, content_type = encode_multipart_formdata(fields + [("one_more", "x")])
+    r = post(server, "form", data=body, headers={"Content-Type": content_type})
+    assert r.status_code == 400, r.text
+    assert "1001 parts; at most 1000" in r.json()["error"] and "max_multipart_parts" in r.json()["error"]
 
 
 def test_tensor_ndlist_in_and_out(server):

@@ -71,7 +71,7 @@ def test_a_hub_model_is_in_the_cache_before_the_workers_start(hub, tmp_path):
 def test_hub_progress_shows_bytes_while_a_file_downloads(hub, tmp_path):
     script = textwrap.dedent("""
         import logging
-        from container.core.artifacts import fetch_hub
+        from container.core.hub_download import fetch_hub
         logging.basicConfig(level=logging.INFO, format="%(message)s")
         fetch_hub("acme/tiny", interval=0.5)
     """)

@@ -10,7 +10,15 @@ from gunicorn.http import wsgi
 from gunicorn.http.parser import RequestParser
 from werkzeug.datastructures import EnvironHeaders
 
-from container.core.ingress import Partial, may_be_read, read_request, request_properties
+from container.core.ingress import (
+    Partial,
+    head_ready,
+    is_bare_ping,
+    may_be_read,
+    read_request,
+    request_path,
+    request_properties,
+)
 
 BODY = b'{"model": "m", "prompt": "hi", "stream": true}'
 
@@ -137,3 +145,41 @@ def test_the_main_loops_look_hands_over_only_what_is_there_and_asks_for_a_stream
     assert may_be_read(data) == expected
     if expected is True:
         assert read_request(data, 1 << 20) is not None
+
+
+@pytest.mark.parametrize(
+    ("data", "ready"),
+    [
+        (b"GET /ping HTTP/1.1\r\nHost: x\r\n\r\n", True),
+        (b"GET /ping HTTP/1.1\r\n\r\n", True),
+        (b"POST /invocations HTTP/1.1\r\nContent-Length: 100\r\n\r\n{", True),  # the body is the thread's
+        (b"GET /ping HTTP/1.1\r\nHost: x\r\n", False),
+        (b"GET /ping HTT", False),
+        (b"", False),
+        (b"GET /ping HTTP/1.1\nHost: x", True),  # a bare LF: gunicorn refuses it without reading more
+    ],
+)
+def test_a_head_is_ready_for_a_thread_once_whole(data: bytes, ready: bool) -> None:
+    assert head_ready(data) is ready
+
+
+def test_a_head_looked_at_again_is_looked_at_from_where_it_grew() -> None:
+    first = b"GET /ping HTTP/1.1\r\nHost: x\r\n\r"
+    assert not head_ready(first)
+    assert head_ready(first + b"\n", start=len(first))  # its empty line across the two looks
+    assert not head_ready(first + b"\r\nX", start=len(first))
+
+
+def test_the_path_is_known_once_the_request_line_is_whole() -> None:
+    assert request_path(b"POST /v1/completions?x=1 HTTP/1.1\r\nHo") == "/v1/completions"
+    assert request_path(b"POST /v1/completions HTT") == ""
+    assert request_path(b"\r\nGET /ping HTTP/1.1\r\n") == "/ping"
+
+
+def test_only_a_bodiless_ping_is_a_bare_ping() -> None:
+    assert is_bare_ping(b"GET /ping HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert is_bare_ping(b"GET /ping?x=1 HTTP/1.0\r\n\r\n")
+    assert not is_bare_ping(b"GET /ping HTTP/1.1\r\nContent-Length: 3\r\n\r\nabc")
+    assert not is_bare_ping(b"GET /ping HTTP/1.1\r\ntransfer-encoding: chunked\r\n\r\n")
+    assert not is_bare_ping(b"GET /pings HTTP/1.1\r\n\r\n")
+    assert not is_bare_ping(b"GET /ping HTTP/1.1\r\nHost: x\r\n")

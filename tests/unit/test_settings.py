@@ -43,6 +43,8 @@ ALIASES = [
     ("SERVING_MAX_PAYLOAD_IN_MB", "12", "max_payload_in_mb", 12),
     ("SERVING_BODY_READ_TIMEOUT", "5", "body_read_timeout", 5),
     ("SERVING_MAX_ADAPTER_SIZE_IN_MB", "512", "max_adapter_size_in_mb", 512),
+    ("SERVING_HEADER_READ_TIMEOUT", "2.5", "header_read_timeout", 2.5),
+    ("SERVING_MAX_CONNECTIONS_PER_CLIENT", "64", "max_connections_per_client", 64),
     ("SAGEMAKER_BIND_TO_PORT", "9090", "port", 9090),
     ("SAGEMAKER_NUM_MODEL_WORKERS", "2", "min_workers", 2),
     ("SAGEMAKER_MODEL_SERVER_WORKERS", "3", "max_workers", 3),
@@ -89,6 +91,11 @@ ALIASES = [
     ("OPTION_BATCH_SIZE", "8", "batch_size", 8),
     ("SERVING_MAX_BATCH_DELAY", "250", "max_batch_delay", 250),
     ("OPTION_MAX_BATCH_DELAY", "50", "max_batch_delay", 50),
+    ("SERVING_MAX_IMAGE_PIXELS", "1000000", "max_image_pixels", 1_000_000),
+    ("OPTION_ALLOWED_MEDIA_NETWORKS", "10.0.0.0/8,fd00::/8", "allowed_media_networks", "10.0.0.0/8,fd00::/8"),
+    ("OPTION_TRUST_REQUEST_MM_KWARGS", "true", "trust_request_mm_kwargs", True),
+    ("SERVING_MAX_PROMPTS_PER_REQUEST", "16", "max_prompts_per_request", 16),
+    ("SERVING_MAX_MULTIPART_PARTS", "50", "max_multipart_parts", 50),
 ]
 
 
@@ -157,6 +164,13 @@ def test_defaults(tmp_path):
     assert settings.shutdown_grace_period == 25
     assert settings.engine == "Python" and not settings.use_mpi
     assert settings.sources["job_queue_size"] == "default"
+    assert settings.header_read_timeout == 10
+
+
+def test_connections_per_client_are_the_queue_bound_unless_set(tmp_path):
+    assert resolve({"SERVING_JOB_QUEUE_SIZE": "300"}, tmp_path=tmp_path).connections_per_client == 300
+    settings = resolve({"SERVING_MAX_CONNECTIONS_PER_CLIENT": "20"}, tmp_path=tmp_path)
+    assert settings.connections_per_client == 20
 
 
 # -- precedence ------------------------------------------------------------------------
@@ -236,6 +250,10 @@ def test_empty_variables_count_as_unset(tmp_path):
     ({"SAGEMAKER_BIND_TO_PORT": "99999"}, None, ["port='99999'", "SageMaker SAGEMAKER_BIND_TO_PORT", "1-65535"]),
     ({"SAGEMAKER_MAX_PAYLOAD_IN_MB": "0"}, None, ["max_payload_in_mb='0'", "MiB > 0"]),
     ({"SERVING_MAX_ADAPTER_SIZE_IN_MB": "0"}, None, ["max_adapter_size_in_mb='0'", "MiB > 0"]),
+    ({"SERVING_MAX_PROMPTS_PER_REQUEST": "0"}, None, ["max_prompts_per_request='0'", "whole number >= 1"]),
+    (None, "max_multipart_parts=-1\n", ["max_multipart_parts='-1'", "serving.properties line 1", ">= 1"]),
+    ({"SERVING_HEADER_READ_TIMEOUT": "0"}, None, ["header_read_timeout='0'", "seconds > 0"]),
+    ({"SERVING_MAX_CONNECTIONS_PER_CLIENT": "0"}, None, ["max_connections_per_client='0'", ">= 1"]),
     ({"OPTION_MPI_MODE": "perhaps"}, None, ["option.mpi_mode='perhaps'", "true or false"]),
     ({"SERVING_MIN_WORKERS": "4", "SERVING_MAX_WORKERS": "2"}, None, ["min_workers=4", "max_workers=2"]),
     ({"OPTION_ROLLING_BATCH": "vlm"}, None, ["option.rolling_batch='vlm'", "auto, vllm, lmi-dist or disable"]),

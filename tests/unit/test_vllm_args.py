@@ -23,7 +23,8 @@ def test_lmi_names_are_translated_and_typed():
                       "pipeline_parallel_size": 2, "max_num_seqs": 32, "max_num_batched_tokens": 4096,
                       "quantization": "awq", "trust_remote_code": False,
                       "cpu_offload_gb": 4.0, "dtype": "float16", "enforce_eager": True, "max_model_len": 2048,
-                      "enable_prefix_caching": False, "max_lora_rank": 32, "revision": "main"}
+                      "enable_prefix_caching": False, "max_lora_rank": 32, "revision": "main",
+                      "limit_mm_per_prompt": {"image": 1, "video": 1, "audio": 1, "vision_chunk": 1}}
 
 
 def test_defaults_model_location_and_lmi_batch_size():
@@ -52,8 +53,19 @@ def test_other_vllm_arguments_pass_through():
                                          ('{"image": 3}', {"image": 3})])
 def test_media_limits_take_lmis_form_and_json(raw, limits):
     """LMI documents option.limit_mm_per_prompt as image=16,video=2; vLLM 0.32 parses JSON only."""
-    assert build(limit_mm_per_prompt=raw)["limit_mm_per_prompt"] == limits
+    assert build(limit_mm_per_prompt=raw)["limit_mm_per_prompt"] == {**ONE_OF_EACH, **limits}
     check_engine_option("limit_mm_per_prompt", raw)
+
+
+ONE_OF_EACH = {"image": 1, "video": 1, "audio": 1, "vision_chunk": 1}
+
+
+def test_media_per_prompt_is_one_of_each_kind_by_default():
+    """vLLM allows 999 images (videos, audio clips) in one prompt; LMI's guides use 1."""
+    assert build()["limit_mm_per_prompt"] == ONE_OF_EACH
+    given = build(limit_mm_per_prompt='{"image": {"count": 4, "width": 512, "height": 512}, "video": 0}')
+    assert given["limit_mm_per_prompt"] == {**ONE_OF_EACH, "image": {"count": 4, "width": 512, "height": 512},
+                                            "video": 0}
 
 
 @pytest.mark.parametrize("raw", ["image", "image=two", "image=2,=1", "image=-1"])
