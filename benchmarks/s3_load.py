@@ -128,11 +128,11 @@ def _tree_digests(root: Path) -> dict[str, str]:
     }
 
 
-def one_after_another(s3, bucket: str, files: list[tuple[str, Path]], progress) -> None:
-    """What ``fetch_s3`` did before: boto3's ``download_file`` for each object in turn."""
-    for key, destination in files:
+def one_after_another(s3, bucket: str, files: list, progress) -> None:
+    """The baseline: boto3's ``download_file`` for each listed object in turn."""
+    for obj, destination in files:
         destination.parent.mkdir(parents=True, exist_ok=True)
-        s3.download_file(bucket, key, str(destination), Callback=progress.add)
+        s3.download_file(bucket, obj.key, str(destination), Callback=progress.add)
 
 
 def run(shards: int, shard_mib: float, mib_per_s: float, trials: int) -> dict:
