@@ -45,7 +45,7 @@ def test_every_readme_command_is_covered():
     from tests.container.test_cluster import COMMANDS as CLUSTER_COMMANDS
     from tests.container.conftest import README_COMMANDS as IMAGE_COMMANDS
     from tests.integration.test_plan_cli import README_COMMANDS as PLAN_COMMANDS
-    from tests.e2e.test_lmi_dist import README_COMMANDS as LMI_DIST_TRY_OUT
+    from tests.e2e.conftest import LMI_DIST_README as LMI_DIST_TRY_OUT
     from tests.e2e.test_readme_run import OPENAI_SNIPPET
     from tests.mpi.test_mpi_mode import TENSOR_PARALLEL_EXAMPLE
     from tests.e2e.test_reasoning_and_templates import README_COMMANDS as REASONING_EXAMPLE
@@ -55,7 +55,7 @@ def test_every_readme_command_is_covered():
     from tests.sdk.test_readme import SNIPPETS as SDK_SNIPPETS
 
     covered = {
-        *LMI_DIST_TRY_OUT,  # tests/e2e/test_lmi_dist.py (its server fixture)
+        *LMI_DIST_TRY_OUT,  # tests/e2e/conftest.py (lmi_dist_server)
         *IMAGE_COMMANDS,  # tests/container/test_image.py (docs/image.md)
         *CLUSTER_COMMANDS,  # tests/container/test_cluster.py
         *PLAN_COMMANDS,  # tests/integration/test_plan_cli.py
