@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 from collections import defaultdict
@@ -6,6 +7,7 @@ import pytest
 
 from tests import reliability
 from tests.e2e.conftest import ENGINE_READY_TIMEOUT, EXACT, HUB_TOKEN, TINY_CONTEXT, VLLM_CPU_ENV
+from tests.lanes import LANE_VARIABLE
 from tests.server import MODEL_DIRS, REPO, SHARED, Server, clean_env, shared
 
 _TREE_AT_START: str | None = None
@@ -23,7 +25,8 @@ def _tree_status() -> str | None:
 def pytest_sessionstart(session):
     global _TREE_AT_START
     _TREE_AT_START = _tree_status()
-    reliability.start_run()
+    if not os.environ.get(LANE_VARIABLE):  # tests/lanes.py starts the run's figures once for both lanes
+        reliability.start_run()
 
 
 # The order of the run by folder: quick feedback first, and the container tests last, so that the image

@@ -85,6 +85,8 @@ class _Build:
 
 def pytest_collection_finish(session):
     """Start the image build now if this run has a container test to give it to."""
+    if session.config.option.collectonly:
+        return
     if shutil.which("podman") and any(item.get_closest_marker("container") for item in session.items):
         _Build.start()
 
