@@ -2,12 +2,13 @@
 
 Most of the suite's time is real engines starting (importing vLLM, loading, compiling), and an
 engine start keeps one core busy (user+sys over wall: about 1.0 on the tiny model). Two lanes
-keep both cores of a CI machine busy. Lane ``engines`` runs the e2e modules listed in ENGINES
-(those that share ``vllm_server``, the lmi-dist and the LoRA servers); lane ``rest`` runs
-everything else, ``tests`` with those modules ignored, so a new test module can never fall
-between the lanes. Each lane has its own temporary directory (TMPDIR: its pytest base
-directory, its S3 downloads, its MPI session files), so they share no file but the figures of
-build/reliability.md (tests/reliability.py locks it) and the caches under the home directory.
+keep both cores of a CI machine busy. Lane ``engines`` runs the e2e modules listed in ENGINES:
+those that share ``vllm_server``, the lmi-dist and the LoRA servers (tests/conftest.py,
+tests/e2e/conftest.py), and two more that balance the lanes' times (docs/testing.md has them);
+lane ``rest`` runs everything else, ``tests`` with those modules ignored, so a new test module
+can never fall between the lanes. Each lane has its own temporary directory (TMPDIR: its pytest
+base directory, its S3 downloads, its MPI session files), so they share no file but the figures
+of build/reliability.md (tests/reliability.py locks it) and the caches under the home directory.
 
 Both lanes' output is shown as it comes, each line prefixed with its lane; their summaries are
 repeated at the end. The exit status is 0 only when both lanes passed. Arguments are passed to
@@ -29,6 +30,7 @@ from tests import reliability
 from tests.server import REPO
 
 ENGINES = [
+    "tests/e2e/test_accelerate_engine.py",  # for balance
     "tests/e2e/test_bench.py",
     "tests/e2e/test_fuzz.py",
     "tests/e2e/test_load.py",
@@ -39,6 +41,7 @@ ENGINES = [
     "tests/e2e/test_option_matrix.py",
     "tests/e2e/test_pipeline_parallel.py",
     "tests/e2e/test_plan.py",
+    "tests/e2e/test_readme_run.py",  # for balance
     "tests/e2e/test_vllm_engine.py",
     "tests/e2e/test_vllm_limits.py",
     "tests/e2e/test_vllm_lmi.py",
@@ -81,7 +84,7 @@ def main(args: list[str]) -> int:
     running: dict[str, tuple[subprocess.Popen, list[str], threading.Thread, str]] = {}
     ended: dict[str, float] = {}
     for name, lane_args in lanes(args).items():
-        tmp = tempfile.mkdtemp(prefix=f"sagelmi-{name}-")
+        tmp = tempfile.mkdtemp(prefix=f"sagelmi-{name}-")  # short: Unix sockets live under it
         env = {**os.environ, "TMPDIR": tmp, LANE_VARIABLE: name, "PYTHONUNBUFFERED": "1"}
         process = subprocess.Popen([sys.executable, "-m", "pytest", *lane_args], cwd=REPO, env=env,
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",

@@ -16,6 +16,7 @@ process exits 0.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import signal
 import socket
@@ -93,10 +94,25 @@ def model_info(settings: Settings, adapter_downloads: str = "") -> ModelInfo:
     )
 
 
+# The longest Unix socket path the runtime directory holds, after the temporary directory: a socket's
+# path has at most 107 bytes (sun_path), so a TMPDIR that leaves too little room moves it to /tmp.
+_SOCKET_ROOM = len("/sagelmi-XXXXXXXX/group-9999.sock.fd")
+_SUN_PATH = 107
+
+
+def runtime_directory() -> Path:
+    """A new directory for this server's sockets and notes, in the temporary directory when the
+    worker groups' sockets fit under it, else in /tmp."""
+    base = tempfile.gettempdir()
+    if len(os.fsencode(base)) + _SOCKET_ROOM > _SUN_PATH:
+        base = "/tmp"
+    return Path(tempfile.mkdtemp(prefix="sagelmi-", dir=base))
+
+
 class Supervisor:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.runtime = Path(tempfile.mkdtemp(prefix="sagelmi-"))
+        self.runtime = runtime_directory()
         self.listener: socket.socket | None = None
         self.frontend: subprocess.Popen | None = None
         self.frontend_started = 0.0

@@ -246,7 +246,8 @@ def test_settings_defaults_and_their_checks():
 
 
 def test_install_chooses_the_connector_with_the_settings(monkeypatch, caplog):
-    monkeypatch.delenv("VLLM_MEDIA_CONNECTOR", raising=False)
+    monkeypatch.setenv("VLLM_MEDIA_CONNECTOR", "")  # so that the value install() sets is undone after the test
+    monkeypatch.delenv("VLLM_MEDIA_CONNECTOR")
     vllm_media.install(settings(OPTION_ALLOWED_MEDIA_NETWORKS="10.0.0.0/8", SERVING_MAX_IMAGE_PIXELS="1000"),
                        {"allowed_media_domains": ["images.internal"]})
     import os

@@ -1,5 +1,8 @@
 import os
 import shutil
+import socket
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -41,3 +44,20 @@ def test_a_missing_mpirun_says_how_to_install_it(monkeypatch):
 def test_mpirun_is_found_next_to_this_python_without_path(monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")
     assert supervisor.find_mpirun().endswith("/mpirun")
+
+
+def test_a_long_tmpdir_moves_the_runtime_directory_where_its_sockets_fit(tmp_path, monkeypatch):
+    long = tmp_path / ("d" * (100 - len(str(tmp_path))))
+    long.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(long))
+    runtime = supervisor.runtime_directory()
+    try:
+        assert runtime.parent == Path("/tmp")
+        with socket.socket(socket.AF_UNIX) as s:
+            s.bind(str(runtime / "group-9999.sock.fd"))  # AF_UNIX path too long under the 100-byte TMPDIR
+    finally:
+        shutil.rmtree(runtime)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    runtime = supervisor.runtime_directory()
+    assert runtime.parent == tmp_path
+    shutil.rmtree(runtime)
