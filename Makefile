@@ -60,7 +60,7 @@ test: lint
 
 test-fast: lint
 	$(call PHASE,started)
-	$(BIN)/python -m pytest tests -m "not slow"
+	$(BIN)/python -m tests.lanes --fast
 	$(call PHASE,ended)
 
 # The figures of docs/reliability.md: the tests that measure them, then their page over the old one.

@@ -12,7 +12,7 @@ of build/reliability.md (tests/reliability.py locks it) and the caches under the
 
 Both lanes' output is shown as it comes, each line prefixed with its lane; their summaries are
 repeated at the end. The exit status is 0 only when both lanes passed. Arguments are passed to
-both pytest processes.
+both pytest processes; ``--fast`` runs ``make test-fast``'s tests (not slow) in two other lanes.
 """
 
 from __future__ import annotations
@@ -49,11 +49,19 @@ ENGINES = [
     "tests/e2e/test_vllm_openai.py",
     "tests/e2e/test_vllm_sessions.py",
 ]
+# make test-fast (--fast: the tests not marked slow) starts no engine; most of its time is the
+# integration tests' model.py servers, so lane ``integration`` takes the first half of them by name.
+FAST_SECOND = "tests/integration/test_[a-l]*.py"
 LANE_VARIABLE = "SAGELMI_TEST_LANE"  # set in each lane's environment (tests/conftest.py reads it)
 
 
 def lanes(args: list[str]) -> dict[str, list[str]]:
     """Each lane's pytest arguments."""
+    if "--fast" in args:
+        args = [a for a in args if a != "--fast"]
+        second = sorted(str(path.relative_to(REPO)) for path in REPO.glob(FAST_SECOND))
+        return {"rest": ["tests", f"--ignore-glob={FAST_SECOND}", "-m", "not slow", *args],
+                "integration": [*second, "-m", "not slow", *args]}
     missing = [path for path in ENGINES if not (REPO / path).exists()]
     if missing:
         raise SystemExit(f"tests/lanes.py names modules that do not exist: {', '.join(missing)}")
@@ -64,7 +72,7 @@ def _pump(name: str, process: subprocess.Popen, lines: list[str], ended: dict[st
     assert process.stdout is not None
     for line in process.stdout:
         lines.append(line)
-        sys.stdout.write(f"{name:>7}| {line}")
+        sys.stdout.write(f"{name:>11}| {line}")
         sys.stdout.flush()
     ended[name] = time.monotonic()
 
@@ -109,7 +117,7 @@ def main(args: list[str]) -> int:
     for name, (_, lines, _, _) in running.items():
         print(f"lane {name}: exit {codes[name]} after {ended.get(name, time.monotonic()) - started:.0f} s")
         for line in _summary(lines):
-            sys.stdout.write(f"{name:>7}| {line}")
+            sys.stdout.write(f"{name:>11}| {line}")
     # Exit 5 (no tests ran) is a failure too: tests/conftest.py makes it 1 in each lane.
     return 0 if all(code == 0 for code in codes.values()) else 1
 
