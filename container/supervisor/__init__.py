@@ -38,6 +38,7 @@ from container.core.launch import (
     encode_launch,
 )
 from container.core.plan import Plan
+from container.core.protocol import fd_channel_path
 from container.core.served_names import served_names
 from container.core.settings import Settings, SettingsError
 from container.supervisor.cluster import (
@@ -94,9 +95,10 @@ def model_info(settings: Settings, adapter_downloads: str = "") -> ModelInfo:
     )
 
 
-# The longest Unix socket path the runtime directory holds, after the temporary directory: a socket's
-# path has at most 107 bytes (sun_path), so a TMPDIR that leaves too little room moves it to /tmp.
-_SOCKET_ROOM = len("/sagelmi-XXXXXXXX/group-9999.sock.fd")
+# The longest Unix socket path the runtime directory holds, after the temporary directory (mkdtemp's
+# name, then a group's descriptor channel): a socket's path has at most 107 bytes (sun_path), so a
+# TMPDIR that leaves too little room moves the runtime directory to /tmp.
+_SOCKET_ROOM = len(fd_channel_path("/sagelmi-XXXXXXXX/group-9999.sock"))
 _SUN_PATH = 107
 
 
