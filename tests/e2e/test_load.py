@@ -35,8 +35,8 @@ SEED = 12
 DROP_SHARE = 0.10  # streams whose client leaves after a few lines
 MALFORMED_SHARE = 0.05
 # Memory baseline: the samples of the last third of the warm-up. Under this load vLLM's worker takes
-# more memory for a minute or two, then stays there (one run: 1.6 GB for 30 s, 2.1 GB from 110 s to the
-# end); when that happens depends on what the shared server served before. A leak keeps growing after.
+# more memory for a minute or two, then stays there; when depends on what the shared server served
+# before. A leak keeps growing after.
 WARM_UP = DURATION / 2
 MEMORY_SAMPLE_SECONDS = 3
 MAX_MEMORY_GROWTH = 0.10
