@@ -27,6 +27,7 @@ def pytest_sessionstart(session):
     _TREE_AT_START = _tree_status()
     if not os.environ.get(LANE_VARIABLE):  # tests/lanes.py starts the run's figures once for both lanes
         reliability.start_run()
+        ENGINE_LIST.unlink(missing_ok=True)
 
 
 # The order of the run by folder: quick feedback first, and the container tests last, so that the image
@@ -59,8 +60,11 @@ def pytest_runtest_teardown(item):
         if _LAST_USER.get(name) == item.nodeid:
             del SHARED[name]
             server.stop()
+    started = Server.started[item.stash.get(_SERVERS_BEFORE, 0):]
+    for server in started:
+        server.started_by = item.nodeid
     if item.get_closest_marker("slow") is None:
-        engines = [s for s in Server.started[item.stash.get(_SERVERS_BEFORE, 0):] if s.ran_an_engine()]
+        engines = [s for s in started if s.ran_an_engine()]
         assert not engines, (f"{item.nodeid} started an engine ({engines[0].model_dir}) without the slow marker; "
                              f"mark it slow, or serve a model.py")
 
@@ -70,6 +74,18 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_terminal_summary(terminalreporter):
+    engines = [s for s in Server.started if s.ran_an_engine()]
+    if engines:  # most of a full run's time: each start imports vLLM in three processes, some compile
+        waited = sum(s.ready_seconds or 0 for s in engines)
+        terminalreporter.section("engine servers")
+        terminalreporter.write_line(f"{len(engines)} started, {waited:.0f} s until ready in all; vLLM compiled the "
+                                    f"model {sum(s.compiles() for s in engines)} times (not from its cache); "
+                                    f"each is listed in {ENGINE_LIST.relative_to(REPO)}")
+        ENGINE_LIST.parent.mkdir(exist_ok=True)
+        with ENGINE_LIST.open("a") as listing:
+            for s in engines:
+                listing.write(f"{os.environ.get(LANE_VARIABLE, '-')}\t{s.ready_seconds or 0:.1f}\t{s.compiles()}\t"
+                              f"{s.started_by}\t{s.model_dir}\n")
     if _TIER_SECONDS:
         terminalreporter.section("time by folder (setup, call and teardown)")
         for tier, seconds in sorted(_TIER_SECONDS.items(), key=lambda kv: -kv[1]):
@@ -91,6 +107,7 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 _SERVERS_BEFORE = pytest.StashKey[int]()
+ENGINE_LIST = REPO / "build" / "engine-servers.tsv"  # lane, seconds until ready, cold compiles, test, model
 
 
 @pytest.fixture(scope="session")

@@ -88,6 +88,7 @@ def _summary(lines: list[str]) -> list[str]:
 
 def main(args: list[str]) -> int:
     reliability.start_run()  # once for both lanes; they add their figures to the same page
+    (REPO / "build" / "engine-servers.tsv").unlink(missing_ok=True)  # both lanes list their engine servers in it
     started = time.monotonic()
     running: dict[str, tuple[subprocess.Popen, list[str], threading.Thread, str]] = {}
     ended: dict[str, float] = {}

@@ -101,6 +101,8 @@ class Server:
         self.env = clean_env(env)
         self.log_file = tempfile.NamedTemporaryFile(prefix="sagelmi-test-", suffix=".log", delete=False)
         self.process: subprocess.Popen | None = None
+        self.ready_seconds: float | None = None  # from start to the first 200 of /ping
+        self.started_by = ""  # the node id of the test (or the first test of the fixture) that started it
 
     # -- lifecycle
     def start(self, wait_ready: bool = True, timeout: float | None = None) -> "Server":
@@ -111,8 +113,10 @@ class Server:
         Server.live.add(self)
         Server.started.append(self)
         if wait_ready:
+            began = time.monotonic()
             try:
                 self.wait_until(lambda r: r.status_code == 200, timeout or self.ready_timeout)
+                self.ready_seconds = time.monotonic() - began
             except BaseException:
                 self.stop()  # SIGTERM: the supervisor stops its worker groups (SIGKILL would orphan them)
                 raise
@@ -190,6 +194,10 @@ class Server:
         """Whether a built-in engine (vLLM, lmi-dist, Accelerate) started in this server, by its log."""
         log = self.log()
         return "loaded (engine " in log or "starting vLLM" in log
+
+    def compiles(self) -> int:
+        """How many times vLLM compiled the model in this server without its compile cache, by its log."""
+        return self.log().count("saved AOT compiled function")
 
     def worker_pids(self) -> list[int]:
         """PIDs of the model worker processes (children of the server)."""
