@@ -105,7 +105,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _engine_args(write: bool) -> int:
     from container.cli.engine_args import engine_arg_list
-    from container.core.engine_args import ENGINE_ARGS_FILE
+    from container.core.engine_arg_list import ENGINE_ARGS_FILE
 
     listing = engine_arg_list()
     # One argument a line, so that a vLLM upgrade shows as a readable diff.

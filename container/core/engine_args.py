@@ -11,9 +11,9 @@ names that vLLM does not take (``lmi_options.json``: other engines' options, the
 chat front's) are accepted, the ignored ones with one WARNING line. A name that
 is none of these stops start-up, naming the nearest valid names.
 
-Which names are vLLM engine arguments is read from ``vllm_engine_args.json``
-next to this module (name -> a simple kind of value), generated from the
-installed vLLM's ``AsyncEngineArgs`` by ``sagelmi engine-args --write``. The
+Which names are vLLM engine arguments is read from the packaged list
+(``container.core.engine_arg_list``: name -> a simple kind of value), generated
+from the installed vLLM's ``AsyncEngineArgs`` by ``sagelmi engine-args --write``. The
 list lets ``check_engine_option`` run without vLLM: the container runs it
 before building the engine, and the SDK (``sagemaker_sdk``) runs it on a laptop
 before anything reaches AWS, with the same message.
@@ -22,7 +22,6 @@ before anything reaches AWS, with the same message.
 from __future__ import annotations
 
 import difflib
-import functools
 import json
 import logging
 import typing
@@ -33,6 +32,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from container.core.chat_options import ChatOptionError, chat_options, chat_template
 from container.core.dtypes import vllm_dtype
+from container.core.engine_arg_list import packaged_engine_args
 from container.core.handler_choice import uses_builtin_engine
 from container.core.known_bad import KnownBadCombination, check_known_bad
 from container.core.lmi_options import lmi_options, option_entry
@@ -124,22 +124,11 @@ def _unknown(name: str, engine_args: typing.Iterable[str]) -> EngineOptionError:
     )
 
 
-# -- the packaged list of vLLM's engine arguments ---------------------------------------
+# -- checking a value against the packaged list's kind ---------------------------------
 
-ENGINE_ARGS_FILE = Path(__file__).with_name("vllm_engine_args.json")
 # The kinds of value the list knows; a list of values instead of a kind means "one of these".
 SIMPLE_KINDS = {bool: "bool", int: "int", float: "float", str: "str"}
 KIND_TYPES = {"bool": bool, "int": int, "float": float}
-
-
-def packaged_version() -> str:
-    return json.loads(ENGINE_ARGS_FILE.read_text())["vllm_version"]
-
-
-@functools.cache
-def packaged_engine_args() -> dict[str, str | list]:
-    """vLLM's engine arguments by name, with their kinds, from the packaged list."""
-    return json.loads(ENGINE_ARGS_FILE.read_text())["engine_args"]
 
 
 def _check_value(name: str, raw: str, target: str, kind: str | list) -> None:

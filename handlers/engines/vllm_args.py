@@ -12,6 +12,7 @@ import logging
 from typing import Any
 
 from container.core.dtypes import vllm_dtype
+from container.core.engine_arg_list import packaged_version
 from container.core.engine_args import (
     RENAMED,
     SPECULATIVE,
@@ -20,7 +21,6 @@ from container.core.engine_args import (
     convert_option,
     is_engine_argument,
     lmi_value,
-    packaged_version,
 )
 from container.core.handler_choice import pooling_convert
 from container.core.served_names import served_names

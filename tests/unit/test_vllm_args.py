@@ -136,7 +136,7 @@ def test_bad_values_are_refused():
 
 def test_packaged_engine_argument_list_matches_the_installed_vllm():
     from container.cli.engine_args import engine_arg_list
-    from container.core.engine_args import ENGINE_ARGS_FILE
+    from container.core.engine_arg_list import ENGINE_ARGS_FILE
 
     packaged = json.loads(ENGINE_ARGS_FILE.read_text())
     assert packaged == engine_arg_list(), "regenerate it: python -m container engine-args --write"
@@ -145,7 +145,7 @@ def test_packaged_engine_argument_list_matches_the_installed_vllm():
 
 def test_engine_args_command_prints_the_list(capsys):
     from container.cli import main
-    from container.core.engine_args import ENGINE_ARGS_FILE
+    from container.core.engine_arg_list import ENGINE_ARGS_FILE
 
     assert main(["engine-args"]) == 0
     assert capsys.readouterr().out == ENGINE_ARGS_FILE.read_text()
