@@ -46,6 +46,7 @@ _HEADERS = {
     "InferenceId": "X-Amzn-SageMaker-Inference-Id",
 }
 _SETTING_NAMES = {name for k in KEYS for name in (*k.env, *k.sagemaker)}
+_SETTING_PREFIXES = ("OPTION_", "SERVING_", "SM_VLLM_")  # SM_VLLM_: AWS's vLLM-container names (core.sm_vllm)
 
 
 class InvocationError(RuntimeError):
@@ -90,7 +91,7 @@ def endpoint_env(model_env: Mapping[str, str], base: Mapping[str, str] | None = 
     """This machine's environment without its own sagelmi settings (the endpoint
     sees only the model's), plus the model's environment."""
     base = os.environ if base is None else base
-    kept = {k: v for k, v in base.items() if not k.startswith(("OPTION_", "SERVING_")) and k not in _SETTING_NAMES}
+    kept = {k: v for k, v in base.items() if not k.startswith(_SETTING_PREFIXES) and k not in _SETTING_NAMES}
     return {**kept, **model_env}
 
 

@@ -212,7 +212,17 @@ def check_engine_options(settings: Settings, handler_dir: Path | None, known_bad
             if warning:
                 log.warning("%s", warning)
             continue
-        check_engine_option(name, raw)
+        try:
+            check_engine_option(name, raw)
+        except EngineOptionError as exc:
+            raise _named_by_variable(exc, settings.sources.get(f"option.{name}", "")) from None
+
+
+def _named_by_variable(exc: EngineOptionError, source: str) -> EngineOptionError:
+    """The refusal of an option set by an ``SM_VLLM_*`` variable starts with the variable's name
+    (the message names the option, which the user spelled otherwise)."""
+    variable = source.removeprefix("env ")
+    return EngineOptionError(f"{variable}: {exc}") if variable.startswith("SM_VLLM_") else exc
 
 
 def _check_batch_limits(settings: Settings) -> None:

@@ -1,5 +1,6 @@
 """The settings' names: for every setting of ``Settings``, its ``serving.properties``
-key, its environment spellings (LMI's, then Hugging Face's and TGI's, strongest
+key, its environment spellings (LMI's, then AWS's vLLM container's ``SM_VLLM_<ARG>``
+for a setting that is a vLLM argument, then Hugging Face's and TGI's, strongest
 first), the SageMaker platform variables that override it, the other spellings
 LMI accepts in ``serving.properties``, and the vLLM engine argument it becomes.
 ``container.core.settings`` reads the environment and ``serving.properties``
@@ -30,7 +31,7 @@ KEYS: tuple[Key, ...] = (
     Key(
         "model_id",
         "option.model_id",
-        ("OPTION_MODEL_ID", "HF_MODEL_ID"),
+        ("OPTION_MODEL_ID", "SM_VLLM_MODEL", "HF_MODEL_ID"),
         "a Hub model id, a local path or s3:// URI",
         "The model: a Hugging Face Hub id, a local directory or an s3:// prefix. Unset: the model directory.",
         engine_arg="model",
@@ -38,7 +39,7 @@ KEYS: tuple[Key, ...] = (
     Key(
         "revision",
         "option.revision",
-        ("OPTION_REVISION", "HF_REVISION"),
+        ("OPTION_REVISION", "SM_VLLM_REVISION", "HF_REVISION"),
         "a Hub revision (branch, tag, commit)",
         "Revision of a Hub model.",
         engine_arg="revision",
@@ -78,7 +79,7 @@ KEYS: tuple[Key, ...] = (
     Key(
         "trust_remote_code",
         "option.trust_remote_code",
-        ("OPTION_TRUST_REMOTE_CODE", "HF_TRUST_REMOTE_CODE", "HF_MODEL_TRUST_REMOTE_CODE"),
+        ("OPTION_TRUST_REMOTE_CODE", "SM_VLLM_TRUST_REMOTE_CODE", "HF_TRUST_REMOTE_CODE", "HF_MODEL_TRUST_REMOTE_CODE"),
         "true or false",
         "Allow model code from the Hub.",
         engine_arg="trust_remote_code",
@@ -86,7 +87,7 @@ KEYS: tuple[Key, ...] = (
     Key(
         "quantize",
         "option.quantize",
-        ("OPTION_QUANTIZE", "HF_MODEL_QUANTIZE"),
+        ("OPTION_QUANTIZE", "SM_VLLM_QUANTIZATION", "HF_MODEL_QUANTIZE"),
         "a quantization method name",
         "Quantization method (awq, gptq, fp8, ...).",
         engine_arg="quantization",
@@ -109,7 +110,7 @@ KEYS: tuple[Key, ...] = (
     Key(
         "tensor_parallel_degree",
         "option.tensor_parallel_degree",
-        ("OPTION_TENSOR_PARALLEL_DEGREE", "TENSOR_PARALLEL_DEGREE", "SM_NUM_GPUS"),
+        ("OPTION_TENSOR_PARALLEL_DEGREE", "SM_VLLM_TENSOR_PARALLEL_SIZE", "TENSOR_PARALLEL_DEGREE", "SM_NUM_GPUS"),
         "a whole number >= 1, or max",
         "Tensor parallel degree: accelerators per pipeline stage; max uses all devices a group sees.",
         engine_arg="tensor_parallel_size",
@@ -117,7 +118,7 @@ KEYS: tuple[Key, ...] = (
     Key(
         "pipeline_parallel_degree",
         "option.pipeline_parallel_degree",
-        ("OPTION_PIPELINE_PARALLEL_DEGREE", "PIPELINE_PARALLEL_DEGREE"),
+        ("OPTION_PIPELINE_PARALLEL_DEGREE", "SM_VLLM_PIPELINE_PARALLEL_SIZE", "PIPELINE_PARALLEL_DEGREE"),
         "a whole number >= 1",
         "Pipeline stages per model copy; a worker group has tensor x pipeline parallel degree devices.",
         engine_arg="pipeline_parallel_size",
@@ -173,7 +174,7 @@ KEYS: tuple[Key, ...] = (
     Key(
         "max_rolling_batch_size",
         "option.max_rolling_batch_size",
-        ("OPTION_MAX_ROLLING_BATCH_SIZE", "MAX_BATCH_SIZE"),
+        ("OPTION_MAX_ROLLING_BATCH_SIZE", "SM_VLLM_MAX_NUM_SEQS", "MAX_BATCH_SIZE"),
         "a whole number >= 1",
         "Most sequences the engine runs at once.",
         engine_arg="max_num_seqs",
@@ -181,7 +182,7 @@ KEYS: tuple[Key, ...] = (
     Key(
         "max_rolling_batch_prefill_tokens",
         "option.max_rolling_batch_prefill_tokens",
-        ("OPTION_MAX_ROLLING_BATCH_PREFILL_TOKENS", "MAX_BATCH_PREFILL_TOKENS"),
+        ("OPTION_MAX_ROLLING_BATCH_PREFILL_TOKENS", "SM_VLLM_MAX_NUM_BATCHED_TOKENS", "MAX_BATCH_PREFILL_TOKENS"),
         "a whole number >= 1",
         "Most prompt tokens prefilled in one engine step.",
         engine_arg="max_num_batched_tokens",
@@ -236,7 +237,7 @@ KEYS: tuple[Key, ...] = (
     Key(
         "trust_request_mm_kwargs",
         "option.trust_request_mm_kwargs",
-        ("OPTION_TRUST_REQUEST_MM_KWARGS",),
+        ("OPTION_TRUST_REQUEST_MM_KWARGS", "SM_VLLM_TRUST_REQUEST_MM_KWARGS"),
         "true or false",
         "Accept a request's media_io_kwargs and mm_processor_kwargs (vLLM's flag); false: such a request gets 400.",
     ),
@@ -291,7 +292,14 @@ KEYS: tuple[Key, ...] = (
         "beyond it a new session is refused with 429 until one is closed or expires.",
     ),
     # -- server
-    Key("port", "port", ("SERVING_PORT",), "a port number 1-65535", "HTTP port.", ("SAGEMAKER_BIND_TO_PORT",)),
+    Key(
+        "port",
+        "port",
+        ("SERVING_PORT", "SM_VLLM_PORT"),
+        "a port number 1-65535",
+        "HTTP port.",
+        ("SAGEMAKER_BIND_TO_PORT",),
+    ),
     Key(
         "job_queue_size",
         "job_queue_size",

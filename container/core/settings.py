@@ -6,10 +6,13 @@ Names follow LMI. Precedence, weakest first:
 
 1. defaults;
 2. environment: ``OPTION_<NAME>`` (-> ``option.<name>``), ``SERVING_<KEY>``
-   (-> ``<key>``) and the aliases in ``setting_keys.KEYS`` (``HF_MODEL_ID``,
-   ``TENSOR_PARALLEL_DEGREE``, the TGI names ...). When several spellings of one
-   setting are set, the one listed first in ``KEYS`` wins (LMI's own name
-   beats a TGI alias) and a warning names the others;
+   (-> ``<key>``), AWS's vLLM-container variables ``SM_VLLM_<ARG>``
+   (``container.core.sm_vllm``) and the aliases in ``setting_keys.KEYS``
+   (``HF_MODEL_ID``, ``TENSOR_PARALLEL_DEGREE``, the TGI names ...). When several
+   spellings of one setting are set, the one listed first in ``KEYS`` wins (LMI's
+   own name beats ``SM_VLLM_*``, which beats a Hugging Face or TGI alias; an
+   ``OPTION_<NAME>`` beats the ``SM_VLLM_<ARG>`` of the same option) and a
+   warning names the others;
 3. ``serving.properties`` in the model directory;
 4. SageMaker platform values (``SAGEMAKER_BIND_TO_PORT``, ...);
 5. the command line (``--port``).
@@ -30,6 +33,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from container.core import sm_vllm
 from container.core.lmi_options import server_entry
 from container.core.logs import redacted_value
 from container.core.serving_properties import read_properties
@@ -277,6 +281,7 @@ class _Layers:
 
 
 def _read_env(env: Mapping[str, str], layers: _Layers) -> None:
+    env = _read_sm_vllm(env, layers)
     spelled: set[str] = set()
     for k in KEYS:
         found = [(name, env[name]) for name in k.env if env.get(name, "") != ""]
@@ -299,7 +304,9 @@ def _read_env(env: Mapping[str, str], layers: _Layers) -> None:
         if name in spelled or value == "":
             continue
         if name.startswith("OPTION_") and len(name) > len("OPTION_"):
-            layers.set(option_key(name[len("OPTION_") :]), value, f"env {name}")
+            key = option_key(name[len("OPTION_") :])
+            _warn_if_overriding_sm_vllm(layers, key, name, value)
+            layers.set(key, value, f"env {name}")
         elif name.startswith("SERVING_") and len(name) > len("SERVING_"):
             entry = server_entry(name[len("SERVING_") :])  # LMI: <key> -> SERVING_<KEY>
             if entry is not None and entry.warning(value):
@@ -309,6 +316,44 @@ def _read_env(env: Mapping[str, str], layers: _Layers) -> None:
             log.warning(
                 "environment variable %s is not a sagelmi setting and is ignored%s", name, _nearest(name, known)
             )
+
+
+def _read_sm_vllm(env: Mapping[str, str], layers: _Layers) -> dict[str, str]:
+    """AWS's vLLM-container variables: ``env`` with their values as that container passes them
+    (``sm_vllm.read_environment``), and ``layers`` given those that are not a spelling of a
+    sagelmi setting as ``option.<arg>``. Raises ``SettingsError`` for a name vLLM has no
+    argument for (before anything is downloaded), whatever its value."""
+    spelled = {name for k in KEYS for name in k.env}
+    try:
+        env, left_out = sm_vllm.read_environment(env)
+        for name in sorted(n for n in env if n.startswith(sm_vllm.PREFIX) and n not in spelled):
+            layers.set(sm_vllm.option_key(name, spelled), env[name], f"env {name}")
+        for name in left_out:
+            if name.upper() not in spelled:
+                sm_vllm.option_key(name.upper(), spelled)
+            log.warning(
+                "%s is left out, as AWS's vLLM container leaves out the flag of a false or [] value: its "
+                "argument keeps its default (to give it false, use OPTION_%s=false)",
+                name,
+                sm_vllm.argument(name).upper(),
+            )
+    except sm_vllm.SmVllmError as exc:
+        raise SettingsError(str(exc)) from None
+    return env
+
+
+def _warn_if_overriding_sm_vllm(layers: _Layers, key: str, name: str, value: str) -> None:
+    earlier = layers.values.get(key)
+    if earlier is not None and earlier[1].startswith(f"env {sm_vllm.PREFIX}") and earlier[0] != value:
+        other = earlier[1].removeprefix("env ")
+        log.warning(
+            "%s=%s is ignored: %s=%s sets %s",
+            other,
+            redacted_value(other, earlier[0]),
+            name,
+            redacted_value(name, value),
+            key,
+        )
 
 
 def _read_file(model_dir: Path, layers: _Layers) -> None:

@@ -78,3 +78,21 @@ def test_serve_stops_on_a_misspelled_engine_option_before_contacting_s3(tmp_path
             fake_s3.close()
     finally:
         serve.stop()
+
+
+def test_serve_stops_on_an_unknown_sm_vllm_variable_before_contacting_s3(tmp_path, fake_s3):
+    """AWS's vLLM-container variables are checked with the settings: a name vLLM has no argument for
+    stops serve before S3 is contacted (the control above shows the same start-up reaches S3)."""
+    env = {**AWS, "AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{fake_s3.getsockname()[1]}",
+           "HF_MODEL_ID": "s3://models/llama/v1", "TMPDIR": str(tmp_path), "SM_VLLM_MAX_NUM_SEQ": "8"}
+    model_dir = tmp_path / "code"
+    model_dir.mkdir()
+    serve = Sagelmi("serve", "--model-dir", str(model_dir), "--port", str(free_port()), env=env, cwd=tmp_path)
+    try:
+        code, out = serve.finish(120)
+        assert code == 2, out
+        assert "SM_VLLM_MAX_NUM_SEQ names --max-num-seq," in out and "did you mean SM_VLLM_MAX_NUM_SEQS" in out
+        assert "Traceback" not in out
+        assert not _contacted(fake_s3, 0), "serve called S3 before refusing the variable"
+    finally:
+        serve.stop()

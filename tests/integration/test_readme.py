@@ -53,6 +53,7 @@ def test_every_readme_command_is_covered():
     from tests.e2e.test_pooling import README_COMMANDS as POOLING_EXAMPLE, README_SNIPPET as POOLING_SNIPPET
     from tests.e2e.test_vision import DATA_CURL, HTTP_CURL, SERVE, SNIPPET as VISION_SNIPPET, WRITE
     from tests.sdk.test_readme import SNIPPETS as SDK_SNIPPETS
+    from tests.integration.test_sm_vllm import DOC_COMMAND as SM_VLLM_CONFIG
 
     covered = {
         *LMI_DIST_TRY_OUT,  # tests/e2e/conftest.py (lmi_dist_server)
@@ -64,6 +65,7 @@ def test_every_readme_command_is_covered():
         "make test",  # .ci/run (test_ci_runs_the_readme_test_command)
         "make bench",  # tests/e2e/test_bench.py
         "sagelmi config --model-dir examples/echo",  # test_config_command
+        SM_VLLM_CONFIG,  # tests/integration/test_sm_vllm.py (docs/configuration.md)
         *quick_start_curls(),  # tests/e2e/test_readme_run.py
         *STREAMING_EXAMPLE,  # test_streaming_example
         *HANDLER_COMMANDS,  # test_the_handler_quick_start

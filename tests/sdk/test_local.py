@@ -107,7 +107,8 @@ def test_container_command(tmp_path):
 def test_the_endpoint_sees_only_the_models_settings():
     env = endpoint_env({"OPTION_MODEL_ID": "org/model"},
                        {"PATH": "/bin", "HF_TOKEN": "t", "OPTION_DTYPE": "fp16", "SERVING_PORT": "1",
-                        "TENSOR_PARALLEL_DEGREE": "8", "SAGEMAKER_BIND_TO_PORT": "9", "HF_MODEL_ID": "other"})
+                        "TENSOR_PARALLEL_DEGREE": "8", "SAGEMAKER_BIND_TO_PORT": "9", "HF_MODEL_ID": "other",
+                        "SM_VLLM_MAX_MODEL_LEN": "64"})
     assert env == {"PATH": "/bin", "HF_TOKEN": "t", "OPTION_MODEL_ID": "org/model"}
 
 

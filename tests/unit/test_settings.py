@@ -96,6 +96,17 @@ ALIASES = [
     ("OPTION_TRUST_REQUEST_MM_KWARGS", "true", "trust_request_mm_kwargs", True),
     ("SERVING_MAX_PROMPTS_PER_REQUEST", "16", "max_prompts_per_request", 16),
     ("SERVING_MAX_MULTIPART_PARTS", "50", "max_multipart_parts", 50),
+    # AWS's vLLM container's names (container.core.sm_vllm; the rest: tests/unit/test_sm_vllm.py)
+    ("SM_VLLM_MODEL", "org/model", "model_id", "org/model"),
+    ("SM_VLLM_REVISION", "v2", "revision", "v2"),
+    ("SM_VLLM_TRUST_REMOTE_CODE", "true", "trust_remote_code", True),
+    ("SM_VLLM_QUANTIZATION", "awq", "quantize", "awq"),
+    ("SM_VLLM_TENSOR_PARALLEL_SIZE", "4", "tensor_parallel_degree", 4),
+    ("SM_VLLM_PIPELINE_PARALLEL_SIZE", "2", "pipeline_parallel_degree", 2),
+    ("SM_VLLM_MAX_NUM_SEQS", "16", "max_rolling_batch_size", 16),
+    ("SM_VLLM_MAX_NUM_BATCHED_TOKENS", "2048", "max_rolling_batch_prefill_tokens", 2048),
+    ("SM_VLLM_TRUST_REQUEST_MM_KWARGS", "TRUE", "trust_request_mm_kwargs", True),
+    ("SM_VLLM_PORT", "8181", "port", 8181),
 ]
 
 
