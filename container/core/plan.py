@@ -331,10 +331,14 @@ def read_model(
 ) -> tuple[str, dict[str, Any], int, int]:
     """(name, config, tensor bytes, download bytes) of a local directory or a Hub id
     (only ``config.json`` and the safetensors headers are fetched, with ``token``:
-    a gated or private model needs one)."""
-    if model_dir is not None and (model_dir / "config.json").is_file():
-        weight, disk = weight_bytes(model_dir)
-        return str(model_id or model_dir.name), json.loads((model_dir / "config.json").read_text()), weight, disk
+    a gated or private model needs one). A ``model_id`` that is a local directory is read
+    there, as ``serve`` uses it."""
+    local = model_dir if model_dir is not None and (model_dir / "config.json").is_file() else None
+    if local is None and model_id and (Path(model_id) / "config.json").is_file():
+        local = Path(model_id)
+    if local is not None:
+        weight, disk = weight_bytes(local)
+        return str(model_id or local.name), json.loads((local / "config.json").read_text()), weight, disk
     if model_id and not Path(model_id).exists():
         from huggingface_hub import hf_hub_download
 
