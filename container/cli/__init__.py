@@ -22,6 +22,7 @@ from pathlib import Path
 
 from container.cli import plan as plan_cli
 from container.core import logs
+from container.core.artifacts import ArtifactError
 from container.core.devices import discover_devices, plan_groups
 from container.core.engine_args import EngineOptionError, check_engine_options
 from container.core.handler_choice import describe_handler
@@ -196,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "plan":
         try:
             return plan_cli.run(args)
-        except (PlanError, SettingsError) as exc:
+        except (PlanError, SettingsError, ArtifactError) as exc:
             log.error("%s", exc)
             return 2
     try:

@@ -66,3 +66,21 @@ def test_hf_model_id_naming_a_local_directory_is_planned_from_it(tmp_path):
     plan = json.loads(result.stdout)
     assert plan["model"] == str(tmp_path / "model") and plan["weight_bytes"] == 8_000_000
 
+
+def test_an_unreachable_hub_is_one_line_at_once(tmp_path):
+    """Nothing listens on the Hub's port: plan says so in one line, without retrying for seconds."""
+    import time
+
+    from tests.server import free_port
+
+    started = time.monotonic()
+    result = run_shell(f"HF_ENDPOINT=http://127.0.0.1:{free_port()} HF_HOME={tmp_path} "
+                       f"sagelmi plan --model-id acme/model --gpus 1 --gpu-memory 24", 0)
+    seconds = time.monotonic() - started
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""
+    errors = [line for line in result.stderr.splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and errors[0].endswith(
+        "Hub model 'acme/model' is not in the cache and the Hub could not be reached "
+        "(HF_ENDPOINT, proxy settings, HF_HUB_OFFLINE)"), result.stderr
+    assert seconds < 10, f"{seconds:.1f} s"
