@@ -7,11 +7,24 @@ machine, in a container or a plain process).
 Runs on the user's machine: imports neither vLLM, torch nor gunicorn.
 """
 
-from container.core.engine_args import EngineOptionError
-from container.core.settings import SettingsError
-from sagemaker_sdk.model import DoesNotFit, SagelmiModel
-from sagemaker_sdk.predictor import SagelmiPredictor
-from sagemaker_sdk.streaming import StreamError, StreamParser, parse_stream
+import logging
+import os
+
+# The sagemaker SDK's chatter when it is imported, quieted before it is (through .model) with the
+# SDK's own switches, so that a user sees sagelmi's lines: its config loader's INFO lines on stdout
+# ("Not applying SDK defaults from location ..."; the SDK leaves a level a user set alone, and so does
+# this), and SDK 2.x's notices that 2.x is being retired, which name sagelmi's own classes
+# ("SagelmiModel is part of the SageMaker Python SDK v2") and which the variable the notice names
+# turns off (a value the user set is kept).
+if logging.getLogger("sagemaker.config").level == logging.NOTSET:
+    logging.getLogger("sagemaker.config").setLevel(logging.WARNING)
+os.environ.setdefault("SAGEMAKER_SUPPRESS_V2_WARNING", "1")
+
+from container.core.engine_args import EngineOptionError  # noqa: E402
+from container.core.settings import SettingsError  # noqa: E402
+from sagemaker_sdk.model import DoesNotFit, SagelmiModel  # noqa: E402
+from sagemaker_sdk.predictor import SagelmiPredictor  # noqa: E402
+from sagemaker_sdk.streaming import StreamError, StreamParser, parse_stream  # noqa: E402
 
 __all__ = [
     "SagelmiModel",

@@ -22,9 +22,10 @@ from pathlib import Path
 
 from container.cli import plan as plan_cli
 from container.core import logs
+from container.core.artifacts import ArtifactError
 from container.core.devices import discover_devices, plan_groups
 from container.core.engine_args import EngineOptionError, check_engine_options
-from container.core.handler_choice import describe_handler
+from container.core.handler_choice import describe_handler, missing_model
 from container.core.plan import PlanError
 from container.core.settings import (
     DEFAULT_MODEL_DIR,
@@ -196,11 +197,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "plan":
         try:
             return plan_cli.run(args)
-        except (PlanError, SettingsError) as exc:
+        except (PlanError, SettingsError, ArtifactError) as exc:
             log.error("%s", exc)
             return 2
     try:
         settings = resolve_settings(os.environ, args.model_dir, port=getattr(args, "port", None))
+        missing = missing_model(settings) if args.command == "serve" else None
+        if missing is not None:
+            raise SettingsError(missing)
         # before the supervisor starts, installs requirements.txt or downloads anything
         check_engine_options(settings, Path(settings.model_dir))
     except (SettingsError, EngineOptionError) as exc:

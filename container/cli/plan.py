@@ -17,11 +17,13 @@ import tempfile
 from pathlib import Path
 
 from container.core.devices import resolve_tensor_parallel
+from container.core.hub_download import hub_error, hub_failures
 from container.core.plan import (
     PlanError,
     gpu_kind,
     hardware_of,
     host_memory_gib,
+    local_model_dir,
     plan_from_settings,
     read_model,
     render,
@@ -60,7 +62,12 @@ def run(args: argparse.Namespace) -> int:
         hardware += (
             f" ({host_memory_gib():.0f} GiB of memory; the KV cache: gpu_memory_utilization of it, less the weights)"
         )
-    model = read_model(args.model_dir, settings.model_id, settings.revision)
+    try:
+        model = read_model(args.model_dir, settings.model_id, settings.revision)
+    except hub_failures() as exc:
+        if local_model_dir(args.model_dir, settings.model_id) is not None:
+            raise
+        raise hub_error(settings.model_id or "", settings.revision, exc) from None
     given = {key for key, source in settings.sources.items() if source != "default"}
     tp = settings.tensor_parallel_degree if "option.tensor_parallel_degree" in given else None
     pp = settings.pipeline_parallel_degree if "option.pipeline_parallel_degree" in given else None

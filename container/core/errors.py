@@ -18,6 +18,7 @@ import functools
 import json
 import os
 import re
+from collections.abc import Callable
 
 from pydantic import BaseModel
 
@@ -200,7 +201,25 @@ def describe(exc: BaseException) -> tuple[int, str, str]:
     text = str(exc) or type(exc).__name__
     if type(exc).__name__ in _OOM_TYPES or any(t in text for t in _OOM_TEXTS):
         return OutOfMemory.status, OutOfMemory.message, scrub(text)
-    return HandlerError.status, HandlerError.message, scrub(text)
+    worded = next((word(exc) for kind, word in _HANDLER_DETAILS.items() if isinstance(exc, kind)), text)
+    return HandlerError.status, HandlerError.message, scrub(worded)
+
+
+def _missing_key(exc: BaseException) -> str:
+    """A ``KeyError``'s message is the key alone (``'inputs'``): named, with what it means."""
+    if len(exc.args) != 1:
+        return one_line(exc)
+    key = exc.args[0]
+    if isinstance(key, str) and " " in key:  # raised with a sentence rather than a key
+        return f"KeyError: {_joined(key)}"
+    return (
+        f"KeyError: {key!r} is missing (the handler looked up a key that is not there: "
+        "a field the request does not have?)"
+    )
+
+
+# Exceptions a handler raises whose message alone does not say what went wrong, and how each is worded.
+_HANDLER_DETAILS: dict[type[BaseException], Callable[[BaseException], str]] = {KeyError: _missing_key}
 
 
 class LmiError(BaseModel):

@@ -22,7 +22,7 @@ import ast
 from dataclasses import dataclass
 from pathlib import Path
 
-from container.core.settings import Settings
+from container.core.settings import DEFAULT_MODEL_DIR, Settings
 
 # option.task values vLLM serves with its pooling runner, and the conversion (vLLM's ``convert``)
 # each asks for: LMI's names (djl_python's vllm_rb_properties maps text-embedding and
@@ -176,6 +176,9 @@ def describe_handler(settings: Settings, handler_dir: Path | None) -> str:
     """Which handler will serve, in words (``sagelmi config``): the loader's decision, read
     without importing anything."""
     mode = " in MPI mode (mpirun)" if settings.use_mpi else ""
+    missing = missing_model(settings)
+    if missing is not None:
+        return f"none: serve stops: {missing}"
     try:
         choice = choose_handler(settings, handler_dir)
     except HandlerChoiceError as exc:
@@ -191,3 +194,15 @@ def describe_handler(settings: Settings, handler_dir: Path | None) -> str:
         return f"the built-in Hugging Face Accelerate handler, because {reason}"
     formatters = " with model.py's formatters" if choice.formatters_only else ""
     return f"the built-in {settings.builtin_engine} handler (option.rolling_batch={settings.rolling_batch}){formatters}"
+
+
+def missing_model(settings: Settings) -> str | None:
+    """What to set when there is nothing to serve: no ``option.model_id`` and no model directory
+    (``serve`` outside the image, where nothing is at /opt/ml/model); None when there is a model."""
+    if settings.model_id or Path(settings.model_dir).is_dir():
+        return None
+    return (
+        f"nothing to serve: there is no model directory {settings.model_dir} and option.model_id (HF_MODEL_ID) "
+        f"is not set; set HF_MODEL_ID (a Hub id, a local directory or an s3:// prefix), give --model-dir DIR "
+        f"(a model, or a model.py), or mount the model at {DEFAULT_MODEL_DIR}"
+    )

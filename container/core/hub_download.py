@@ -25,7 +25,17 @@ def selected_files(files: list[str]) -> list[str]:
     return [f for f in files if not any(fnmatch(f, pattern) for pattern in skip)]
 
 
-def _hub_error(repo_id: str, revision: str | None, exc: Exception) -> ArtifactError:
+def hub_failures() -> tuple[type[Exception], ...]:
+    """What huggingface_hub raises when a repository cannot be read: the Hub's answers
+    (``HfHubHTTPError``), the transport's errors (the HTTP client's base class, which those
+    extend), a file neither on the Hub nor in the cache, offline mode (``OSError``s)."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    return (OSError, *HfHubHTTPError.__bases__)
+
+
+def hub_error(repo_id: str, revision: str | None, exc: Exception) -> ArtifactError:
+    """``exc``, raised by huggingface_hub for ``repo_id``, as one line saying what to change."""
     from huggingface_hub.errors import (
         GatedRepoError,
         HfHubHTTPError,
@@ -104,7 +114,7 @@ def fetch_hub(repo_id: str, revision: str | None = None, interval: float = PROGR
     except DryRunError:
         listing = None  # unreachable, or refused: the real call below says which, or finds the cache
     except (HfHubHTTPError, LocalEntryNotFoundError, ValueError) as exc:
-        raise _hub_error(repo_id, revision, exc) from None
+        raise hub_error(repo_id, revision, exc) from None
     folder = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="model")
     try:
         if listing is None:  # the cache alone: nothing is downloaded
@@ -126,4 +136,4 @@ def fetch_hub(repo_id: str, revision: str | None = None, interval: float = PROGR
         progress.finish()
         return path
     except (HfHubHTTPError, LocalEntryNotFoundError, ValueError) as exc:
-        raise _hub_error(repo_id, revision, exc) from None
+        raise hub_error(repo_id, revision, exc) from None

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from container.core.artifacts import HUB_ID
 from container.core.dtypes import SAFETENSORS_BYTES, canonical_dtype, element_bytes, known_words, vllm_dtype
 from container.core.instances import INSTANCES
 
@@ -331,17 +332,42 @@ def read_model(
 ) -> tuple[str, dict[str, Any], int, int]:
     """(name, config, tensor bytes, download bytes) of a local directory or a Hub id
     (only ``config.json`` and the safetensors headers are fetched, with ``token``:
-    a gated or private model needs one)."""
-    if model_dir is not None and (model_dir / "config.json").is_file():
-        weight, disk = weight_bytes(model_dir)
-        return str(model_id or model_dir.name), json.loads((model_dir / "config.json").read_text()), weight, disk
-    if model_id and not Path(model_id).exists():
-        from huggingface_hub import hf_hub_download
+    a gated or private model needs one). A ``model_id`` that is a local directory is read
+    there, as ``serve`` uses it. The Hub's errors are huggingface_hub's
+    (``container.core.hub_download.hub_error`` words them)."""
+    local = local_model_dir(model_dir, model_id)
+    if local is not None:
+        weight, disk = weight_bytes(local)
+        return str(model_id or local.name), json.loads((local / "config.json").read_text()), weight, disk
+    if model_id and not Path(model_id).exists() and not model_id.startswith(("/", ".", "~", "s3://")):
+        if not HUB_ID.match(model_id):
+            raise PlanError(f"{model_id!r} is neither a local directory nor a Hub model id (org/name)")
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import NotASafetensorsRepoError
 
-        config = json.loads(Path(hf_hub_download(model_id, "config.json", revision=revision, token=token)).read_text())
-        weight = hub_weight_bytes(model_id, revision, token)
+        # As serve's download: the Hub's listing first, then the cache; an unreachable Hub fails
+        # at once (hf_hub_download retries a file's HEAD for about 20 s before it gives up).
+        snapshot = snapshot_download(model_id, revision=revision, allow_patterns=["config.json"], token=token)
+        if not (Path(snapshot) / "config.json").is_file():
+            raise PlanError(f"Hub model {model_id!r} has no config.json: plan reads the model's shape from it")
+        config = json.loads((Path(snapshot) / "config.json").read_text())
+        try:
+            weight = hub_weight_bytes(model_id, revision, token)
+        except NotASafetensorsRepoError:
+            raise PlanError(
+                f"Hub model {model_id!r} has no safetensors weights: plan reads weight sizes from safetensors headers"
+            ) from None
         return model_id, config, weight, weight
     raise PlanError(f"no config.json in {model_dir or model_id}: give --model-dir with the model or --model-id")
+
+
+def local_model_dir(model_dir: Path | None, model_id: str | None) -> Path | None:
+    """The local directory ``read_model`` reads: ``model_dir``, else ``model_id`` naming a
+    directory, whichever has a ``config.json``; None when neither has (a Hub id)."""
+    for directory in (model_dir, Path(model_id) if model_id else None):
+        if directory is not None and (directory / "config.json").is_file():
+            return directory
+    return None
 
 
 def hardware_of(

@@ -142,7 +142,9 @@ class WorkerGroup:
             self.cluster.write_launch_keys(self.launch_keys_path)  # one-use keys for this start
         env = self._env()
         command = self.command(env)
-        self.process = _start(command, env=env, cwd=self.settings.model_dir)
+        # the model directory, as LMI runs handlers in it; none is needed when option.model_id names the model
+        cwd = self.settings.model_dir if Path(self.settings.model_dir).is_dir() else None
+        self.process = _start(command, env=env, cwd=cwd)
         self.started_at = time.monotonic()
         self.ready = False
         self.ready_at = None

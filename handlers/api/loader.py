@@ -134,12 +134,12 @@ def load_handler(settings: Settings) -> Handler:
 
     Raises ``HandlerLoadError`` with a message a person can act on."""
     root = Path(settings.model_dir)
-    if not root.is_dir():
+    if not root.is_dir() and not settings.model_id:  # option.model_id names the model without one
         raise HandlerLoadError(f"model directory {settings.model_dir} does not exist")
     origin, path, module_name = _locate(settings)
     # A model.py may import modules that sit next to it, as in LMI (an inference.py those in code/).
     for folder in {root, *([path.parent] if path is not None else [])}:
-        if str(folder) not in sys.path:
+        if folder.is_dir() and str(folder) not in sys.path:
             sys.path.insert(0, str(folder))
     log.info("loading handler from %s", origin)
     try:

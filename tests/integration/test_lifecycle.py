@@ -109,6 +109,17 @@ def test_model_directory_without_handler_stops_start_up(tmp_path):
     assert "nothing to serve: the model directory has neither model.py nor a model (config.json)" in server.log()
 
 
+
+def test_hf_model_id_serves_without_a_model_directory(tmp_path):
+    """Outside the image nothing is at /opt/ml/model: HF_MODEL_ID alone is enough to serve
+    (the handler here is a file named by option.entryPoint, which needs no model directory)."""
+    (tmp_path / "model").mkdir()
+    env = {"HF_MODEL_ID": str(tmp_path / "model"), "OPTION_ENTRYPOINT": str(MODEL_DIRS / "lmi_echo" / "model.py")}
+    with Server(tmp_path / "no-model-directory", env) as server:
+        response = server.invoke({"x": 1})
+        assert response.status_code == 200, server.log()
+        assert response.json()["model_properties"]["model_id"] == str(tmp_path / "model")
+
 def test_a_frontend_stopped_while_its_worker_boots_stops_at_once(tmp_path):
     """When start-up fails, the supervisor stops the frontend it has just started, whose
     gunicorn worker may still be booting. Stopped then, the worker must still drain and

@@ -45,3 +45,42 @@ def test_a_hub_model_is_planned_from_its_small_files_only(tmp_path):
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["weight_bytes"] == 8_000_000
     assert repo.downloads == ["config.json"] and repo.partial == ["model.safetensors"]
+
+
+def _small_model(directory):
+    """config.json and a safetensors file of 8 MB of bf16 weights (plan reads its header alone)."""
+    import struct
+
+    directory.mkdir()
+    config = {"num_hidden_layers": 2, "num_attention_heads": 2, "hidden_size": 128, "torch_dtype": "bfloat16"}
+    (directory / "config.json").write_text(json.dumps(config))
+    header = json.dumps({"w": {"dtype": "BF16", "shape": [4_000_000], "data_offsets": [0, 8_000_000]}}).encode()
+    (directory / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + bytes(8_000_000))
+
+
+def test_hf_model_id_naming_a_local_directory_is_planned_from_it(tmp_path):
+    """HF_MODEL_ID may name a local directory (serve uses it as it is): plan reads it there."""
+    _small_model(tmp_path / "model")
+    result = run_shell(f"HF_MODEL_ID={tmp_path / 'model'} sagelmi plan --gpus 1 --gpu-memory 24 --json", 0)
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    assert plan["model"] == str(tmp_path / "model") and plan["weight_bytes"] == 8_000_000
+
+
+def test_an_unreachable_hub_is_one_line_at_once(tmp_path):
+    """Nothing listens on the Hub's port: plan says so in one line, without retrying for seconds."""
+    import time
+
+    from tests.server import free_port
+
+    started = time.monotonic()
+    result = run_shell(f"HF_ENDPOINT=http://127.0.0.1:{free_port()} HF_HOME={tmp_path} "
+                       f"sagelmi plan --model-id acme/model --gpus 1 --gpu-memory 24", 0)
+    seconds = time.monotonic() - started
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""
+    errors = [line for line in result.stderr.splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and errors[0].endswith(
+        "Hub model 'acme/model' is not in the cache and the Hub could not be reached "
+        "(HF_ENDPOINT, proxy settings, HF_HUB_OFFLINE)"), result.stderr
+    assert seconds < 10, f"{seconds:.1f} s"

@@ -94,6 +94,32 @@ def test_the_readme_is_short():
     assert lines < MAX_README_LINES, f"README.md has {lines} lines: move reference material to docs/"
 
 
+
+def test_the_quick_start_asks_for_the_model_by_the_name_it_is_served_under():
+    """The chat request and the OpenAI client name the model ``make run`` serves (its directory's name)."""
+    from container.core.served_names import served_names
+
+    tiny_model = re.search(r"^TINY_MODEL \?= (\S+)$", (REPO / "Makefile").read_text(), re.M).group(1)
+    served = served_names(resolve_settings({}, REPO / tiny_model)).engine
+    quick_start = section("Quick start")
+    named = re.findall(r'"model": "([^"]+)"', quick_start) + re.findall(r'model="([^"]+)"', quick_start)
+    assert len(named) == 2 and set(named) == {served}, named
+    assert f"under the name `{served}`" in " ".join(quick_start.split())
+
+
+def test_the_quick_start_says_how_large_the_install_is_and_how_to_stop_the_server():
+    """The size it states is the size of this run's virtualenv (what ``make install`` made) within a
+    quarter; it says how to pick another port and how to stop the server."""
+    quick_start = " ".join(section("Quick start").split())
+    stated = re.search(r"into `\.venv`: about (\d+(?:\.\d+)?) GB on disk", quick_start)
+    assert stated, "the Quick start does not say how large the install is"
+    du = subprocess.run(["du", "-s", "--block-size=1", str(Path(sys.prefix).resolve())], capture_output=True,
+                        text=True, timeout=120)
+    measured = int(du.stdout.split()[0]) / 1e9
+    assert abs(measured - float(stated.group(1))) <= 0.25 * measured, f"{measured:.1f} GB on disk"
+    assert "`make run PORT=8081` serves on another port" in quick_start
+    assert "Ctrl-C in the terminal of `make run` (or of `sagelmi serve`) stops the server" in quick_start
+
 def test_every_page_the_readme_links_exists():
     links = re.findall(r"\]\((docs/[^)#]+)", README)
     assert len(links) >= 10

@@ -40,6 +40,18 @@ def test_handler_exception_is_424_with_its_message_and_no_traceback(server):
     assert "Traceback" not in r.text and "/model_dirs/" not in r.text
 
 
+
+def test_a_handlers_key_error_names_its_type_and_the_missing_key(server):
+    """lmi_echo reads data["gate"] when "lines" is given: without it, a KeyError in the handler."""
+    detail = ("KeyError: 'gate' is missing (the handler looked up a key that is not there: a field the request "
+              "does not have?)")
+    r = server.invoke({"lines": ["a"]})
+    assert r.status_code == 424
+    assert r.json() == {"code": 424, "message": "invoke handler failure", "error": detail}
+    r = requests.post(server.url("/v1/chat/completions"), json={"lines": ["a"]}, timeout=10)
+    assert r.status_code == 424
+    assert r.json()["error"]["message"] == detail and "Traceback" not in r.text
+
 def test_a_handlers_own_oserror_is_424_at_once(server, tmp_path):
     missing = tmp_path / "no-such-file.txt"
     started = time.monotonic()

@@ -120,3 +120,26 @@ def test_stop_sends_sigterm(monkeypatch):
     real_send = endpoint.process.send_signal
     monkeypatch.setattr(endpoint.process, "send_signal", lambda sig: (sent.append(sig), real_send(sig)))
     assert endpoint.stop() == 0 and sent == [signal.SIGTERM]
+
+
+def test_a_local_endpoint_prints_the_users_lines_without_the_sdks_chatter(tmp_path):
+    """A user's script in a fresh Python (no SAGEMAKER_* variable set): what it prints is its own
+    answer, without the sagemaker SDK's config lines or its 2.x retirement notices."""
+    import subprocess
+    import sys
+    import textwrap
+
+    from tests.server import clean_env
+
+    script = textwrap.dedent(f"""
+        from sagemaker_sdk import SagelmiModel
+        from sagemaker_sdk.local import LocalEndpoint
+
+        model = SagelmiModel(handler_dir={str(TEXTGEN)!r})
+        with LocalEndpoint(model, mode="process") as predictor:
+            print(predictor.predict("Hello", max_new_tokens=2)["generated_text"])
+    """)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path,
+                         env=clean_env(), timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines() == ["Hello größer"] and run.stderr == "", run.stdout + run.stderr

@@ -21,6 +21,16 @@ def test_status_table():
     assert describe(KeyError())[2] == "KeyError"
 
 
+def test_a_key_error_says_which_key_is_missing():
+    """A KeyError's message is the key alone: the client is told the type and that the key is missing."""
+    assert describe(KeyError("inputs")) == (424, "invoke handler failure", "KeyError: 'inputs' is missing (the "
+                                            "handler looked up a key that is not there: a field the request does "
+                                            "not have?)")
+    assert describe(KeyError("requested data for key:x is not found!"))[2] == (
+        "KeyError: requested data for key:x is not found!")
+    assert "<path>" in describe(KeyError("/root/secret/file"))[2]
+
+
 def test_paths_are_scrubbed_but_urls_are_not():
     text = ("No such file: '/tmp/ml/model/weights.bin' see https://example.com/a/b and /usr/lib/python3/x.py "
             "on route /v1/chat/completions")

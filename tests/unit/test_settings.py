@@ -350,6 +350,22 @@ def test_output_cut_short_by_a_closed_pipe_ends_without_a_traceback(command):
     assert "Traceback" not in stderr and "BrokenPipe" not in stderr
 
 
+
+def test_serve_without_a_model_says_what_to_set_before_anything_starts(tmp_path):
+    """No HF_MODEL_ID and no model directory (serve outside the image): one line naming the ways
+    to give a model, a non-zero exit, and no server, download or worker started."""
+    missing = tmp_path / "no-such-model"
+    result = _cli("serve", "--model-dir", str(missing), "--port", "1")
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr and "listening" not in result.stderr
+    (line,) = result.stderr.splitlines()
+    assert line.endswith(
+        f"ERROR serve [-] sagelmi: nothing to serve: there is no model directory {missing} and option.model_id "
+        "(HF_MODEL_ID) is not set; set HF_MODEL_ID (a Hub id, a local directory or an s3:// prefix), give "
+        "--model-dir DIR (a model, or a model.py), or mount the model at /opt/ml/model"), line
+    shown = _cli("config", "--model-dir", str(missing))
+    assert "handler: none: serve stops: nothing to serve: there is no model directory" in shown.stdout
+
 @pytest.mark.parametrize("env, model_dir, handler, groups", [
     ({}, "lmi_echo", "model.py in the model directory (its handle function)", "1 on the CPU, 1 process each"),
     ({}, None, "the built-in vllm handler (option.rolling_batch=auto)", "1 on the CPU, 1 process each"),
