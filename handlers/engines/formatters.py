@@ -49,7 +49,10 @@ def unbound(formatter: Callable[..., Any]) -> Callable[..., Any]:
     """``formatter`` ready to be called as a function: one whose first parameter is ``self`` (as
     djl-demo's customized-processing notebook writes its ``@input_formatter``, from when LMI bound
     it to its service as a method) is called with ``self=None``; LMI's own call would fail there."""
-    params = list(inspect.signature(formatter).parameters.values())
+    try:
+        params = list(inspect.signature(formatter).parameters.values())
+    except (TypeError, ValueError):  # a callable without a signature to read: called as it is
+        return formatter
     if inspect.ismethod(formatter) or not params or params[0].name != "self":
         return formatter
     log.warning(

@@ -35,7 +35,10 @@ _REQUEST_OUTPUT_TYPES = {"TextGenerationOutput", "RequestOutput"}
 def takes_request_output(formatter: Callable[..., Any]) -> bool:
     """``formatter``'s first parameter is annotated ``TextGenerationOutput`` or ``RequestOutput``
     (the class, or its name as a string annotation): LMI's rolling-batch form."""
-    params = list(inspect.signature(formatter).parameters.values())
+    try:
+        params = list(inspect.signature(formatter).parameters.values())
+    except (TypeError, ValueError):  # a callable without a signature to read: not annotated
+        return False
     if not params:
         return False
     annotation = params[0].annotation
