@@ -1,19 +1,27 @@
-"""A ``model.py``'s formatters on a built-in engine. ``@output_formatter``: applied to what the
-engine answers, once to a whole answer, once per item of a stream (JSON lines or server-sent
-events), as LMI does. ``@input_formatter``: called in the form it was written for (LMI documents
-two, ``input_form`` tells them apart): the decoded payload and ``tokenizer=`` (LMI's vLLM and
-TensorRT-LLM async services), or the request's ``Input`` and ``tokenizer=`` (LMI's other
-services); it may answer with a payload (a dict) or a ``RequestInput``/``TextInput``."""
+"""A ``model.py``'s formatters on a built-in engine. ``@output_formatter``, in the form it was
+written for: LMI's rolling-batch form (its first parameter annotated ``TextGenerationOutput`` or
+``RequestOutput``: called once per generated token, ``handlers.engines.rolling_formatter``), or
+sagelmi's answer as a dict (any other signature): applied to what the engine answers, once to a
+whole answer, once per item of a stream (JSON lines or server-sent events). ``@input_formatter``:
+called in the form it was written for (LMI documents two, ``input_form`` tells them apart): the
+decoded payload and ``tokenizer=`` (LMI's vLLM and TensorRT-LLM async services), or the request's
+``Input`` and ``tokenizer=`` (LMI's other services); it may answer with a payload (a dict) or a
+``RequestInput``/``TextInput``. One written as a method (a first parameter ``self``) gets ``None``
+there (``unbound``)."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterator, Callable
 from typing import Any, cast
 
 from container.core.errors import HandlerError, InputError
 from handlers.api import Input, Output
+
+log = logging.getLogger("sagelmi.formatters")
 
 # Names of a first parameter that mean "the request's Input" when it has no annotation.
 _INPUT_NAMES = {"input_item", "inputs", "input", "item", "request"}
@@ -35,6 +43,23 @@ def input_form(formatter) -> str:
         name = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
         return "input" if name.rsplit(".", 1)[-1] == "Input" else "payload"
     return "input" if params[0].name in _INPUT_NAMES else "payload"
+
+
+def unbound(formatter: Callable[..., Any]) -> Callable[..., Any]:
+    """``formatter`` ready to be called as a function: one whose first parameter is ``self`` (as
+    djl-demo's customized-processing notebook writes its ``@input_formatter``, from when LMI bound
+    it to its service as a method) is called with ``self=None``; LMI's own call would fail there."""
+    try:
+        params = list(inspect.signature(formatter).parameters.values())
+    except (TypeError, ValueError):  # a callable without a signature to read: called as it is
+        return formatter
+    if inspect.ismethod(formatter) or not params or params[0].name != "self":
+        return formatter
+    log.warning(
+        "model.py's formatter %s takes 'self' first, as a method: it is called with self=None",
+        getattr(formatter, "__name__", formatter),
+    )
+    return functools.partial(formatter, None)
 
 
 def _as_payload(result: Any) -> Any:

@@ -23,7 +23,8 @@ field; an unknown name is a 404 naming it.
 The engine (``VllmEngine``) starts vLLM and routes each request; the OpenAI
 schema is ``handlers.engines.vllm_openai`` (vLLM's own serving classes), LMI's
 ``handlers.engines.vllm_lmi``, the adapters ``handlers.engines.vllm_adapters``,
-a ``model.py``'s formatters ``handlers.engines.formatters``.
+a ``model.py``'s formatters ``handlers.engines.formatters`` (and its rolling-batch
+``@output_formatter``, ``handlers.engines.rolling_formatter``).
 """
 
 from __future__ import annotations
@@ -49,9 +50,10 @@ from handlers.api import Input, Output
 from handlers.api.context import WorkerContext
 from handlers.api.engine import Engine, Formatters
 from handlers.engines import vllm_media
-from handlers.engines.formatters import format_request, formatted
+from handlers.engines.formatters import format_request, formatted, unbound
 from handlers.engines.lmi_schema import Formatter
 from handlers.engines.prompts import check_prompt_count
+from handlers.engines.rolling_formatter import RollingBatchFormatter, takes_request_output
 from handlers.engines.sessions import EngineSessions
 from handlers.engines.vllm_adapters import ADAPTER_HEADER, Adapters
 from handlers.engines.vllm_args import build_engine_kwargs
@@ -96,7 +98,15 @@ class VllmEngine(Engine):
         self.engine = engine
         observe_generate(engine, tracing=bool(kwargs.get("otlp_traces_endpoint")))
         self.served_name = served[0] if isinstance(served, list) else served
-        self.formatters = formatters
+        self.input_formatter = unbound(formatters.input) if formatters.input is not None else None
+        # model.py's @output_formatter: LMI's rolling-batch form (per token, on LMI-schema requests)
+        # or sagelmi's answer-as-a-dict form (on every answer)
+        self.rolling_formatter: RollingBatchFormatter | None = None
+        self.answer_formatter = formatters.output
+        if formatters.output is not None and takes_request_output(formatters.output):
+            self.rolling_formatter = RollingBatchFormatter(formatters.output, settings.tgi_compat, engine.tokenizer)
+            self.answer_formatter = None
+            log.info("%s", self.rolling_formatter.describe())
         self.openai = OpenAIFront(engine, self.served_name, chat_options(settings), settings.model_dir)
         names = (self.served_name, served_names(settings, context.launch.model_location).management)
         self.adapters = Adapters(engine, self.openai.models, names, bool(kwargs.get("enable_lora")))
@@ -139,23 +149,23 @@ class VllmEngine(Engine):
 
     async def handle(self, inputs: Input) -> Output | None:
         """Answer one request, with model.py's ``@input_formatter`` /
-        ``@output_formatter`` when it has them (LMI's vLLM signatures: the
-        decoded payload and the tokenizer in, a payload out; an answer as a dict
-        in, a dict or text out, once per stream chunk when streaming)."""
+        ``@output_formatter`` when it has them (``handlers.engines.formatters``: the
+        decoded payload or the ``Input`` in, a payload out; a rolling-batch
+        ``TextGenerationOutput`` per token, or an answer as a dict, in; text out)."""
         if inputs.is_empty():
             return None
         self.sessions.check(inputs)
         output = await self._route(inputs)
-        if self.formatters.output is not None and output.code < 300:
-            output = formatted(output, self.formatters.output)
+        if self.answer_formatter is not None and output.code < 300:
+            output = formatted(output, self.answer_formatter)
         return output
 
     async def _route(self, inputs: Input) -> Output:
         path = inputs.request_path
         if path == "/v1/models":
             return await self.openai.models_listing()
-        if self.formatters.input is not None:  # the body as parsed, formatted once: not re-encoded and parsed again
-            body = format_request(self.formatters.input, inputs, self.engine.tokenizer)
+        if self.input_formatter is not None:  # the body as parsed, formatted once: not re-encoded and parsed again
+            body = format_request(self.input_formatter, inputs, self.engine.tokenizer)
         else:
             body = inputs.get_as_json()
         if not isinstance(body, dict):
@@ -179,7 +189,7 @@ class VllmEngine(Engine):
             return await self._openai("completion", body, header, path)
         if "inputs" in body:
             check_prompt_count(body, "lmi", self.max_prompts)
-            return await self.lmi.answer(body, inputs.get_property("requestId"), header)
+            return await self.lmi.answer(body, inputs.get_property("requestId"), header, self.rolling_formatter)
         if path == "/invocations" and "requestType" in body:
             return self.sessions.answer(inputs, body)
         raise InputError(

@@ -1,5 +1,7 @@
 """LMI's schema on the vLLM engine: ``{"inputs": ..., "parameters": ...}`` in, LMI's answer out
-(``handlers.engines.lmi_schema``), whole or streamed token by token."""
+(``handlers.engines.lmi_schema``), whole or streamed token by token; or, with a ``model.py``'s
+rolling-batch ``@output_formatter`` (``handlers.engines.rolling_formatter``), the texts it makes
+of each token."""
 
 from __future__ import annotations
 
@@ -8,8 +10,9 @@ import dataclasses
 import logging
 import re
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
+from typing import Any, cast
 
 from vllm import envs as vllm_envs
 from vllm.exceptions import VLLMClientError
@@ -21,11 +24,14 @@ from vllm.v1.engine.exceptions import EngineDeadError
 from container.core.errors import InputError, ServiceUnavailable
 from handlers.api import Output
 from handlers.engines.lmi_schema import Formatter, Generation, LmiRequest, TokenInfo, finish_reason, parse_request
+from handlers.engines.rolling_formatter import RequestFormatting, RollingBatchFormatter
 from handlers.engines.vllm_adapters import Adapters
 from handlers.engines.vllm_observe import counted
 
 log = logging.getLogger("sagelmi.vllm")
 ENGINE_STOPPED = "the engine stopped; the worker group is being restarted, retry"
+# What a rolling-batch @output_formatter answers is its own text (LMI labels it with no type).
+FORMATTED_TEXT = "text/plain; charset=utf-8"
 
 
 class LmiFront:
@@ -35,9 +41,21 @@ class LmiFront:
         self.adapters = adapters
         self.sampling_fields = set(SamplingParams.__struct_fields__)  # a msgspec.Struct in vLLM 0.32
 
-    async def answer(self, body: dict, inference_id: str | None, header: str | None = None) -> Output:
-        """Answer an LMI body: whole, or a stream of token lines."""
+    async def answer(
+        self,
+        body: dict,
+        inference_id: str | None,
+        header: str | None = None,
+        rolling: RollingBatchFormatter | None = None,
+    ) -> Output:
+        """Answer an LMI body: whole, or a stream of token lines; with ``rolling``, the texts that
+        formatter makes of the tokens (one prompt per request, as in LMI's rolling batch)."""
         request = parse_request(body, self.sampling_fields, vllm_envs.VLLM_MAX_STOP_STRINGS)
+        if rolling is not None and request.batched:
+            raise InputError(
+                "'inputs' must be one prompt (a string): model.py's @output_formatter takes one "
+                "TextGenerationOutput per request, as in LMI's rolling batch"
+            )
         loras = self.adapters.for_lmi(body, header, len(request.prompts))
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
         arguments = dict(request.sampling)
@@ -58,6 +76,11 @@ class LmiFront:
                         for i, (p, lora) in enumerate(zip(request.prompts, loras))
                     )
                 )
+                if rolling is not None:
+                    (gen,) = generations
+                    formatting = self._formatting(rolling, body, gen.prompt, inference_id)
+                    text = b"".join(formatting.tokens(gen.tokens, gen.finish_reason, True, gen.prefill))
+                    return Output().add_property("content-type", FORMATTED_TEXT).add(text)
                 return Output().add_as_json(self.formatter.body(list(generations), request))
             # what the engine refuses (a prompt too long, a grammar it cannot make) is a 400, not a
             # broken stream; the headers then go out while the engine works on the first token
@@ -66,11 +89,25 @@ class LmiFront:
             if structured:  # the engine could not make a grammar of it (an invalid schema, regex ...)
                 raise InputError(f"parameters.structured_outputs: {_engine_message(str(exc))}") from None
             raise
+        if rolling is not None:
+            formatting = self._formatting(rolling, body, request.prompts[0], inference_id)
+            return (
+                Output()
+                .add_property("content-type", FORMATTED_TEXT)
+                .add_stream_content(self._formatted_stream(request, outputs, formatting), None)
+            )
         return (
             Output()
             .add_property("content-type", self.formatter.stream_content_type)
             .add_stream_content(self._stream(request, outputs), None)
         )
+
+    @staticmethod
+    def _formatting(
+        rolling: RollingBatchFormatter, body: dict, prompt: str, inference_id: str | None
+    ) -> RequestFormatting:
+        parameters = body.get("parameters")
+        return rolling.start(prompt, parameters if isinstance(parameters, dict) else {}, inference_id)
 
     async def _submit(
         self, prompt: str, sampling, request_id: str, lora: LoRARequest | None = None
@@ -165,6 +202,19 @@ class LmiFront:
                 yield self.formatter.stream_item(token, gen, params, last=output.finished and i == len(tokens) - 1)
             if output.finished and not tokens:
                 yield self.formatter.stream_item(None, gen, params, last=True)
+
+    async def _formatted_stream(
+        self, request: LmiRequest, outputs: AsyncIterator[Any], formatting: RequestFormatting
+    ) -> AsyncIterator[bytes]:
+        """The formatter's text for each token as the engine makes it; closing ``outputs`` when
+        this ends (the formatter failed, the client left) stops the engine's work on the request."""
+        gen = Generation(prompt=request.prompts[0])
+        async with aclosing(cast(AsyncGenerator[Any, None], outputs)):  # _submit's: an async generator
+            async for output in outputs:
+                tokens = self._absorb(gen, output, request.parameters.top_n_tokens)
+                for text in formatting.tokens(tokens, gen.finish_reason, output.finished, gen.prefill):
+                    if text:
+                        yield text
 
 
 _STRUCTURED_FIELDS = tuple(f.name for f in dataclasses.fields(StructuredOutputsParams) if f.init)

@@ -59,16 +59,33 @@ def test_model_py_wrapping_the_huggingface_service(tiny_model, vllm_server, tmp_
         assert r.headers["X-Wrapped-By"] == "model.py"
 
 
-def test_input_formatter_taking_the_input_item(tiny_model, vllm_server, tmp_path):
-    """djl-demo's formatter in LMI's second form (Input in, TextInput out) on the built-in engine."""
-    greedy = {"max_new_tokens": 6, "ignore_eos": True}
-    expected = _reference(vllm_server, "Large model inference is")
-    with _serve(tiny_model, tmp_path, "lmi_input_item_formatter") as server:
-        r = server.invoke({"prompt": "Large model inference is", "parameters": greedy})
-        assert r.status_code == 200, r.text
-        assert r.json()["generated_text"] == expected
-        original = server.invoke({"prompt": "Large model inference is", "parameters": {}})  # the notebook's call
-        assert original.status_code == 200 and isinstance(original.json()["generated_text"], str)
+def test_djl_demo_customized_processing_model_py_runs_unchanged(tiny_model, vllm_server, tmp_path):
+    """djl-demo's vLLM customized-processing model.py, unchanged: its @input_formatter (a method's
+    leftover ``self``, the request's Input in, a TextInput out) and its rolling-batch
+    @output_formatter (a TextGenerationOutput per token in, one JSON line out)."""
+    prompt, greedy = "Large model inference is", {"max_new_tokens": 6, "ignore_eos": True}
+    reference = vllm_server.invoke({"inputs": prompt, "stream": True, "parameters": greedy})
+    tokens = [json.loads(line)["token"] for line in reference.text.splitlines()]
+    expected = [{"token_id": t["id"], "token_text": t["text"], "token_log_prob": pytest.approx(t["log_prob"], abs=1e-3)}
+                for t in tokens]
+    expected[-1]["finish_reason"] = "length"
+    with _serve(tiny_model, tmp_path, "lmi_customized_processing") as server:
+        whole = server.invoke({"prompt": prompt, "parameters": greedy})
+        assert whole.status_code == 200, whole.text
+        assert [json.loads(line) for line in whole.text.splitlines()] == expected
+        with server.invoke({"prompt": prompt, "parameters": {**greedy, "stream": True}}, stream=True) as s:
+            assert s.status_code == 200
+            streamed = [json.loads(line) for line in s.iter_lines() if line]
+        assert streamed == expected
+        notebook = server.invoke({"prompt": prompt, "parameters": {}})  # the notebook's own call
+        lines = [json.loads(line) for line in notebook.text.splitlines()]
+        assert notebook.status_code == 200 and lines and "finish_reason" in lines[-1]
+        assert all("finish_reason" not in line for line in lines[:-1])
+        old_schema = server.invoke({"inputs": prompt, "parameters": {}})  # "will no longer work", says the notebook
+        assert old_schema.status_code == 400 and "'inputs' must be a non-empty string" in old_schema.text
+        log = server.log()
+        assert "custom_output_formatter takes LMI's rolling-batch TextGenerationOutput" in log
+        assert "custom_input_formatter takes 'self' first, as a method: it is called with self=None" in log
 
 
 def test_model_py_handle_wins_over_lmi_vllm_service(tiny_model, tmp_path):
