@@ -19,10 +19,12 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
 install: $(STAMP)
 
+# --no-compile: pip would byte-compile every module of every package, most of which nothing imports
+# (triton's, transformers' model files); Python compiles what is imported when it first is.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --retries 1 --timeout 20 --no-deps "$(TORCH)" --extra-index-url $(TORCH_INDEX)
-	$(BIN)/pip install -e ".[cpu,mpi,otel,sdk,test,bench]"
+	$(BIN)/pip install --no-compile --retries 1 --timeout 20 --no-deps "$(TORCH)" --extra-index-url $(TORCH_INDEX)
+	$(BIN)/pip install --no-compile -e ".[cpu,mpi,otel,sdk,test,bench]"
 	@# vLLM pulls torchvision/torchaudio/torchcodec builds that do not match the CPU
 	@# torch ("operator torchvision::nms does not exist"); nothing here uses them.
 	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec
@@ -41,8 +43,10 @@ run: install $(TINY_MODEL)/sagelmi-tiny-model.json
 
 # The rules tools check, over the product packages: lint and format (ruff), the layers
 # (import-linter's contracts in pyproject.toml), types (mypy; a first run without its cache,
-# .mypy_cache, takes a minute or two).
+# MYPY_CACHE_DIR, takes a minute or two).
 PACKAGES := container handlers djl_python sagemaker_sdk
+# mypy's cache outside the checkout, so that a new clone on the same machine starts from it
+export MYPY_CACHE_DIR ?= $(HOME)/.cache/sagelmi/mypy
 PHASE = @echo "make: $@ $(1) at $$(date -u +%H:%M:%S) UTC"
 lint: install
 	$(call PHASE,started)
