@@ -13,6 +13,10 @@ from tests.server import REPO, Server, clean_env, shared
 
 # What vLLM's CPU build needs on a small machine (see docs/troubleshooting.md).
 VLLM_CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+# Servers whose point is not vLLM's compiled model run it eager: a start without torch.compile costs about
+# 35 s of CPU less (docs/testing.md). vLLM's default, the compiled model, is what the shared ``vllm_server``,
+# the lmi-dist and LoRA servers, ``make run``, ``make bench``, the SDK's and the image's servers run.
+EAGER = {"OPTION_ENFORCE_EAGER": "true"}
 # Tests that compare greedy tokens across servers whose sums run in a different order (tensor and
 # pipeline shards, other batch shapes) serve in float32: in bfloat16, vLLM's CPU default, near-ties flip.
 EXACT = {"OPTION_DTYPE": "float32"}

@@ -22,7 +22,7 @@ import openai
 import pytest
 import requests
 
-from tests.e2e.conftest import ENGINE_READY_TIMEOUT, VLLM_CPU_ENV
+from tests.e2e.conftest import EAGER, ENGINE_READY_TIMEOUT, VLLM_CPU_ENV
 from tests.readme import on_port, python_snippets, run_shell, section, serve_settings, shell_commands
 from tests.references import Reference
 from tests.server import Server
@@ -44,7 +44,7 @@ REFERENCE = textwrap.dedent("""
     if __name__ == "__main__":
         from vllm import LLM, PoolingParams
         texts, query, documents, overrides = json.loads(sys.argv[2])
-        llm = LLM(model=sys.argv[1], runner="pooling", convert="embed", dtype="float32", max_model_len=1024,
+        llm = LLM(model=sys.argv[1], runner="pooling", convert="embed", dtype="float32", enforce_eager=True, max_model_len=1024,
                   gpu_memory_utilization=0.3, hf_overrides=overrides)
         embed = lambda params=None: [o.outputs.embedding for o in llm.embed(texts, pooling_params=params)]
         out = {"embed": embed(), "raw": embed(PoolingParams(use_activation=False)),
@@ -83,7 +83,7 @@ def server(model_dir, offline):
     env, _ = serve_settings(README_COMMANDS[1])
     assert env == {**VLLM_CPU_ENV, "OPTION_TASK": "text-embedding", "OPTION_DTYPE": "float32",
                    "OPTION_HF_OVERRIDES": json.dumps(HF_OVERRIDES)}
-    with Server(model_dir, env=env, ready_timeout=READY_TIMEOUT) as server:
+    with Server(model_dir, env={**env, **EAGER}, ready_timeout=READY_TIMEOUT) as server:
         yield server
 
 
@@ -245,7 +245,7 @@ def test_fuzzing_the_pooling_routes(server):
 
 @pytest.fixture(scope="module")
 def raw_server(model_dir, server):
-    env = {**serve_settings(README_COMMANDS[1])[0], "OPTION_NORMALIZE": "false"}
+    env = {**serve_settings(README_COMMANDS[1])[0], **EAGER, "OPTION_NORMALIZE": "false"}
     with Server(model_dir, env=env, ready_timeout=READY_TIMEOUT) as raw:
         yield raw
 

@@ -18,7 +18,7 @@ import openai
 import pytest
 import requests
 
-from tests.e2e.conftest import ENGINE_READY_TIMEOUT, EXACT, VLLM_CPU_ENV
+from tests.e2e.conftest import EAGER, ENGINE_READY_TIMEOUT, EXACT, VLLM_CPU_ENV
 from tests.listener import Listener
 from tests.readme import on_port, python_snippets, run_shell, serve_settings, shell_commands
 from tests.references import offline_reference
@@ -84,7 +84,7 @@ OFFLINE = textwrap.dedent("""
         from vllm import LLM, SamplingParams
         model, conversations = sys.argv[1], json.loads(sys.argv[2])
         max_tokens, limit = int(sys.argv[3]), int(sys.argv[4])
-        llm = LLM(model=model, dtype="float32", gpu_memory_utilization=0.5, limit_mm_per_prompt={"image": limit})
+        llm = LLM(model=model, dtype="float32", enforce_eager=True, gpu_memory_utilization=0.5, limit_mm_per_prompt={"image": limit})
         outputs = llm.chat(list(conversations.values()), SamplingParams(temperature=0, max_tokens=max_tokens),
                            use_tqdm=False)
         answers = {name: {"ids": list(o.outputs[0].token_ids), "text": o.outputs[0].text}
@@ -175,7 +175,7 @@ def server(model_dir, offline, media_dir):
     assert env == {**VLLM_CPU_ENV, "OPTION_LIMIT_MM_PER_PROMPT": f"image={LIMIT}",
                    "OPTION_ALLOWED_MEDIA_NETWORKS": f"{ALLOWED_HOST}/32"}
     # float32: the answers are compared with offline vLLM's token for token (see tests/e2e/conftest.py)
-    more = {**EXACT, **FAST_FETCH, "OPTION_ALLOWED_LOCAL_MEDIA_PATH": str(media_dir)}
+    more = {**EXACT, **EAGER, **FAST_FETCH, "OPTION_ALLOWED_LOCAL_MEDIA_PATH": str(media_dir)}
     with Server(directory.replace("/tmp/tiny-vision", model_dir), env={**env, **more},
                 ready_timeout=ENGINE_READY_TIMEOUT) as server:
         yield server

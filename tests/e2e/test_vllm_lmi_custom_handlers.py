@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from tests.e2e.conftest import ENGINE_READY_TIMEOUT, EXACT, VLLM_CPU_ENV
+from tests.e2e.conftest import EAGER, ENGINE_READY_TIMEOUT, EXACT, VLLM_CPU_ENV
 from tests.server import MODEL_DIRS, Server
 
 pytestmark = pytest.mark.slow
@@ -14,8 +14,7 @@ pytestmark = pytest.mark.slow
 
 def _model_py_dir(tmp_path, handler_dir):
     """A model directory holding only the handler's model.py: the weights are the session's tiny
-    model, named by ``option.model_id`` (a local path, as LMI takes it), so that vLLM reuses the
-    kernels it compiled for that path (8-15 s less a start)."""
+    model, named by ``option.model_id`` (a local path, as LMI takes it)."""
     model_dir = tmp_path / handler_dir
     model_dir.mkdir()
     shutil.copy(MODEL_DIRS / handler_dir / "model.py", model_dir / "model.py")
@@ -23,7 +22,7 @@ def _model_py_dir(tmp_path, handler_dir):
 
 
 def _serve(tiny_model, tmp_path, handler_dir):
-    env = {**VLLM_CPU_ENV, **EXACT, "OPTION_MODEL_ID": str(tiny_model)}
+    env = {**VLLM_CPU_ENV, **EXACT, **EAGER, "OPTION_MODEL_ID": str(tiny_model)}
     return Server(_model_py_dir(tmp_path, handler_dir), env=env, ready_timeout=ENGINE_READY_TIMEOUT)
 
 
@@ -90,7 +89,7 @@ def test_djl_demo_customized_processing_model_py_runs_unchanged(tiny_model, vllm
 
 def test_model_py_handle_wins_over_lmi_vllm_service(tiny_model, tmp_path):
     """djl-serving's custom-handler test: model.py's handle serves in place of the entry point's service."""
-    env = {**VLLM_CPU_ENV, "OPTION_ENTRYPOINT": "djl_python.lmi_vllm.vllm_async_service",
+    env = {**VLLM_CPU_ENV, **EAGER, "OPTION_ENTRYPOINT": "djl_python.lmi_vllm.vllm_async_service",
            "OPTION_MODEL_ID": str(tiny_model)}
     with Server(_model_py_dir(tmp_path, "lmi_custom_handle"), env=env, ready_timeout=ENGINE_READY_TIMEOUT) as server:
         r = server.invoke({"inputs": "The future of AI is", "parameters": {"max_new_tokens": 8}})
