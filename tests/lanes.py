@@ -1,18 +1,17 @@
-"""``make test``'s runner: the suite as two pytest processes at once, one per lane.
+"""``make test``'s runner: the suite as several pytest processes at once, one per lane.
 
-Most of the suite's time is real engines starting (importing vLLM, loading, compiling), and an
-engine start keeps one core busy (user+sys over wall: about 1.0 on the tiny model). Two lanes
-keep both cores of a CI machine busy. Lane ``engines`` runs the e2e modules listed in ENGINES:
-those that share ``vllm_server``, the lmi-dist and the LoRA servers (tests/conftest.py,
-tests/e2e/conftest.py), and two more that balance the lanes' times (docs/testing.md has them);
-lane ``rest`` runs everything else, ``tests`` with those modules ignored, so a new test module
-can never fall between the lanes. Each lane has its own temporary directory (TMPDIR: its pytest
-base directory, its S3 downloads, its MPI session files), so they share no file but the figures
-of build/reliability.md (tests/reliability.py locks it) and the caches under the home directory.
+Most of a full run's time is real engines starting (importing vLLM in three processes, loading,
+compiling), and an engine start keeps one core busy; most of the rest is tests that wait (servers
+starting and stopping, timeouts). Lanes keep both cores of a CI machine busy. The lanes of FULL
+(``make test``) and FAST (``make test-fast``, the tests not marked slow) name their modules; lane
+``rest`` runs ``tests`` with those ignored, so a new test module can never fall between the lanes.
+Each lane has its own temporary directory (TMPDIR: its pytest base directory, its S3 downloads,
+its MPI session files), so they share no file but the figures of build/reliability.md
+(tests/reliability.py locks it), build/engine-servers.tsv and the caches under the home directory.
 
-Both lanes' output is shown as it comes, each line prefixed with its lane; their summaries are
-repeated at the end. The exit status is 0 only when both lanes passed. Arguments are passed to
-both pytest processes; ``--fast`` runs ``make test-fast``'s tests (not slow) in two other lanes.
+Every lane's output is shown as it comes, each line prefixed with its lane; their summaries are
+repeated at the end. The exit status is 0 only when every lane passed. Arguments are passed to
+every pytest process; ``--fast`` chooses FAST.
 """
 
 from __future__ import annotations
@@ -29,50 +28,73 @@ import time
 from tests import reliability
 from tests.server import REPO
 
-ENGINES = [
-    "tests/e2e/test_accelerate_engine.py",  # for balance
-    "tests/e2e/test_bench.py",
-    "tests/e2e/test_fuzz.py",
-    "tests/e2e/test_load.py",
-    "tests/e2e/test_lmi_dist.py",
-    "tests/e2e/test_lmi_options.py",
-    "tests/e2e/test_lora.py",
-    "tests/e2e/test_observability_vllm.py",
-    "tests/e2e/test_option_matrix.py",
-    "tests/e2e/test_pipeline_parallel.py",
-    "tests/e2e/test_plan.py",
-    "tests/e2e/test_readme_run.py",  # for balance
-    "tests/e2e/test_vllm_engine.py",
-    "tests/e2e/test_vllm_limits.py",
-    "tests/e2e/test_vllm_lmi.py",
-    "tests/e2e/test_vllm_lmi_custom_handlers.py",
-    "tests/e2e/test_vllm_openai.py",
-    "tests/e2e/test_vllm_sessions.py",
-]
-# make test-fast (--fast: the tests not marked slow) starts no engine; most of its time is the
-# integration tests' model.py servers, so lane ``integration`` takes the first half of them by name.
-FAST_SECOND = "tests/integration/test_[a-l]*.py"
+# The full run's lanes (make test) besides ``rest``, which runs every test they do not name.
+FULL = {
+    # The modules around the shared servers (tests/conftest.py's vllm_server, tests/e2e/conftest.py's
+    # lmi-dist and LoRA servers), and the image's tests, whose cluster is compared with vllm_server:
+    # each shared server starts once in the run. The image builds in the background from the start.
+    "engines": [
+        "tests/e2e/test_bench.py",
+        "tests/e2e/test_fuzz.py",
+        "tests/e2e/test_load.py",
+        "tests/e2e/test_lmi_dist.py",
+        "tests/e2e/test_lora.py",
+        "tests/e2e/test_option_matrix.py",
+        "tests/e2e/test_pipeline_parallel.py",
+        "tests/e2e/test_plan.py",
+        "tests/e2e/test_vllm_engine.py",
+        "tests/e2e/test_vllm_limits.py",
+        "tests/e2e/test_vllm_lmi.py",
+        "tests/e2e/test_vllm_lmi_custom_handlers.py",
+        "tests/e2e/test_vllm_openai.py",
+        "tests/e2e/test_vllm_sessions.py",
+        "tests/container",
+    ],
+    # The e2e modules that start servers of their own.
+    "e2e": [
+        "tests/e2e/test_accelerate_engine.py",
+        "tests/e2e/test_lmi_options.py",
+        "tests/e2e/test_observability_vllm.py",
+        "tests/e2e/test_pooling.py",
+        "tests/e2e/test_readme_run.py",
+        "tests/e2e/test_reasoning_and_templates.py",
+        "tests/e2e/test_tool_calling.py",
+        "tests/e2e/test_vision.py",
+    ],
+}
+# make test-fast (--fast: the tests not marked slow) starts no engine, and its tests mostly wait
+# (model.py servers starting and stopping, timeouts, back-offs: one process keeps about half a core
+# busy), so it runs in four lanes: three take the integration modules by name, the fourth the rest.
+FAST = {
+    "integration-a": ["tests/integration/test_[a-h]*.py"],
+    "integration-i": ["tests/integration/test_[i-q]*.py"],
+    "integration-r": ["tests/integration/test_[r-z]*.py"],
+}
 LANE_VARIABLE = "SAGELMI_TEST_LANE"  # set in each lane's environment (tests/conftest.py reads it)
 
 
 def lanes(args: list[str]) -> dict[str, list[str]]:
-    """Each lane's pytest arguments."""
-    if "--fast" in args:
-        args = [a for a in args if a != "--fast"]
-        second = sorted(str(path.relative_to(REPO)) for path in REPO.glob(FAST_SECOND))
-        return {"rest": ["tests", f"--ignore-glob={FAST_SECOND}", "-m", "not slow", *args],
-                "integration": [*second, "-m", "not slow", *args]}
-    missing = [path for path in ENGINES if not (REPO / path).exists()]
+    """Each lane's pytest arguments: the named lanes' modules (paths or globs), and lane ``rest``
+    everything else."""
+    fast = "--fast" in args
+    args = [a for a in args if a != "--fast"]
+    named = FAST if fast else FULL
+    missing = [path for paths in named.values() for path in paths if "*" not in path and not (REPO / path).exists()]
     if missing:
         raise SystemExit(f"tests/lanes.py names modules that do not exist: {', '.join(missing)}")
-    return {"rest": ["tests", *(f"--ignore={path}" for path in ENGINES), *args], "engines": [*ENGINES, *args]}
+    selection = ["-m", "not slow"] if fast else []
+    ignored = [f"--ignore-glob={p}" if "*" in p else f"--ignore={p}" for paths in named.values() for p in paths]
+    chosen = {name: sorted(str(p.relative_to(REPO)) for pattern in paths for p in REPO.glob(pattern))
+              for name, paths in named.items()}
+    return {"rest": ["tests", *ignored, *selection, *args],
+            **{name: [*paths, *selection, *args] for name, paths in chosen.items()}}
 
 
 def _pump(name: str, process: subprocess.Popen, lines: list[str], ended: dict[str, float]) -> None:
     assert process.stdout is not None
     for line in process.stdout:
         lines.append(line)
-        sys.stdout.write(f"{name:>11}| {line}")
+        sys.stdout.write(f"{name:>13}| {line}")
         sys.stdout.flush()
     ended[name] = time.monotonic()
 
@@ -87,8 +109,8 @@ def _summary(lines: list[str]) -> list[str]:
 
 
 def main(args: list[str]) -> int:
-    reliability.start_run()  # once for both lanes; they add their figures to the same page
-    (REPO / "build" / "engine-servers.tsv").unlink(missing_ok=True)  # both lanes list their engine servers in it
+    reliability.start_run()  # once for all lanes; they add their figures to the same page
+    (REPO / "build" / "engine-servers.tsv").unlink(missing_ok=True)  # every lane lists its engine servers in it
     started = time.monotonic()
     running: dict[str, tuple[subprocess.Popen, list[str], threading.Thread, str]] = {}
     ended: dict[str, float] = {}
@@ -114,11 +136,11 @@ def main(args: list[str]) -> int:
         codes[name] = process.wait()
         thread.join()
         shutil.rmtree(tmp, ignore_errors=True)
-    print("\n==================== both lanes ====================")
+    print("\n==================== every lane ====================")
     for name, (_, lines, _, _) in running.items():
         print(f"lane {name}: exit {codes[name]} after {ended.get(name, time.monotonic()) - started:.0f} s")
         for line in _summary(lines):
-            sys.stdout.write(f"{name:>11}| {line}")
+            sys.stdout.write(f"{name:>13}| {line}")
     # Exit 5 (no tests ran) is a failure too: tests/conftest.py makes it 1 in each lane.
     return 0 if all(code == 0 for code in codes.values()) else 1
 
