@@ -64,11 +64,11 @@ FULL = {
 }
 # make test-fast (--fast: the tests not marked slow) starts no engine, and its tests mostly wait
 # (model.py servers starting and stopping, timeouts, back-offs: one process keeps about half a core
-# busy), so it runs in four lanes: three take the integration modules by name, the fourth the rest.
+# busy), so it runs in four lanes: three take the integration modules, the fourth the rest.
 FAST = {
     "integration-a": ["tests/integration/test_[a-h]*.py"],
-    "integration-i": ["tests/integration/test_[i-q]*.py"],
-    "integration-r": ["tests/integration/test_[r-z]*.py"],
+    "toolkit": ["tests/integration/test_inference_toolkit*.py"],  # Hugging Face pipelines in every server
+    "integration-j": ["tests/integration/test_[j-z]*.py"],
 }
 LANE_VARIABLE = "SAGELMI_TEST_LANE"  # set in each lane's environment (tests/conftest.py reads it)
 
