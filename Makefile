@@ -19,12 +19,14 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
 install: $(STAMP)
 
-# --no-compile: pip would byte-compile every module of every package, most of which nothing imports
-# (triton's, transformers' model files); Python compiles what is imported when it first is.
+# pip byte-compiles what it installs one file after another; compileall does it on every core
+# (without it, the first processes that import vLLM compile it at once, each for itself). As under
+# pip, a file that does not compile (torch ships some written for newer Pythons) is left as it is.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --no-compile --retries 1 --timeout 20 --no-deps "$(TORCH)" --extra-index-url $(TORCH_INDEX)
 	$(BIN)/pip install --no-compile -e ".[cpu,mpi,otel,sdk,test,bench]"
+	$(BIN)/python -m compileall -q -j 0 $$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') >/dev/null || true
 	@# vLLM pulls torchvision/torchaudio/torchcodec builds that do not match the CPU
 	@# torch ("operator torchvision::nms does not exist"); nothing here uses them.
 	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec
