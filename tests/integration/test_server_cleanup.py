@@ -27,7 +27,8 @@ def test_servers_left_running_are_stopped_at_the_end():
 
 
 def test_stopping_a_server_that_is_not_ready_leaves_no_worker_behind():
-    server = Server(MODEL_DIRS / "slow_init", ready_timeout=2)
+    # not ready within 10 s (its load takes a minute), time enough for its worker to start on a busy machine
+    server = Server(MODEL_DIRS / "slow_init", env={"OPTION_INIT_SECONDS": "60"}, ready_timeout=10)
     seen: set[int] = set()
     done = threading.Event()
 
