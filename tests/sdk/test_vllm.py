@@ -33,9 +33,8 @@ def tiny_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def endpoint(tiny_model):
-    # eager: what is tested is the SDK's side (tests/e2e/conftest.py's EAGER says why)
-    model = SagelmiModel(handler_dir=tiny_model, max_rolling_batch_size=8,
-                         options={"max_model_len": 1024, "enforce_eager": True}, env=VLLM_CPU_ENV)
+    model = SagelmiModel(handler_dir=tiny_model, max_rolling_batch_size=8, options={"max_model_len": 1024},
+                         env=VLLM_CPU_ENV)
     local = LocalEndpoint(model, mode="process", ready_timeout=300)
     local.predictor_on_it = local.start()
     yield local
