@@ -64,11 +64,12 @@ FULL = {
 }
 # make test-fast (--fast: the tests not marked slow) starts no engine, and its tests mostly wait
 # (model.py servers starting and stopping, timeouts, back-offs: one process keeps about half a core
-# busy), so it runs in four lanes: three take the integration modules, the fourth the rest.
+# busy), so it runs in four lanes: three take the integration modules (one the MPI tests too), the
+# fourth the rest.
 FAST = {
-    "integration-a": ["tests/integration/test_[a-h]*.py"],
+    "int-a+mpi": ["tests/integration/test_[a-h]*.py", "tests/integration/test_lifecycle.py", "tests/mpi"],
     "toolkit": ["tests/integration/test_inference_toolkit*.py"],  # Hugging Face pipelines in every server
-    "integration-j": ["tests/integration/test_[j-z]*.py"],
+    "int-j": ["tests/integration/test_[j-z]*.py"],
 }
 LANE_VARIABLE = "SAGELMI_TEST_LANE"  # set in each lane's environment (tests/conftest.py reads it)
 
@@ -84,8 +85,12 @@ def lanes(args: list[str]) -> dict[str, list[str]]:
         raise SystemExit(f"tests/lanes.py names modules that do not exist: {', '.join(missing)}")
     selection = ["-m", "not slow"] if fast else []
     ignored = [f"--ignore-glob={p}" if "*" in p else f"--ignore={p}" for paths in named.values() for p in paths]
-    chosen = {name: sorted(str(p.relative_to(REPO)) for pattern in paths for p in REPO.glob(pattern))
-              for name, paths in named.items()}
+    chosen: dict[str, list[str]] = {}
+    claimed: set[str] = set()  # a module named by an earlier lane is not run by a later one's glob
+    for name, paths in named.items():
+        found = sorted({str(p.relative_to(REPO)) for pattern in paths for p in REPO.glob(pattern)} - claimed)
+        chosen[name] = found
+        claimed.update(found)
     return {"rest": ["tests", *ignored, *selection, *args],
             **{name: [*paths, *selection, *args] for name, paths in chosen.items()}}
 
@@ -94,7 +99,7 @@ def _pump(name: str, process: subprocess.Popen, lines: list[str], ended: dict[st
     assert process.stdout is not None
     for line in process.stdout:
         lines.append(line)
-        sys.stdout.write(f"{name:>13}| {line}")
+        sys.stdout.write(f"{name:>9}| {line}")
         sys.stdout.flush()
     ended[name] = time.monotonic()
 
@@ -140,7 +145,7 @@ def main(args: list[str]) -> int:
     for name, (_, lines, _, _) in running.items():
         print(f"lane {name}: exit {codes[name]} after {ended.get(name, time.monotonic()) - started:.0f} s")
         for line in _summary(lines):
-            sys.stdout.write(f"{name:>13}| {line}")
+            sys.stdout.write(f"{name:>9}| {line}")
     # Exit 5 (no tests ran) is a failure too: tests/conftest.py makes it 1 in each lane.
     return 0 if all(code == 0 for code in codes.values()) else 1
 
