@@ -226,8 +226,9 @@ def test_a_multipart_body_is_415_and_does_not_stall_a_concurrent_stream(vllm_ser
     engine said it wanted JSON: every stream of the group stopped for 20-55 s here."""
     wait_idle(vllm_server)
     body, content_type = _multipart(60_000)
+    # long enough to outlast the two bodies' upload on a busy machine (the test closes it after them)
     stream = RawStream(vllm_server.port, "/invocations", {"inputs": "Hello", "stream": True, "parameters": {
-        "max_new_tokens": 4000, "ignore_eos": True}}, timeout=120)
+        "max_new_tokens": 8000, "ignore_eos": True}}, timeout=120)
     assert stream.read_lines(1)
     arrivals: list[float] = []
 
