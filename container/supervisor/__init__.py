@@ -49,7 +49,7 @@ from container.supervisor.cluster import (
     serve_worker_node,
     withhold_secret,
 )
-from container.supervisor.groups import WorkerGroup
+from container.supervisor.groups import WorkerGroup, group_file
 from container.supervisor.plan_check import compare_kv, startup_plan
 from container.supervisor.processes import (
     FRONTEND_MIN_UPTIME,
@@ -98,7 +98,7 @@ def model_info(settings: Settings, adapter_downloads: str = "") -> ModelInfo:
 # The longest Unix socket path the runtime directory holds, after the temporary directory (mkdtemp's
 # name, then a group's descriptor channel): a socket's path has at most 107 bytes (sun_path), so a
 # TMPDIR that leaves too little room moves the runtime directory to /tmp.
-_SOCKET_ROOM = len(fd_channel_path("/sagelmi-XXXXXXXX/group-9999.sock"))
+_SOCKET_ROOM = len(fd_channel_path(str(group_file(Path("/sagelmi-XXXXXXXX"), 9999, "sock"))))
 _SUN_PATH = 107
 
 
@@ -152,9 +152,9 @@ class Supervisor:
             groups=[
                 GroupAddress(
                     index=p.index,
-                    socket_path=str(self.runtime / f"group-{p.index}.sock"),
+                    socket_path=str(group_file(self.runtime, p.index, "sock")),
                     devices=p.cuda_visible_devices,
-                    note_path=str(self.runtime / f"group-{p.index}.note"),
+                    note_path=str(group_file(self.runtime, p.index, "note")),
                 )
                 for p in plans
             ],

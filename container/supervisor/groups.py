@@ -35,6 +35,11 @@ from container.supervisor.processes import (
 log = logging.getLogger("sagelmi.serve")
 
 
+def group_file(runtime: Path, index: int, suffix: str) -> Path:
+    """A worker group's file in the runtime directory: its socket (``.sock``), launch file, notes ..."""
+    return runtime / f"group-{index}.{suffix}"
+
+
 class WorkerGroup:
     """One worker group: a process (Python mode) or an ``mpirun`` job of
     ``tp x pp`` ranks (MPI mode), watched and restarted as a whole.
@@ -64,11 +69,11 @@ class WorkerGroup:
         self.mpirun = mpirun
         self.cpu_binding = cpu_binding
         self.name = f"worker group {plan.index}"
-        socket_path = str(runtime / f"group-{plan.index}.sock")
-        self.launch_path = runtime / f"group-{plan.index}.json"
-        self.ready_path = runtime / f"group-{plan.index}.ready"
-        self.note_path = str(runtime / f"group-{plan.index}.note")
-        self.launch_keys_path = runtime / f"group-{plan.index}.launch"  # a cluster's, for rsh
+        socket_path = str(group_file(runtime, plan.index, "sock"))
+        self.launch_path = group_file(runtime, plan.index, "json")
+        self.ready_path = group_file(runtime, plan.index, "ready")
+        self.note_path = str(group_file(runtime, plan.index, "note"))
+        self.launch_keys_path = group_file(runtime, plan.index, "launch")  # a cluster's, for rsh
         self.launch_path.write_bytes(
             encode_launch(
                 WorkerLaunch(
