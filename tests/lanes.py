@@ -105,11 +105,12 @@ def _pump(name: str, process: subprocess.Popen, lines: list[str], ended: dict[st
 
 
 def _summary(lines: list[str]) -> list[str]:
-    """The lane's short test summary and final line (all of its output after the last '====' header
-    that starts the summary, else its last line)."""
+    """The lane's failures (the FAILED and ERROR lines of its short test summary) and its final line:
+    short, since a CI page may show only the end of the output, and servers' logs printed while
+    pytest ends can land among the summary's lines."""
     for i in range(len(lines) - 1, -1, -1):
         if "short test summary info" in lines[i]:
-            return lines[i:]
+            return [line for line in lines[i + 1:] if line.startswith(("FAILED ", "ERROR "))] + lines[-1:]
     return lines[-1:]
 
 
@@ -142,7 +143,7 @@ def main(args: list[str]) -> int:
         thread.join()
         shutil.rmtree(tmp, ignore_errors=True)
     print("\n==================== every lane ====================")
-    for name, (_, lines, _, _) in running.items():
+    for name, (_, lines, _, _) in sorted(running.items(), key=lambda item: codes[item[0]] != 0):  # failures last
         print(f"lane {name}: exit {codes[name]} after {ended.get(name, time.monotonic()) - started:.0f} s")
         for line in _summary(lines):
             sys.stdout.write(f"{name:>9}| {line}")

@@ -67,20 +67,48 @@ def test_hf_model_id_naming_a_local_directory_is_planned_from_it(tmp_path):
     assert plan["model"] == str(tmp_path / "model") and plan["weight_bytes"] == 8_000_000
 
 
-def test_an_unreachable_hub_is_one_line_at_once(tmp_path):
-    """Nothing listens on the Hub's port: plan says so in one line, without retrying for seconds."""
-    import time
-
+def test_an_unreachable_hub_is_one_line(tmp_path):
+    """Nothing listens on the Hub's port: plan says so in one line."""
     from tests.server import free_port
 
-    started = time.monotonic()
     result = run_shell(f"HF_ENDPOINT=http://127.0.0.1:{free_port()} HF_HOME={tmp_path} "
                        f"sagelmi plan --model-id acme/model --gpus 1 --gpu-memory 24", 0)
-    seconds = time.monotonic() - started
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr and result.stdout == ""
     errors = [line for line in result.stderr.splitlines() if " ERROR " in line]
     assert len(errors) == 1 and errors[0].endswith(
         "Hub model 'acme/model' is not in the cache and the Hub could not be reached "
         "(HF_ENDPOINT, proxy settings, HF_HUB_OFFLINE)"), result.stderr
-    assert seconds < 10, f"{seconds:.1f} s"
+
+
+def test_a_hub_that_drops_connections_is_tried_once(tmp_path):
+    """The Hub's address accepts and drops every connection: plan fails in one line without retrying
+    (huggingface_hub's retries back off for seconds)."""
+    import socket
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    attempts = []
+
+    def drop() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            attempts.append(1)
+            conn.close()
+
+    threading.Thread(target=drop, daemon=True).start()
+    try:
+        result = run_shell(f"HF_ENDPOINT=http://127.0.0.1:{listener.getsockname()[1]} HF_HOME={tmp_path} "
+                           f"sagelmi plan --model-id acme/model --gpus 1 --gpu-memory 24", 0)
+    finally:
+        listener.close()
+    assert result.returncode == 2, result.stderr
+    errors = [line for line in result.stderr.splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and "cannot download Hub model 'acme/model'" in errors[0], result.stderr
+    assert "Traceback" not in result.stderr
+    # The HTTP client may open a second connection at once when the first is dropped unanswered; a
+    # retry loop (huggingface_hub backs off through five or more attempts) would show as more.
+    assert len(attempts) <= 2, f"{len(attempts)} connections to the Hub"
