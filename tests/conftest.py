@@ -78,8 +78,9 @@ def pytest_terminal_summary(terminalreporter):
     if engines:  # most of a full run's time: each start imports vLLM in three processes, some compile
         waited = sum(s.ready_seconds or 0 for s in engines)
         terminalreporter.section("engine servers")
-        terminalreporter.write_line(f"{len(engines)} started, {waited:.0f} s until ready in all; vLLM compiled the "
-                                    f"model {sum(s.compiles() for s in engines)} times (not from its cache); "
+        compiled = sum(s.compiles() for s in engines)
+        terminalreporter.write_line(f"engine servers: {len(engines)} started, {waited:.0f} s until ready in all; vLLM "
+                                    f"compiled the model {compiled} times (not from its cache); "
                                     f"each is listed in {ENGINE_LIST.relative_to(REPO)}")
         ENGINE_LIST.parent.mkdir(exist_ok=True)
         with ENGINE_LIST.open("a") as listing:

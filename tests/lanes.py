@@ -104,14 +104,19 @@ def _pump(name: str, process: subprocess.Popen, lines: list[str], ended: dict[st
     ended[name] = time.monotonic()
 
 
+# The lines of a lane's end that the closing block repeats: its engine servers, the image's build.
+MEASURED = ("engine servers: ", "image: ")
+
+
 def _summary(lines: list[str]) -> list[str]:
-    """The lane's failures (the FAILED and ERROR lines of its short test summary) and its final line:
-    short, since a CI page may show only the end of the output, and servers' logs printed while
-    pytest ends can land among the summary's lines."""
+    """The lane's measured lines (MEASURED), its failures (the FAILED and ERROR lines of its short
+    test summary) and its final line: short, since a CI page may show only the end of the output,
+    and servers' logs printed while pytest ends can land among the summary's lines."""
+    measured = [line for line in lines if line.startswith(MEASURED)]
     for i in range(len(lines) - 1, -1, -1):
         if "short test summary info" in lines[i]:
-            return [line for line in lines[i + 1:] if line.startswith(("FAILED ", "ERROR "))] + lines[-1:]
-    return lines[-1:]
+            return measured + [line for line in lines[i + 1:] if line.startswith(("FAILED ", "ERROR "))] + lines[-1:]
+    return measured + lines[-1:]
 
 
 def main(args: list[str]) -> int:
@@ -137,14 +142,19 @@ def main(args: list[str]) -> int:
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
-    codes = {}
+    codes, cpu = {}, {}
     for name, (process, _, thread, tmp) in running.items():
-        codes[name] = process.wait()
+        # os.wait4 rather than process.wait(): the lane's CPU (its processes and every child they waited for)
+        _, status, usage = os.wait4(process.pid, 0)
+        codes[name] = process.returncode = os.waitstatus_to_exitcode(status)
+        cpu[name] = usage.ru_utime + usage.ru_stime
         thread.join()
         shutil.rmtree(tmp, ignore_errors=True)
     print("\n==================== every lane ====================")
+    print(f"{sum(cpu.values()) / 60:.1f} CPU-minutes (user+sys) in all lanes, {time.monotonic() - started:.0f} s")
     for name, (_, lines, _, _) in sorted(running.items(), key=lambda item: codes[item[0]] != 0):  # failures last
-        print(f"lane {name}: exit {codes[name]} after {ended.get(name, time.monotonic()) - started:.0f} s")
+        print(f"lane {name}: exit {codes[name]} after {ended.get(name, time.monotonic()) - started:.0f} s, "
+              f"{cpu[name] / 60:.1f} CPU-minutes")
         for line in _summary(lines):
             sys.stdout.write(f"{name:>9}| {line}")
     # Exit 5 (no tests ran) is a failure too: tests/conftest.py makes it 1 in each lane.

@@ -102,8 +102,8 @@ def image() -> str:
     """The CPU image, built by the README's command (cached layers make a rebuild quick)."""
     _Build.wait(timeout=3000)
     size = int(podman("image", "inspect", "--format", "{{.Size}}", IMAGE).stdout)
-    MEASURED.append(f"{IMAGE}: built in {time.monotonic() - _Build.started:.0f} s from the run's start of the build, "
-                    f"{size / 1e9:.2f} GB")
+    MEASURED.append(f"image: {IMAGE} built in {time.monotonic() - _Build.started:.0f} s from the run's start of "
+                    f"the build, {size / 1e9:.2f} GB")
     return IMAGE
 
 

@@ -4,10 +4,11 @@ from tests.lanes import _summary
 
 
 def test_a_lane_s_summary_is_its_failures_and_its_final_line():
-    lines = ["tests/a.py ....F\n", "===== short test summary info =====\n",
+    lines = ["tests/a.py ....F\n", "engine servers: 2 started, 90 s until ready in all\n",
+             "===== short test summary info =====\n",
              "FAILED tests/a.py::test_x - AssertionError: 1\n", "  rank 1| a server's log, printed as it stops\n",
              "ERROR tests/b.py::test_y - TimeoutError\n", "===== 1 failed, 1 error, 4 passed in 9.00s =====\n"]
-    assert _summary(lines) == [lines[2], lines[4], lines[5]]
+    assert _summary(lines) == [lines[1], lines[3], lines[5], lines[6]]
 
 
 def test_a_lane_without_a_summary_shows_its_last_line():
