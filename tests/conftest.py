@@ -6,7 +6,7 @@ from collections import defaultdict
 import pytest
 
 from tests import reliability
-from tests.e2e.conftest import ENGINE_READY_TIMEOUT, EXACT, HUB_TOKEN, TINY_CONTEXT, VLLM_CPU_ENV
+from tests.e2e.conftest import EAGER, ENGINE_READY_TIMEOUT, EXACT, HUB_TOKEN, TINY_CONTEXT, VLLM_CPU_ENV
 from tests.lanes import LANE_VARIABLE
 from tests.server import MODEL_DIRS, REPO, SHARED, Server, clean_env, shared
 
@@ -122,9 +122,9 @@ def tiny_model(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def vllm_server(tiny_model):
-    """One real vLLM server (CPU build) on the tiny model, in float32: the single-process reference
-    of the e2e and container tests. It has a Hub token (unused: the model is local)."""
-    env = {**VLLM_CPU_ENV, **EXACT, "OPTION_MAX_ROLLING_BATCH_SIZE": "64", "OPTION_HF_TOKEN": HUB_TOKEN}
+    """One real vLLM server (CPU build) on the tiny model, in float32 and eager: the single-process
+    reference of the e2e and container tests. It has a Hub token (unused: the model is local)."""
+    env = {**VLLM_CPU_ENV, **EXACT, **EAGER, "OPTION_MAX_ROLLING_BATCH_SIZE": "64", "OPTION_HF_TOKEN": HUB_TOKEN}
     with Server(tiny_model, env=env, ready_timeout=ENGINE_READY_TIMEOUT) as server:
         yield shared("vllm_server", server)
 

@@ -16,8 +16,9 @@ VLLM_CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 # Servers in float32 whose point is not vLLM's compiled model run it eager: a start without torch.compile
 # costs about 35 s of CPU less (docs/testing.md). Not in bfloat16: there vLLM's CPU build lost its model
 # runner process on the first request of some eager servers on a loaded machine, with no message.
-# vLLM's default, the compiled model, is what the shared ``vllm_server``, the lmi-dist and
-# LoRA servers, ``make run``, ``make bench``, the SDK's and the image's servers run.
+# The shared ``vllm_server`` and the references compared with it are among them. vLLM's default, the
+# compiled model, is what the lmi-dist, pipeline-parallel and LoRA servers, ``make run``, ``make bench``,
+# the SDK's README snippet and the image's servers run.
 EAGER = {"OPTION_ENFORCE_EAGER": "true"}
 # Tests that compare greedy tokens across servers whose sums run in a different order (tensor and
 # pipeline shards, other batch shapes) serve in float32: in bfloat16, vLLM's CPU default, near-ties flip.

@@ -23,13 +23,13 @@ ROUTES = {"/v1/completions", "/v1/chat/completions", "/invocations (LMI)"}
 
 @pytest.fixture(scope="module")
 def vllm_api_server(tiny_model, tmp_path_factory):
-    """vLLM's own OpenAI server on the tiny model (float32, as the session's sagelmi server): port and pid."""
+    """vLLM's own OpenAI server on the tiny model (float32 and eager, as the session's sagelmi server): port and pid."""
     port = free_port()
     log = tmp_path_factory.mktemp("vllm-api") / "server.log"
     with open(log, "wb") as out:
         process = subprocess.Popen(
             [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model),
-             "--served-model-name", "bench", "--port", str(port), "--dtype", "float32", "--max-num-seqs", "64",
+             "--served-model-name", "bench", "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-num-seqs", "64",
              "--gpu-memory-utilization", "0.5", "--disable-uvicorn-access-log"],
             env=clean_env(VLLM_CPU_ENV), stdout=out, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
     try:

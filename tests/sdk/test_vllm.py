@@ -33,7 +33,7 @@ def tiny_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def endpoint(tiny_model):
-    model = SagelmiModel(handler_dir=tiny_model, max_rolling_batch_size=8, options={"max_model_len": 1024},
+    model = SagelmiModel(handler_dir=tiny_model, max_rolling_batch_size=8, options={"max_model_len": 1024, "dtype": "float32", "enforce_eager": True},
                          env=VLLM_CPU_ENV)
     local = LocalEndpoint(model, mode="process", ready_timeout=300)
     local.predictor_on_it = local.start()
