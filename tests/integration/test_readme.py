@@ -120,6 +120,17 @@ def test_the_quick_start_says_how_large_the_install_is_and_how_to_stop_the_serve
     assert "`make run PORT=8081` serves on another port" in quick_start
     assert "Ctrl-C in the terminal of `make run` (or of `sagelmi serve`) stops the server" in quick_start
 
+def test_the_benchmarks_page_opens_with_a_short_summary_of_its_current_files():
+    """docs/benchmarks/README.md: what to expect and which files are current in at most 15 lines,
+    before how the benchmarks work and the dated history."""
+    page = (REPO / "docs" / "benchmarks" / "README.md").read_text()
+    summary = [line for line in page.split("\n## ", 1)[0].splitlines()[1:] if line.strip()]
+    assert len(summary) <= 15, f"the summary has {len(summary)} lines"
+    current = sorted(p.name for p in (REPO / "docs" / "benchmarks").glob("*.md") if p.name != "README.md")
+    assert current and [name for name in current if f"]({name})" not in "\n".join(summary)] == []
+    assert "\n## History, newest first\n" in page
+
+
 def test_every_page_the_readme_links_exists():
     links = re.findall(r"\]\((docs/[^)#]+)", README)
     assert len(links) >= 10
