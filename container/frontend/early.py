@@ -23,9 +23,8 @@ back to the server if the request is still on it, else closes it. Nothing is han
 draining, with tracing on, while copies of some request are refused as poisonous, or when
 admission or routing would refuse it: a thread then serves and refuses it as before.
 
-Why: the request threads that followed a request used 0.9 ms of the frontend's CPU per request at
-one stream on two cores, and the main loop's reading of the request before the group had it
-about 0.3 ms of the time to the first token (docs/benchmarks/README.md, issue 31).
+Why: a request thread per request costs the frontend CPU, and reading the request before its
+group has it adds to the time to the first token (docs/benchmarks/ measures both).
 """
 
 from __future__ import annotations

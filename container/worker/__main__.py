@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     name = f"worker-{context.launch.group}" + (f".rank-{context.rank}" if args.mpi else "")
     logs.configure(name, context.settings.log_level, context.settings.log_format)
     # uvloop, as vLLM's own server: a pass of its loop costs a fraction of asyncio's, and a
-    # streamed token takes one (docs/benchmarks/README.md, issue 31)
+    # streamed token takes one
     return uvloop.run(_run(context, args.incarnation))
 
 

@@ -240,8 +240,7 @@ class Connection:
         and rank 0 writes the rest with the chunked body's end itself (``write(last=True)``);
         0 is returned then (the ``Ending`` counted the bytes). The frontend's work at the end
         of a request (its completion line) then runs while the last bytes go out, not after
-        them: the client has them before the frontend learnt of them, and its next request
-        came in the middle of that work (issue 31)."""
+        them: the client has them before the frontend learns of them."""
         body = self._bodies.get(request_id)
         if body is None:
             return 0

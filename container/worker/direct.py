@@ -3,10 +3,8 @@ frontend hands over once it has sent the HTTP headers (``Attach`` with the socke
 descriptor channel; ``container.core.protocol``), or, for a request that asked for a stream,
 with the request, rank 0 then writing the HTTP head too (``response_head``).
 
-Before, every token crossed the frontend: rank 0 wrote it to the frontend's Unix socket, a
-frontend thread woke to read it and wrote it to the client. At one stream that hop cost the
-frontend ~50-65 µs of CPU a token, and the wake-ups it takes preempt the engine
-(docs/benchmarks/README.md, issue 31). Now the frontend wakes at the stream's start and end.
+Tokens do not cross the frontend: a hop through it per token would cost its CPU and wake-ups
+that preempt the engine. The frontend wakes at the stream's start and end only.
 
 ``DirectBody`` is one answer's body: held until the frontend says where it goes, then
 written to the socket without blocking (what the client has not taken waits for the socket

@@ -9,8 +9,8 @@ request thread that takes the request over reads them again), and serves it as a
 whose client's socket came with it: its HTTP head and body are written here. Anything else is
 ``Declined`` with nothing read, and the frontend serves it as any other request.
 
-Why: the frontend's reading of the request, before its group had it, was on the path to the
-first token (docs/benchmarks/README.md, issue 31).
+Why: the frontend's reading of the request, before its group has it, would be on the path to
+the first token.
 """
 
 from __future__ import annotations

@@ -1,15 +1,15 @@
 """The CPU priority of what the handler started (vLLM's ``EngineCore`` and model runner): level
 with the request path while the worker serves few requests, below it while it serves more.
 
-vLLM's processes busy-wait on each other between engine steps. Measured on 2 cores with the
-tiny model (docs/benchmarks/README.md, issue 31):
+vLLM's processes busy-wait on each other between engine steps (docs/benchmarks/ has the
+measurements):
 
-- at 64 streams, an engine at the request path's nice 0 kept the frontend and the worker from
-  handing requests on: it ran 9-13 tokens a step where vLLM's own server ran 39, and 100 at
-  nice 10 (``proc.ENGINE_NICE``);
-- at 1 and 2 streams, nice 10 costs the engine 15-20% of its tokens per second (1,000 against
-  1,170 at 1 stream; 1,330 against 1,610 at 2): each token wakes the worker, the frontend and
-  the client, and every such wake-up preempts a model runner at nice 10 for as long as it runs.
+- at many streams, an engine at the request path's nice 0 keeps the frontend and the worker from
+  handing requests on, and it runs few tokens a step; at nice 10 (``proc.ENGINE_NICE``) it
+  batches as vLLM's own server does;
+- at one or two streams, nice 10 costs the engine a sixth of its tokens per second: each token
+  wakes the worker, the frontend and the client, and every such wake-up preempts a model runner
+  at nice 10 for as long as it runs.
 
 So a single-rank group's engine runs at nice 0 while at most ``SHARED_UP_TO`` requests are in
 flight, drops to ``ENGINE_NICE`` at once when more arrive, and gets nice 0 back once the

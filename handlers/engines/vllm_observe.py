@@ -9,8 +9,8 @@ counts the outputs with ``counted``.
 An OpenAI stream's head waits for the engine too (``started``): vLLM's serving classes add
 the request on the stream's first item, and the worker sends the head as soon as the handler
 returns, which wakes the frontend for the headers and the socket's hand-over. Asked for
-first, the engine has the request before they take the CPU: on 2 cores, the head going first
-put the frontend's work and the worker's in series before the prefill (issue 31)."""
+first, the engine has the request before they take the CPU: the head going first would put the
+frontend's work and the worker's in series before the prefill."""
 
 from __future__ import annotations
 
