@@ -6,6 +6,7 @@ sagelmi tiny-model DIR [--arch ...]           a tiny random Llama (or T5, BERT, 
 sagelmi engine-args [--write]                 vLLM's engine arguments, as the packaged list holds them
 sagelmi openapi [--write]                     the OpenAPI document GET /openapi.json serves (from the installed types)
 sagelmi lmi-options [--write]                 LMI's option names and what sagelmi does with each (docs/lmi_options.md)
+sagelmi vllm-surface                          check that the installed vLLM has every vLLM name sagelmi uses
 sagelmi plan [--model-dir DIR | --model-id ID] [--instance TYPE | --gpus N --gpu-memory GIB] [--json] [NAME=VALUE ...]
                                               size a deployment before paying for it (container/core/plan.py)
 """
@@ -100,6 +101,11 @@ def _parser() -> argparse.ArgumentParser:
         "container/core/lmi_options.json, as docs/lmi_options.md holds it",
     )
     lmi_options.add_argument("--write", action="store_true", help="write it to docs/lmi_options.md")
+    sub.add_parser(
+        "vllm-surface",
+        help="check that the installed vLLM has every vLLM name sagelmi uses (container/core/vllm_surface.py); "
+        "exit 1 naming those it lacks",
+    )
     plan_cli.add_parser(sub)
     return parser
 
@@ -113,6 +119,22 @@ def _engine_args(write: bool) -> int:
     rows = ",\n".join(f"  {json.dumps(name)}: {json.dumps(kind)}" for name, kind in listing["engine_args"].items())
     text = f'{{\n "vllm_version": {json.dumps(listing["vllm_version"])},\n "engine_args": {{\n{rows}\n }}\n}}\n'
     return _emit(text, ENGINE_ARGS_FILE, write)
+
+
+def _vllm_surface() -> int:
+    from container.core.known_bad import installed_vllm
+    from container.core.vllm_surface import SURFACE, WRITTEN_FOR, missing
+
+    lacking = missing()
+    uses = {symbol.name: symbol.use for symbol in SURFACE}
+    for name in lacking:
+        print(f"missing: {name} ({uses[name]})")
+    build = " ".join(installed_vllm() or ("no vLLM",))
+    print(
+        f"{len(SURFACE) - len(lacking)} of the {len(SURFACE)} vLLM names sagelmi uses are in the installed {build} "
+        f"(the list is written for vLLM {WRITTEN_FOR}.x)"
+    )
+    return 1 if lacking else 0
 
 
 def _emit(text: str, path: Path, write: bool) -> int:
@@ -194,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         return _openapi(args.write)
     if args.command == "lmi-options":
         return _lmi_options(args.write)
+    if args.command == "vllm-surface":
+        return _vllm_surface()
     if args.command == "plan":
         try:
             return plan_cli.run(args)

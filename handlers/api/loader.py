@@ -37,6 +37,7 @@ from container.core.handler_choice import (
     pooling_convert,
 )
 from container.core.settings import Settings
+from container.core.vllm_surface import describe_missing
 from handlers.api.engine import Engine, Formatters
 from handlers.api.inference_toolkit import FUNCTIONS, ToolkitHandler, is_toolkit_script
 
@@ -152,7 +153,11 @@ def load_handler(settings: Settings) -> Handler:
         raise
     except BaseException as exc:  # SystemExit from a module is a failed import too
         log.exception("importing the handler (%s) failed", origin)
-        raise HandlerLoadError(f"importing {origin} failed: {type(exc).__name__}: {exc}") from exc
+        message = f"importing {origin} failed: {type(exc).__name__}: {exc}"
+        if module_name in _BUILTIN_MODULES and isinstance(exc, ImportError) and (exc.name or "").startswith("vllm"):
+            hint = describe_missing()  # a vLLM without a name the built-in engines use: all such names
+            message += f"; {hint}" if hint else ""
+        raise HandlerLoadError(message) from exc
     formatters = Formatters(_decorated(module, "is_input_formatter"), _decorated(module, "is_output_formatter"))
     if module.__name__ in _BUILTIN_MODULES:
         return _engine(module, origin, Formatters())
