@@ -184,7 +184,7 @@ class VllmEngine(Engine):
         else:
             kind = POOLING_PATHS.get(path) or OPENAI_PATHS.get(path)
         if self.pooling is not None:
-            if kind is None or kind in GENERATION_KINDS - {"lmi"}:
+            if kind is None or kind in OPENAI_PATHS.values():
                 return self._wrong_task(path, f"{self.pooling.task}, a pooling model (vLLM's pooling runner)")
             check_prompt_count(body, kind, self.max_prompts)
             model = self.adapters.for_openai(body.get("model"), header)
