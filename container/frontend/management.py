@@ -54,6 +54,8 @@ def sagemaker_registration(req: Request) -> tuple[str, str]:
             fields = json.loads(data)
         except json.JSONDecodeError as exc:
             raise InvalidJSON(exc) from None
+        except UnicodeDecodeError:
+            raise InputError("request body is not valid JSON: it is not UTF-8, UTF-16 or UTF-32 text") from None
         if not isinstance(fields, dict):
             raise InputError('the body must be a JSON object: {"name": <adapter name>, "src": <directory or s3://...>}')
     name, src = fields.get("name"), fields.get("src")

@@ -77,9 +77,10 @@ def test_a_name_registered_by_either_route_is_a_409_on_the_other(client):
     ({"name": "fr", "src": "more/wide"}, "r=16 is over option.max_lora_rank=8"),
     ("[1, 2]", "the body must be a JSON object"),
     ("{", "request body is not valid JSON"),
+    (b"q\x98e\xa4\xfa*", "request body is not valid JSON: it is not UTF-8"),  # found by tests/e2e/test_fuzz.py
 ])
 def test_a_bad_registration_is_a_400_in_lmis_envelope(client, body, expected):
-    if isinstance(body, str):
+    if isinstance(body, (str, bytes)):
         answer = client.post("/adapters", data=body, content_type="application/json")
     else:
         answer = client.post("/adapters", json=body)
