@@ -71,10 +71,21 @@ def build() -> dict[str, Any]:
     from pydantic.json_schema import JsonSchemaMode, models_json_schema
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest, ChatCompletionResponse
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest, CompletionResponse
+    from vllm.entrypoints.pooling.classify.protocol import (
+        ClassificationChatRequest,
+        ClassificationCompletionRequest,
+        ClassificationResponse,
+    )
     from vllm.entrypoints.pooling.embed.protocol import (
         EmbeddingChatRequest,
         EmbeddingCompletionRequest,
         EmbeddingResponse,
+    )
+    from vllm.entrypoints.pooling.pooling.protocol import (
+        IOProcessorRequest,
+        PoolingChatRequest,
+        PoolingCompletionRequest,
+        PoolingResponse,
     )
     from vllm.entrypoints.pooling.scoring.protocol import (
         RerankRequest,
@@ -120,6 +131,13 @@ def build() -> dict[str, Any]:
         (ScoreResponse, "serialization"),
         (RerankRequest, "validation"),
         (RerankResponse, "serialization"),
+        (ClassificationCompletionRequest, "validation"),
+        (ClassificationChatRequest, "validation"),
+        (ClassificationResponse, "serialization"),
+        (PoolingCompletionRequest, "validation"),
+        (PoolingChatRequest, "validation"),
+        (IOProcessorRequest, "validation"),
+        (PoolingResponse, "serialization"),
         (LmiError, "serialization"),
         (OpenAIError, "serialization"),
     ]
@@ -149,14 +167,31 @@ def build() -> dict[str, Any]:
     model_name = {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}
     adapter_name = {"name": "adapter", "in": "path", "required": True, "schema": {"type": "string"}}
     status = {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}}
+    registration = {
+        "type": "object",
+        "required": ["name", "src"],
+        "properties": {
+            "name": {"type": "string", "minLength": 1},
+            "src": {"type": "string", "minLength": 1, "description": "a directory or an s3:// prefix"},
+            "preload": {"type": "boolean"},
+            "pin": {"type": "boolean"},
+        },
+    }
+    registered = {
+        "description": "Adapter <name> registered / unregistered",
+        "content": {"text/plain": {"schema": {"type": "string"}}},
+    }
     embeddings, scores = names[EmbeddingResponse], names[ScoreResponse]
     score_bodies = [names[m] for m in (ScoreQueriesDocumentsRequest, ScoreQueriesItemsRequest)]
     score_bodies += [names[m] for m in (ScoreDataRequest, ScoreTextRequest)]
     embedding_bodies = [names[EmbeddingCompletionRequest], names[EmbeddingChatRequest]]
     vectors = {"type": "array", "items": {"type": "array", "items": {"type": "number"}}}
+    classification_bodies = [names[ClassificationCompletionRequest], names[ClassificationChatRequest]]
+    pooling_bodies = [names[m] for m in (PoolingCompletionRequest, PoolingChatRequest, IOProcessorRequest)]
     lmi_answer = {
         "anyOf": [_ref(answer), {"type": "array", "items": _ref(answer)}, _ref(chat_answer), _ref(completion_answer)]
         + [vectors, _ref(embeddings), _ref(scores), _ref(names[RerankResponse])]
+        + [_ref(names[ClassificationResponse]), _ref(names[PoolingResponse])]
     }
     lmi_embedding = {
         "type": "object",
@@ -172,9 +207,10 @@ def build() -> dict[str, Any]:
         },
         "/invocations": {
             "post": {
-                "summary": "SageMaker's inference route: LMI's schema (inputs), or an OpenAI chat (messages) or "
-                "completion (prompt) body; on a pooling model (option.task=text-embedding ...) LMI's embedding form "
-                "(inputs: vectors out), or the bodies of /v1/embeddings, /v1/score, /v1/rerank",
+                "summary": "SageMaker's inference route: an OpenAI chat (messages), LMI's schema (inputs) or an "
+                "OpenAI completion (prompt) body, the first that fits in this order; on a pooling model "
+                "(option.task=text-embedding ...) LMI's embedding form (inputs: vectors out), or the bodies of "
+                "vLLM's embeddings, classification, rerank, score and pooling APIs, in that order (docs/http_api.md)",
                 "requestBody": {
                     "required": True,
                     "content": {
@@ -182,7 +218,8 @@ def build() -> dict[str, Any]:
                             "schema": {
                                 "anyOf": [_ref(n) for n in (lmi, chat, completion)]
                                 + [lmi_embedding]
-                                + [_ref(n) for n in (*embedding_bodies, names[RerankRequest], *score_bodies)]
+                                + [_ref(n) for n in (*embedding_bodies, *classification_bodies)]
+                                + [_ref(n) for n in (names[RerankRequest], *score_bodies, *pooling_bodies)]
                             }
                         }
                     },
@@ -314,6 +351,30 @@ def build() -> dict[str, Any]:
                     **{k: v for k, v in management_errors.items() if k in ("404", "503", "504")},
                 },
             },
+        },
+        "/adapters": {
+            "post": {
+                "summary": "register a LoRA adapter (option.enable_lora), as AWS's vLLM container does",
+                "parameters": [
+                    {"name": "X-Amzn-SageMaker-Adapter-Alias", "in": "header", "schema": {"type": "string"}},
+                ],
+                "requestBody": {
+                    "required": False,
+                    "description": "without a body, the query's name and src",
+                    "content": {"application/json": {"schema": registration}},
+                },
+                "responses": {"200": registered, **management_errors},
+            }
+        },
+        "/adapters/{adapter_name}": {
+            "delete": {
+                "summary": "unregister a LoRA adapter, as AWS's vLLM container does",
+                "parameters": [{**adapter_name, "name": "adapter_name"}],
+                "responses": {
+                    "200": registered,
+                    **{k: v for k, v in management_errors.items() if k in ("404", "503", "504")},
+                },
+            }
         },
         "/openapi.json": {"get": {"summary": "this document", "responses": {"200": _json({"type": "object"})}}},
     }

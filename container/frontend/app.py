@@ -91,7 +91,7 @@ def create_app(launch: FrontendLaunch) -> Flask:
                 f"no route {request.method} {request.path}; the server answers GET /ping, "
                 f"POST /invocations, POST /v1/chat/completions, POST /v1/completions, GET /v1/models, "
                 f"POST /tokenize, POST /detokenize, POST /v1/embeddings, POST /v1/score, POST /v1/rerank, "
-                f"GET /models, /models/{{model}}/adapters, GET /openapi.json"
+                f"GET /models, /models/{{model}}/adapters, POST /adapters, DELETE /adapters/{{name}}, GET /openapi.json"
             ),
             405: MethodNotAllowed(f"{request.method} is not allowed on {request.path}"),
             413: PayloadTooLarge(

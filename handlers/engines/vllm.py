@@ -1,24 +1,26 @@
 """The built-in handler: a causal LM served by vLLM's async engine, with
 continuous batching.
 
-Routes, by path and body:
+Routes, by path and, on ``/invocations``, by the body's fields (the first that fits, in this
+order: ``handlers.engines.invocation_forms``):
 
 - ``/v1/chat/completions``, or ``/invocations`` with ``messages``: OpenAI chat;
-- ``/v1/completions``, or ``/invocations`` with ``prompt``: OpenAI completion;
 - ``/invocations`` with ``inputs``: LMI's schema (``handlers.engines.lmi_schema``);
+- ``/v1/completions``, or ``/invocations`` with ``prompt``: OpenAI completion;
 - ``/invocations`` with ``requestType`` (``NEW_SESSION``, ``CLOSE``): SageMaker's stateful
   sessions (``handlers.engines.sessions``); a request naming a session must name a live one;
 - ``/v1/models``: the served model and its LoRA adapters;
 - on a pooling model (vLLM's pooling runner: ``option.task=text-embedding`` ...):
-  ``/v1/embeddings``, ``/v1/score``, ``/v1/rerank`` and their forms on ``/invocations``
-  (``handlers.engines.vllm_pooling``); generation routes are refused there, and pooling
-  routes on a generation model, with a 400 naming the task.
+  ``/v1/embeddings``, ``/v1/score``, ``/v1/rerank`` and, on ``/invocations``, their forms, vLLM's
+  classification and pooling forms and LMI's embedding form (``handlers.engines.vllm_pooling``);
+  generation routes are refused there, and pooling routes on a generation model, with a 400
+  naming the task.
 
 LoRA adapters (``option.enable_lora=true``): ``add_adapter`` / ``remove_adapter``
 are called by the worker for what the frontend registered. A request picks one
 by LMI's ``adapters`` field (a name, or one per prompt for a list of inputs),
 the ``X-Amzn-SageMaker-Adapter-Identifier`` header, or the OpenAI ``model``
-field; an unknown name is a 404 naming it.
+field (``handlers.engines.vllm_adapters``); an unknown name is a 404 naming it.
 
 The engine (``VllmEngine``) starts vLLM and routes each request; the OpenAI
 schema is ``handlers.engines.vllm_openai`` (vLLM's own serving classes), LMI's
@@ -51,6 +53,7 @@ from handlers.api.context import WorkerContext
 from handlers.api.engine import Engine, Formatters
 from handlers.engines import vllm_media
 from handlers.engines.formatters import format_request, formatted, unbound
+from handlers.engines.invocation_forms import GENERATION_KINDS, invocation_kind
 from handlers.engines.lmi_schema import Formatter
 from handlers.engines.prompts import check_prompt_count
 from handlers.engines.rolling_formatter import RollingBatchFormatter, takes_request_output
@@ -60,9 +63,11 @@ from handlers.engines.vllm_args import build_engine_kwargs
 from handlers.engines.vllm_lmi import LmiFront
 from handlers.engines.vllm_observe import observe_generate
 from handlers.engines.vllm_openai import OpenAIFront, _openai_error
-from handlers.engines.vllm_pooling import POOLING_PATHS, PoolingFront, invocation_kind
+from handlers.engines.vllm_pooling import POOLING_PATHS, PoolingFront
 
 log = logging.getLogger("sagelmi.vllm")
+
+OPENAI_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 
 
 class UnfinishedRequests:
@@ -173,24 +178,28 @@ class VllmEngine(Engine):
         header = inputs.get_property(ADAPTER_HEADER)
         if path in ("/tokenize", "/detokenize"):
             return await self._openai(path[1:], body, header, path)
-        kind = POOLING_PATHS.get(path) or (invocation_kind(body) if path == "/invocations" and self.pooling else None)
+        if path == "/invocations":
+            served = await self.pooling.served() if self.pooling is not None else GENERATION_KINDS
+            kind = invocation_kind(body, served, pooling=self.pooling is not None)
+        else:
+            kind = POOLING_PATHS.get(path) or OPENAI_PATHS.get(path)
         if self.pooling is not None:
-            if kind is None:
+            if kind is None or kind in OPENAI_PATHS.values():
                 return self._wrong_task(path, f"{self.pooling.task}, a pooling model (vLLM's pooling runner)")
             check_prompt_count(body, kind, self.max_prompts)
             model = self.adapters.for_openai(body.get("model"), header)
             return await self.pooling.answer(kind, {**body, "model": model}, path)
-        if kind is not None:
+        if kind in POOLING_PATHS.values():
             return self._wrong_task(path, f"text generation ({self.task})")
-        if path == "/v1/chat/completions" or (path == "/invocations" and "messages" in body):
+        if kind == "chat":
             return await self._openai("chat", body, header, path)
-        if path == "/v1/completions" or (path == "/invocations" and "prompt" in body and "inputs" not in body):
+        if kind == "completion":
             check_prompt_count(body, "completion", self.max_prompts)
             return await self._openai("completion", body, header, path)
-        if "inputs" in body:
+        if kind == "lmi":
             check_prompt_count(body, "lmi", self.max_prompts)
             return await self.lmi.answer(body, inputs.get_property("requestId"), header, self.rolling_formatter)
-        if path == "/invocations" and "requestType" in body:
+        if kind == "session":
             return self.sessions.answer(inputs, body)
         raise InputError(
             "the body needs 'inputs' (LMI schema), 'messages' (OpenAI chat) or 'prompt' (OpenAI completion)"
@@ -201,7 +210,7 @@ class VllmEngine(Engine):
         pooling on a generation model)."""
         routes = (
             "/v1/embeddings, /v1/score, /v1/rerank, /invocations with 'inputs' (LMI's embedding form), "
-            "'input', 'query' or 'queries'"
+            "'input', 'messages', 'query' or 'queries'"
             if self.pooling is not None
             else "/v1/chat/completions, /v1/completions, /invocations"
         )
