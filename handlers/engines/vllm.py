@@ -8,6 +8,8 @@ Routes, by path and body:
 - ``/invocations`` with ``inputs``: LMI's schema (``handlers.engines.lmi_schema``);
 - ``/invocations`` with ``requestType`` (``NEW_SESSION``, ``CLOSE``): SageMaker's stateful
   sessions (``handlers.engines.sessions``); a request naming a session must name a live one;
+- ``/v1/responses``: OpenAI's Responses API; ``/v1/messages``, ``/v1/messages/count_tokens``:
+  Anthropic's Messages API (vLLM's serving classes for both; errors in Anthropic's envelope there);
 - ``/v1/models``: the served model and its LoRA adapters;
 - on a pooling model (vLLM's pooling runner: ``option.task=text-embedding`` ...):
   ``/v1/embeddings``, ``/v1/score``, ``/v1/rerank`` and their forms on ``/invocations``
@@ -63,6 +65,13 @@ from handlers.engines.vllm_openai import OpenAIFront, _openai_error
 from handlers.engines.vllm_pooling import POOLING_PATHS, PoolingFront, invocation_kind
 
 log = logging.getLogger("sagelmi.vllm")
+
+# The routes of vLLM's Responses and Anthropic Messages serving classes, and the kind of body each takes
+CONVERSATION_PATHS = {
+    "/v1/responses": "responses",
+    "/v1/messages": "messages",
+    "/v1/messages/count_tokens": "count_tokens",
+}
 
 
 class UnfinishedRequests:
@@ -182,6 +191,8 @@ class VllmEngine(Engine):
             return await self.pooling.answer(kind, {**body, "model": model}, path)
         if kind is not None:
             return self._wrong_task(path, f"text generation ({self.task})")
+        if path in CONVERSATION_PATHS:  # one conversation a request: no prompt count to check
+            return await self._openai(CONVERSATION_PATHS[path], body, header, path)
         if path == "/v1/chat/completions" or (path == "/invocations" and "messages" in body):
             return await self._openai("chat", body, header, path)
         if path == "/v1/completions" or (path == "/invocations" and "prompt" in body and "inputs" not in body):
@@ -203,7 +214,7 @@ class VllmEngine(Engine):
             "/v1/embeddings, /v1/score, /v1/rerank, /invocations with 'inputs' (LMI's embedding form), "
             "'input', 'query' or 'queries'"
             if self.pooling is not None
-            else "/v1/chat/completions, /v1/completions, /invocations"
+            else "/v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, /invocations"
         )
         message = f"{path} does not serve this model: it is served for {served}; its routes are {routes}"
         return _openai_error(path, 400, message)
