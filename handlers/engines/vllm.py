@@ -9,6 +9,8 @@ order: ``handlers.engines.invocation_forms``):
 - ``/v1/completions``, or ``/invocations`` with ``prompt``: OpenAI completion;
 - ``/invocations`` with ``requestType`` (``NEW_SESSION``, ``CLOSE``): SageMaker's stateful
   sessions (``handlers.engines.sessions``); a request naming a session must name a live one;
+- ``/v1/responses``: OpenAI's Responses API; ``/v1/messages``, ``/v1/messages/count_tokens``:
+  Anthropic's Messages API (vLLM's serving classes for both; errors in Anthropic's envelope there);
 - ``/v1/models``: the served model and its LoRA adapters;
 - on a pooling model (vLLM's pooling runner: ``option.task=text-embedding`` ...):
   ``/v1/embeddings``, ``/v1/score``, ``/v1/rerank`` and, on ``/invocations``, their forms, vLLM's
@@ -67,7 +69,16 @@ from handlers.engines.vllm_pooling import POOLING_PATHS, PoolingFront
 
 log = logging.getLogger("sagelmi.vllm")
 
-OPENAI_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+# The generation routes besides /invocations and the kind of body each takes: vLLM's OpenAI chat and
+# completion, and its Responses and Anthropic Messages serving classes
+OPENAI_PATHS = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completion",
+    "/v1/responses": "responses",
+    "/v1/messages": "messages",
+    "/v1/messages/count_tokens": "count_tokens",
+}
+CONVERSATION_KINDS = frozenset({"responses", "messages", "count_tokens"})  # the Responses and Messages kinds
 
 
 class UnfinishedRequests:
@@ -191,8 +202,8 @@ class VllmEngine(Engine):
             return await self.pooling.answer(kind, {**body, "model": model}, path)
         if kind in POOLING_PATHS.values():
             return self._wrong_task(path, f"text generation ({self.task})")
-        if kind == "chat":
-            return await self._openai("chat", body, header, path)
+        if kind == "chat" or kind in CONVERSATION_KINDS:  # one conversation a request: no prompt count to check
+            return await self._openai(kind, body, header, path)
         if kind == "completion":
             check_prompt_count(body, "completion", self.max_prompts)
             return await self._openai("completion", body, header, path)
@@ -212,7 +223,7 @@ class VllmEngine(Engine):
             "/v1/embeddings, /v1/score, /v1/rerank, /invocations with 'inputs' (LMI's embedding form), "
             "'input', 'messages', 'query' or 'queries'"
             if self.pooling is not None
-            else "/v1/chat/completions, /v1/completions, /invocations"
+            else "/v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, /invocations"
         )
         message = f"{path} does not serve this model: it is served for {served}; its routes are {routes}"
         return _openai_error(path, 400, message)

@@ -9,6 +9,7 @@ import psutil
 import pytest
 import requests
 
+from container.frontend.invocations import ROUTES
 from tests.server import MODEL_DIRS, RawStream, Server
 
 
@@ -148,6 +149,9 @@ def test_a_request_cannot_write_a_line_of_its_own_into_the_text_log(server):
 def test_unknown_route_and_wrong_method(server):
     r = requests.get(server.url("/nowhere"), timeout=10)
     assert r.status_code == 404 and r.json()["code"] == 404
+    others = ("GET /ping", "GET /models", "/models/{model}/adapters", "POST /adapters", "DELETE /adapters/{name}")
+    for route in (*(f"{method} {path}" for path, method in ROUTES.items()), *others, "GET /openapi.json"):
+        assert route in r.json()["error"]
     r = requests.get(server.url("/invocations"), timeout=10)
     assert r.status_code == 405 and r.json()["code"] == 405
 
