@@ -95,6 +95,7 @@ def build() -> dict[str, Any]:
     )
 
     from container.core.errors import LmiError, OpenAIError
+    from container.core.request_priority import PRIORITY_MAX, PRIORITY_MIN
     from handlers.engines.lmi_schema import LmiAnswer, LmiBody
 
     models: list[tuple[type[BaseModel], JsonSchemaMode]] = [
@@ -149,6 +150,16 @@ def build() -> dict[str, Any]:
     model_name = {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}
     adapter_name = {"name": "adapter", "in": "path", "required": True, "schema": {"type": "string"}}
     status = {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}}
+    priority = [
+        {
+            "name": "X-Priority",
+            "in": "header",
+            "required": False,
+            "description": "the request's scheduling priority (LMI's header; vLLM's meaning: lower values are served "
+            "first, default 0), over the body's priority; needs option.scheduling_policy=priority (else a 400)",
+            "schema": {"type": "integer", "minimum": PRIORITY_MIN, "maximum": PRIORITY_MAX},
+        }
+    ]
     embeddings, scores = names[EmbeddingResponse], names[ScoreResponse]
     score_bodies = [names[m] for m in (ScoreQueriesDocumentsRequest, ScoreQueriesItemsRequest)]
     score_bodies += [names[m] for m in (ScoreDataRequest, ScoreTextRequest)]
@@ -172,6 +183,7 @@ def build() -> dict[str, Any]:
         },
         "/invocations": {
             "post": {
+                "parameters": priority,
                 "summary": "SageMaker's inference route: LMI's schema (inputs), or an OpenAI chat (messages) or "
                 "completion (prompt) body; on a pooling model (option.task=text-embedding ...) LMI's embedding form "
                 "(inputs: vectors out), or the bodies of /v1/embeddings, /v1/score, /v1/rerank",
@@ -192,6 +204,7 @@ def build() -> dict[str, Any]:
         },
         "/v1/chat/completions": {
             "post": {
+                "parameters": priority,
                 "summary": "OpenAI chat completions (vLLM's semantics)",
                 "requestBody": body(chat),
                 "responses": {"200": _answers(_ref(chat_answer)), **openai_errors},
@@ -199,6 +212,7 @@ def build() -> dict[str, Any]:
         },
         "/v1/completions": {
             "post": {
+                "parameters": priority,
                 "summary": "OpenAI completions (vLLM's semantics)",
                 "requestBody": body(completion),
                 "responses": {"200": _answers(_ref(completion_answer)), **openai_errors},
@@ -206,6 +220,7 @@ def build() -> dict[str, Any]:
         },
         "/v1/embeddings": {
             "post": {
+                "parameters": priority,
                 "summary": "OpenAI embeddings on a pooling model (vLLM's semantics; a 400 on a generation model)",
                 "requestBody": body(*embedding_bodies),
                 "responses": {"200": _embeddings_answer(_ref(embeddings)), **openai_errors},
@@ -213,6 +228,7 @@ def build() -> dict[str, Any]:
         },
         "/v1/score": {
             "post": {
+                "parameters": priority,
                 "summary": "vLLM's scores of text pairs on a pooling model (a 400 on a generation model)",
                 "requestBody": body(*score_bodies),
                 "responses": {"200": _json(_ref(scores)), **openai_errors},
@@ -220,6 +236,7 @@ def build() -> dict[str, Any]:
         },
         "/v1/rerank": {
             "post": {
+                "parameters": priority,
                 "summary": "vLLM's (Jina's) rerank of documents for a query on a pooling model",
                 "requestBody": body(names[RerankRequest]),
                 "responses": {"200": _json(_ref(names[RerankResponse])), **openai_errors},

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, cast
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from container.core import logs, proc
-from container.core.errors import ClientClosedRequest, ServiceUnavailable, describe, one_line
+from container.core.errors import ClientClosedRequest, InputError, ServiceUnavailable, describe, one_line
 from container.core.protocol import (
     EXIT_ENGINE_DEAD,
     EXIT_LOAD_FAILED,
@@ -57,6 +57,7 @@ from container.core.protocol import (
     UnregisterAdapter,
     WorkerState,
 )
+from container.core.request_priority import HEADER, check_allowed, header_priority
 from container.worker.adapters import AdapterTable
 from container.worker.batching import Batcher
 from container.worker.calls import Calls
@@ -207,7 +208,7 @@ class Worker:
                         f"it answered {init.code} {init.message}: {init.body().decode('utf-8', 'replace')[:500]}"
                     )
             await self.adapters.loaded(self.engine, self.handler.origin)
-            if self.settings.batch_size > 1 and (self.engine is None or self.engine.dynamic_batching):
+            if self._queued() and (self.engine is None or self.engine.dynamic_batching):
                 self.batcher = Batcher.for_settings(self.settings, self._serve_batch)
                 if self.context.follower is None:  # the other ranks run the batches rank 0 formed
                     self.batcher.start()
@@ -225,6 +226,16 @@ class Worker:
             self.priority = EnginePriority(self.loop, engine, adaptive=not self.mpi)
             log.info("%d process(es) the handler started %s", len(engine), self.priority.describe())
         return await self._set_own_state(WorkerState.READY)
+
+    def _queued(self) -> bool:
+        """Whether requests wait in the worker's queue (``container.worker.batching``) for the
+        handler: to be batched, or, with priority scheduling, to reach a synchronous handler's
+        threads in priority order. An async handler (and vLLM, which schedules its own queue)
+        takes every request at once: nothing waits here."""
+        assert self.handler is not None
+        return self.settings.batch_size > 1 or (
+            self.settings.priority_scheduling and self.handler.kind in ("sync", "generator")
+        )
 
     # -- state: this rank's, and (on rank 0) the group's
     async def _set_own_state(self, state: WorkerState, detail: str = "") -> bool:
@@ -346,11 +357,12 @@ class Worker:
                 if self.follower is not None:  # rank 0 collects every rank's metrics
                     self.follower.send_metrics(message.id, generate_latest().decode())
                     return
-            elif (refused := self.inputs.refusal(message)) is not None:  # before it is relayed, batched or parsed
-                self.loop.create_task(self._fail(conn, message.id, refused))
+            elif (refused := self.inputs.refusal(message) or self._priority_refusal(message)) is not None:
+                self.loop.create_task(self._fail(conn, message.id, refused))  # before it is relayed, batched or parsed
                 return
             elif self.batcher is not None and self.own_state.state is WorkerState.READY:
-                self.batcher.submit(conn, message)  # relayed with its batch (InvokeBatch)
+                priority = header_priority(message.properties) or 0  # checked by _priority_refusal
+                self.batcher.submit(conn, message, priority)  # relayed with its batch (InvokeBatch)
                 return
             elif (leader := self._relay()) is not None:
                 leader.send(message)
@@ -374,6 +386,15 @@ class Worker:
             task.cancel()
         else:
             log.warning("ignoring unexpected %s message", type(message).__name__)
+
+    def _priority_refusal(self, message: Invoke) -> InputError | None:
+        """Why the request's ``X-Priority`` refuses it (not a whole number, out of range, or a
+        priority this server does not order by), or None."""
+        try:
+            check_allowed(header_priority(message.properties), HEADER, self.settings.priority_scheduling)
+        except InputError as exc:
+            return exc
+        return None
 
     def _relay(self) -> Leader | None:
         """Rank 0 of an MPI group hands requests and cancels to the other ranks

@@ -27,6 +27,8 @@ from vllm.tokenizers.hf import ThreadSafeHFTokenizerMixin
 
 from container.core.chat_options import ChatOptions, chat_template
 from container.core.errors import AnswerError, InputError, NotFound, OpenAIError, OpenAIErrorInfo, is_openai_path
+from container.core.request_priority import HEADER as PRIORITY_HEADER
+from container.core.request_priority import refusal
 from handlers.api import Output
 from handlers.engines.chat_setup import check_parsers
 from handlers.engines.vllm_media import FETCH_FAILED
@@ -134,12 +136,27 @@ def _openai_error(
     return Output(code=status).add_property("content-type", "application/json").add_as_json(body.model_dump())
 
 
+def with_priority(body: dict, header: int | None) -> dict:
+    """``body`` with the ``X-Priority`` header's value as its ``priority`` (the header wins over
+    the body, as vLLM's ``X-Vllm-Priority`` does on its server); ``body`` itself without one."""
+    return body if header is None else {**body, "priority": header}
+
+
+def priority_refusal(request: Any, header: int | None, scheduled: bool) -> str | None:
+    """Why a validated vLLM request (its ``priority`` set by ``with_priority``) is refused for its
+    priority, naming where it came from; None when it is not (``request_priority.refusal``)."""
+    return refusal(request.priority, PRIORITY_HEADER if header is not None else "priority", scheduled)
+
+
 class OpenAIFront:
     """vLLM's OpenAI serving classes around one engine, with the chat options (template, tool
     calling, reasoning) as vLLM's server takes them."""
 
-    def __init__(self, engine: Any, served_name: str, options: ChatOptions, model_dir: str) -> None:
+    def __init__(
+        self, engine: Any, served_name: str, options: ChatOptions, model_dir: str, priority_scheduling: bool = False
+    ) -> None:
         self.engine = engine
+        self.priority_scheduling = priority_scheduling  # option.scheduling_policy=priority
         self.models = OpenAIServingModels(engine, [BaseModelPath(name=served_name, model_path=served_name)])
         template = chat_template(options.chat_template, model_dir)
         if template is not None:
@@ -177,9 +194,12 @@ class OpenAIFront:
             card.root = card.id
         return Output().add_property("content-type", "application/json").add(listing.model_dump_json())
 
-    async def answer(self, kind: str, body: dict, path: str) -> Output:
+    async def answer(self, kind: str, body: dict, path: str, priority: int | None = None) -> Output:
         """Answer an OpenAI ``chat``, ``completion``, ``tokenize`` or ``detokenize`` body (its
-        ``model`` already resolved), as vLLM's server does."""
+        ``model`` already resolved), as vLLM's server does. ``priority``: the request's
+        ``X-Priority``, which wins over the body's ``priority`` (``with_priority``)."""
+        if kind in ("chat", "completion"):
+            body = with_priority(body, priority)
         tokenize: type[BaseModel] = TokenizeChatRequest if "messages" in body else TokenizeCompletionRequest
         classes: dict[str, type[BaseModel]] = {
             "chat": ChatCompletionRequest,
@@ -197,6 +217,10 @@ class OpenAIFront:
             return _openai_error(path, 400, str(exc), param=getattr(exc, "parameter", None))
         except _MALFORMED as exc:  # a vLLM validator tripping over a body of the wrong shape
             return _openai_error(path, 400, _malformed(exc))
+        if isinstance(request, (ChatCompletionRequest, CompletionRequest)):
+            refused = priority_refusal(request, priority, self.priority_scheduling)
+            if refused is not None:
+                return _openai_error(path, 400, refused, param="priority")
         if isinstance(request, DetokenizeRequest):
             vocabulary = self.engine.model_config.get_vocab_size()
             outside = [t for t in request.tokens if not 0 <= t < vocabulary]
