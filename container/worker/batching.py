@@ -26,7 +26,9 @@ from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
 
 from container.core.protocol import Invoke
+from container.core.request_priority import header_priority
 from container.core.settings import Settings
+from handlers.api.engine import Engine
 
 log = logging.getLogger("sagelmi.worker")
 
@@ -70,9 +72,22 @@ class Batcher(Generic[Conn]):
     def start(self) -> None:
         self._loop_task = asyncio.get_running_loop().create_task(self._form_batches())
 
-    def submit(self, conn: Conn, message: Invoke, priority: int = 0) -> None:
-        """Queue ``message``; it leaves before those of higher ``priority`` values, after those
-        of its own that came before it."""
+    @staticmethod
+    def wanted(settings: Settings, kind: str, engine: Engine | None) -> bool:
+        """Whether requests wait here for a handler called as ``kind`` (``handlers.api.loader``),
+        a ``model.py``'s or a built-in ``engine`` the worker's batching feeds: to be batched, or,
+        with priority scheduling, to reach a synchronous handler's threads in priority order. An
+        async handler (and vLLM, which schedules its own queue) takes every request at once:
+        nothing waits in the worker."""
+        if engine is not None and not engine.dynamic_batching:
+            return False
+        return settings.batch_size > 1 or (settings.priority_scheduling and kind in ("sync", "generator"))
+
+    def submit(self, conn: Conn, message: Invoke) -> None:
+        """Queue ``message``; it leaves before those of higher ``X-Priority`` values (the worker
+        refused a request whose header is no priority it orders by: ``Inputs.refusal``), after
+        those of its own that came before it."""
+        priority = header_priority(message.properties) or 0
         self.queue.put_nowait((priority, next(self._arrivals), conn, message))
 
     def cancel(self, message_id: str) -> None:

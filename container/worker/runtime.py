@@ -13,7 +13,8 @@ takes new requests while others are still running. ``async def handle`` (and
 async generators) run on the loop; a plain ``def handle`` runs on a small thread
 pool (``option.sync_handler_threads``, 1 by default: LMI calls a synchronous
 handler one request at a time), and a synchronous generator runs start to end
-as one job on that pool, its items handed to the loop as they come.
+as one job on that pool, its items handed to the loop as they come. Batched or
+priority-ordered requests wait for it in ``container.worker.batching``'s queue.
 
 Cancelling: a ``Cancel`` message, or the connection closing, cancels the
 request's task. An async handler sees ``CancelledError``; a synchronous
@@ -39,7 +40,7 @@ from typing import TYPE_CHECKING, cast
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from container.core import logs, proc
-from container.core.errors import ClientClosedRequest, InputError, ServiceUnavailable, describe, one_line
+from container.core.errors import ClientClosedRequest, ServiceUnavailable, describe, one_line
 from container.core.protocol import (
     EXIT_ENGINE_DEAD,
     EXIT_LOAD_FAILED,
@@ -57,7 +58,6 @@ from container.core.protocol import (
     UnregisterAdapter,
     WorkerState,
 )
-from container.core.request_priority import HEADER, check_allowed, header_priority
 from container.worker.adapters import AdapterTable
 from container.worker.batching import Batcher
 from container.worker.calls import Calls
@@ -208,7 +208,7 @@ class Worker:
                         f"it answered {init.code} {init.message}: {init.body().decode('utf-8', 'replace')[:500]}"
                     )
             await self.adapters.loaded(self.engine, self.handler.origin)
-            if self._queued() and (self.engine is None or self.engine.dynamic_batching):
+            if Batcher.wanted(self.settings, self.handler.kind, self.engine):
                 self.batcher = Batcher.for_settings(self.settings, self._serve_batch)
                 if self.context.follower is None:  # the other ranks run the batches rank 0 formed
                     self.batcher.start()
@@ -226,16 +226,6 @@ class Worker:
             self.priority = EnginePriority(self.loop, engine, adaptive=not self.mpi)
             log.info("%d process(es) the handler started %s", len(engine), self.priority.describe())
         return await self._set_own_state(WorkerState.READY)
-
-    def _queued(self) -> bool:
-        """Whether requests wait in the worker's queue (``container.worker.batching``) for the
-        handler: to be batched, or, with priority scheduling, to reach a synchronous handler's
-        threads in priority order. An async handler (and vLLM, which schedules its own queue)
-        takes every request at once: nothing waits here."""
-        assert self.handler is not None
-        return self.settings.batch_size > 1 or (
-            self.settings.priority_scheduling and self.handler.kind in ("sync", "generator")
-        )
 
     # -- state: this rank's, and (on rank 0) the group's
     async def _set_own_state(self, state: WorkerState, detail: str = "") -> bool:
@@ -357,12 +347,11 @@ class Worker:
                 if self.follower is not None:  # rank 0 collects every rank's metrics
                     self.follower.send_metrics(message.id, generate_latest().decode())
                     return
-            elif (refused := self.inputs.refusal(message) or self._priority_refusal(message)) is not None:
-                self.loop.create_task(self._fail(conn, message.id, refused))  # before it is relayed, batched or parsed
+            elif (refused := self.inputs.refusal(message)) is not None:  # before it is relayed, batched or parsed
+                self.loop.create_task(self._fail(conn, message.id, refused))
                 return
             elif self.batcher is not None and self.own_state.state is WorkerState.READY:
-                priority = header_priority(message.properties) or 0  # checked by _priority_refusal
-                self.batcher.submit(conn, message, priority)  # relayed with its batch (InvokeBatch)
+                self.batcher.submit(conn, message)  # relayed with its batch (InvokeBatch)
                 return
             elif (leader := self._relay()) is not None:
                 leader.send(message)
@@ -386,15 +375,6 @@ class Worker:
             task.cancel()
         else:
             log.warning("ignoring unexpected %s message", type(message).__name__)
-
-    def _priority_refusal(self, message: Invoke) -> InputError | None:
-        """Why the request's ``X-Priority`` refuses it (not a whole number, out of range, or a
-        priority this server does not order by), or None."""
-        try:
-            check_allowed(header_priority(message.properties), HEADER, self.settings.priority_scheduling)
-        except InputError as exc:
-            return exc
-        return None
 
     def _relay(self) -> Leader | None:
         """Rank 0 of an MPI group hands requests and cancels to the other ranks

@@ -80,12 +80,13 @@ def test_lmi_parameters_carry_a_priority_within_int64():
 # -- the worker's queue
 
 
-def _invoke(name: str) -> Invoke:
-    return Invoke(id=name, properties={}, body=b"")
+def _invoke(name: str, priority: int | None = None) -> Invoke:
+    return Invoke(id=name, properties={} if priority is None else {"X-Priority": str(priority)}, body=b"")
 
 
-async def _served(size: int, slots: int, queued: list[tuple[str, int]], cancel: str | None = None) -> list[list[str]]:
-    """The batches ``Batcher`` hands its handler when ``queued`` ((name, priority), in arrival order)
+async def _served(size: int, slots: int, queued: list[tuple[str, int | None]], cancel: str | None = None
+                  ) -> list[list[str]]:
+    """The batches ``Batcher`` hands its handler when ``queued`` ((name, X-Priority), in arrival order)
     arrive while its ``slots`` are taken by a first request, ``cancel`` leaving the queue meanwhile."""
     batches: list[list[str]] = []
     holding = asyncio.Event()
@@ -103,7 +104,7 @@ async def _served(size: int, slots: int, queued: list[tuple[str, int]], cancel: 
         batcher.submit("conn", _invoke("first"))
         await asyncio.wait_for(holding.wait(), 5)
         for name, priority in queued:
-            batcher.submit("conn", _invoke(name), priority)
+            batcher.submit("conn", _invoke(name, priority))
         if cancel is not None:
             batcher.cancel(cancel)
         release.set()
@@ -116,13 +117,13 @@ async def _served(size: int, slots: int, queued: list[tuple[str, int]], cancel: 
 
 
 def test_waiting_requests_leave_lowest_priority_value_first_and_first_come_among_equals():
-    queued = [("a", 0), ("b", 5), ("c", -1), ("d", 0), ("e", -1), ("f", 5)]
+    queued = [("a", None), ("b", 5), ("c", -1), ("d", 0), ("e", -1), ("f", 5)]
     batches = asyncio.run(_served(1, 1, queued))
     assert batches == [["c"], ["e"], ["a"], ["d"], ["b"], ["f"]]
 
 
 def test_without_priorities_the_queue_is_first_come():
-    batches = asyncio.run(_served(1, 1, [(name, 0) for name in "abcde"]))
+    batches = asyncio.run(_served(1, 1, [(name, None) for name in "abcde"]))
     assert batches == [["a"], ["b"], ["c"], ["d"], ["e"]]
 
 
@@ -134,3 +135,15 @@ def test_batches_are_formed_in_priority_order():
 def test_a_request_cancelled_while_it_waits_leaves_the_queue():
     batches = asyncio.run(_served(1, 1, [("a", 1), ("b", 0), ("c", 2)], cancel="b"))
     assert batches == [["a"], ["c"]]
+
+
+def test_the_worker_refuses_a_bad_or_unscheduled_header_before_anything_reads_the_body():
+    from container.worker.requests import Inputs
+
+    first_come, by_priority = Inputs(priority_scheduling=False), Inputs(priority_scheduling=True)
+    assert first_come.refusal(_invoke("a")) is None and first_come.refusal(_invoke("a", 0)) is None
+    refused = first_come.refusal(_invoke("a", 4))
+    assert isinstance(refused, InputError) and refused.detail.startswith("X-Priority=4: ")
+    assert by_priority.refusal(_invoke("a", 4)) is None
+    bad = Invoke(id="a", properties={"x-priority": "later"}, body=b"")
+    assert by_priority.refusal(bad).detail.startswith("X-Priority: 'later' is not a whole number")
