@@ -3,8 +3,9 @@ first, 0 for a request that names none; requests of equal priority are served in
 they came.
 
 A request names one by LMI's ``X-Priority`` header (or ``x-priority=<n>`` in SageMaker's
-``X-Amzn-SageMaker-Custom-Attributes``, which SageMaker forwards where it forwards no other
-header: both become the ``x-priority`` property of the request), or in its body: ``priority``
+``X-Amzn-SageMaker-Custom-Attributes``, which SageMaker's ``InvokeEndpoint`` passes on where it
+passes on no header of the client's choosing: both become the ``x-priority`` property of the
+request, as in LMI), or in its body: ``priority``
 in an OpenAI body, ``parameters.priority`` in LMI's. The header wins over the body, as vLLM's
 own ``X-Vllm-Priority`` header does on its server.
 
