@@ -11,7 +11,7 @@ import time
 import pytest
 import requests
 
-from tests.e2e.conftest import EAGER, ENGINE_READY_TIMEOUT, VLLM_CPU_ENV
+from tests.e2e.conftest import EAGER, ENGINE_READY_TIMEOUT, EXACT, VLLM_CPU_ENV
 from tests.server import RawStream, Server, metric, wait_idle
 
 pytestmark = pytest.mark.slow
@@ -21,7 +21,8 @@ TOKENS = 48  # each queued request's answer: a few engine steps, so that no two 
 
 @pytest.fixture(scope="module")
 def server(tiny_model):
-    env = {**VLLM_CPU_ENV, **EAGER, "OPTION_MAX_ROLLING_BATCH_SIZE": "1", "OPTION_SCHEDULING_POLICY": "priority"}
+    # float32 (EXACT): an eager engine's bfloat16 kernels died of SIGILL on its first request on CI's CPUs (2026-11-29)
+    env = {**VLLM_CPU_ENV, **EAGER, **EXACT, "OPTION_MAX_ROLLING_BATCH_SIZE": "1", "OPTION_SCHEDULING_POLICY": "priority"}
     with Server(tiny_model, env=env, ready_timeout=ENGINE_READY_TIMEOUT) as s:
         yield s
 
@@ -45,19 +46,18 @@ def served_order(server: Server, holder: tuple[str, dict], queued: list[tuple[st
         finished[name] = time.monotonic()
 
     stream = RawStream(server.port, holder[0], holder[1], timeout=120)
-    try:
-        assert stream.response.status == 200 and stream.read_lines(2)  # it runs: the engine's only place is taken
-        with concurrent.futures.ThreadPoolExecutor(len(queued)) as pool:
+    with concurrent.futures.ThreadPoolExecutor(len(queued)) as pool:
+        try:
+            assert stream.response.status == 200 and stream.read_lines(2)  # it runs: the only place is taken
             futures = []
             for n, (name, path, body, headers) in enumerate(queued, start=1):
                 futures.append(pool.submit(send, name, path, body, headers))
                 _until(lambda: metric(server, "vllm:num_requests_waiting") >= n, f"{name} never waited in vLLM")
             assert not finished and metric(server, "vllm:num_requests_running") == 1
+        finally:
             stream.close()  # the engine's place goes to the queue, in the scheduler's order
-            for future in futures:
-                future.result()
-    finally:
-        stream.close()
+        for future in futures:
+            future.result()
     wait_idle(server)
     return sorted(finished, key=finished.__getitem__)
 

@@ -1,8 +1,8 @@
 """The two vLLM gauges SageMaker's routers and autoscalers read from /metrics (HyperPod's inference
 gateway, KEDA's Prometheus triggers): ``vllm:num_requests_waiting`` and ``vllm:kv_cache_usage_perc``
 keep exactly those names and their gauge type through the frontend's merge of the worker groups'
-texts, whatever the layout: one group, several, an MPI group's ranks. (On a real engine:
-tests/e2e/test_vllm_engine.py.)"""
+texts, whatever the layout: one group, several, an MPI group's ranks. (On real engines:
+tests/e2e/test_vllm_engine.py, one group; tests/e2e/test_lmi_dist.py, two ranks.)"""
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
