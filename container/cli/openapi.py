@@ -132,6 +132,7 @@ def generate() -> dict[str, Any]:
     )
 
     from container.core.errors import AnthropicError, LmiError, OpenAIError
+    from container.core.request_priority import PRIORITY_MAX, PRIORITY_MIN
     from handlers.engines.lmi_schema import LmiAnswer, LmiBody
 
     models: list[tuple[type[BaseModel], JsonSchemaMode]] = [
@@ -215,6 +216,16 @@ def generate() -> dict[str, Any]:
         "description": "Adapter <name> registered / unregistered",
         "content": {"text/plain": {"schema": {"type": "string"}}},
     }
+    priority = [
+        {
+            "name": "X-Priority",
+            "in": "header",
+            "required": False,
+            "description": "the request's scheduling priority (LMI's header; vLLM's meaning: lower values are served "
+            "first, default 0), over the body's priority; needs option.scheduling_policy=priority (else a 400)",
+            "schema": {"type": "integer", "minimum": PRIORITY_MIN, "maximum": PRIORITY_MAX},
+        }
+    ]
     embeddings, scores = names[EmbeddingResponse], names[ScoreResponse]
     score_bodies = [names[m] for m in (ScoreQueriesDocumentsRequest, ScoreQueriesItemsRequest)]
     score_bodies += [names[m] for m in (ScoreDataRequest, ScoreTextRequest)]
@@ -241,6 +252,7 @@ def generate() -> dict[str, Any]:
         },
         "/invocations": {
             "post": {
+                "parameters": priority,
                 "summary": "SageMaker's inference route: an OpenAI chat (messages), LMI's schema (inputs) or an "
                 "OpenAI completion (prompt) body, the first that fits in this order; on a pooling model "
                 "(option.task=text-embedding ...) LMI's embedding form (inputs: vectors out), or the bodies of "
@@ -263,6 +275,7 @@ def generate() -> dict[str, Any]:
         },
         "/v1/chat/completions": {
             "post": {
+                "parameters": priority,
                 "summary": "OpenAI chat completions (vLLM's semantics)",
                 "requestBody": body(chat),
                 "responses": {"200": _answers(_ref(chat_answer)), **openai_errors},
@@ -270,6 +283,7 @@ def generate() -> dict[str, Any]:
         },
         "/v1/completions": {
             "post": {
+                "parameters": priority,
                 "summary": "OpenAI completions (vLLM's semantics)",
                 "requestBody": body(completion),
                 "responses": {"200": _answers(_ref(completion_answer)), **openai_errors},
@@ -277,6 +291,7 @@ def generate() -> dict[str, Any]:
         },
         "/v1/embeddings": {
             "post": {
+                "parameters": priority,
                 "summary": "OpenAI embeddings on a pooling model (vLLM's semantics; a 400 on a generation model)",
                 "requestBody": body(*embedding_bodies),
                 "responses": {"200": _embeddings_answer(_ref(embeddings)), **openai_errors},
@@ -284,6 +299,7 @@ def generate() -> dict[str, Any]:
         },
         "/v1/score": {
             "post": {
+                "parameters": priority,
                 "summary": "vLLM's scores of text pairs on a pooling model (a 400 on a generation model)",
                 "requestBody": body(*score_bodies),
                 "responses": {"200": _json(_ref(scores)), **openai_errors},
@@ -291,6 +307,7 @@ def generate() -> dict[str, Any]:
         },
         "/v1/rerank": {
             "post": {
+                "parameters": priority,
                 "summary": "vLLM's (Jina's) rerank of documents for a query on a pooling model",
                 "requestBody": body(names[RerankRequest]),
                 "responses": {"200": _json(_ref(names[RerankResponse])), **openai_errors},
@@ -298,6 +315,7 @@ def generate() -> dict[str, Any]:
         },
         "/v1/responses": {
             "post": {
+                "parameters": priority,
                 "summary": "OpenAI's Responses API (vLLM's semantics; a stream of named events; no stored or "
                 "background responses)",
                 "requestBody": body(names[ResponsesRequest]),
@@ -306,6 +324,7 @@ def generate() -> dict[str, Any]:
         },
         "/v1/messages": {
             "post": {
+                "parameters": priority,
                 "summary": "Anthropic's Messages API (vLLM's semantics; a stream of named events)",
                 "requestBody": body(names[AnthropicMessagesRequest]),
                 "responses": {"200": _answers(_ref(names[AnthropicMessagesResponse])), **anthropic_errors},

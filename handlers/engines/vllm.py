@@ -49,6 +49,7 @@ from vllm.v1.engine.exceptions import EngineDeadError
 from container.core.chat_options import chat_options
 from container.core.errors import InputError
 from container.core.logs import redacted_json
+from container.core.request_priority import header_priority
 from container.core.served_names import served_names
 from handlers.api import Input, Output
 from handlers.api.context import WorkerContext
@@ -123,10 +124,11 @@ class VllmEngine(Engine):
             self.rolling_formatter = RollingBatchFormatter(formatters.output, settings.tgi_compat, engine.tokenizer)
             self.answer_formatter = None
             log.info("%s", self.rolling_formatter.describe())
-        self.openai = OpenAIFront(engine, self.served_name, chat_options(settings), settings.model_dir)
+        scheduled = settings.priority_scheduling  # requests may name a priority (container.core.request_priority)
+        self.openai = OpenAIFront(engine, self.served_name, chat_options(settings), settings.model_dir, scheduled)
         names = (self.served_name, served_names(settings, context.launch.model_location).management)
         self.adapters = Adapters(engine, self.openai.models, names, bool(kwargs.get("enable_lora")))
-        self.lmi = LmiFront(engine, Formatter(settings.output_formatter, settings.tgi_compat), self.adapters)
+        self.lmi = LmiFront(engine, Formatter(settings.output_formatter, settings.tgi_compat), self.adapters, scheduled)
         self.sessions = EngineSessions(settings)
         self.max_prompts = settings.max_prompts_per_request
         self.task = f"option.task={settings.task}" if settings.task else "option.task unset"
@@ -134,7 +136,7 @@ class VllmEngine(Engine):
         if engine.model_config.runner_type == "pooling":
             task = self.task if settings.task else "option.runner=pooling"
             self.pooling = PoolingFront(
-                engine, self.openai.models, task, settings.normalize, settings.trust_request_mm_kwargs
+                engine, self.openai.models, task, settings.normalize, settings.trust_request_mm_kwargs, scheduled
             )
         REGISTRY.register(UnfinishedRequests(engine.get_num_unfinished_requests))
 
@@ -187,6 +189,7 @@ class VllmEngine(Engine):
         if not isinstance(body, dict):
             raise InputError("the request body must be a JSON object")
         header = inputs.get_property(ADAPTER_HEADER)
+        priority = header_priority(inputs.properties)  # X-Priority: the worker refused a bad one already
         if path in ("/tokenize", "/detokenize"):
             return await self._openai(path[1:], body, header, path)
         if path == "/invocations":
@@ -199,17 +202,19 @@ class VllmEngine(Engine):
                 return self._wrong_task(path, f"{self.pooling.task}, a pooling model (vLLM's pooling runner)")
             check_prompt_count(body, kind, self.max_prompts)
             model = self.adapters.for_openai(body.get("model"), header)
-            return await self.pooling.answer(kind, {**body, "model": model}, path)
+            return await self.pooling.answer(kind, {**body, "model": model}, path, priority)
         if kind in POOLING_PATHS.values():
             return self._wrong_task(path, f"text generation ({self.task})")
         if kind == "chat" or kind in CONVERSATION_KINDS:  # one conversation a request: no prompt count to check
-            return await self._openai(kind, body, header, path)
+            return await self._openai(kind, body, header, path, priority)
         if kind == "completion":
             check_prompt_count(body, "completion", self.max_prompts)
-            return await self._openai("completion", body, header, path)
+            return await self._openai("completion", body, header, path, priority)
         if kind == "lmi":
             check_prompt_count(body, "lmi", self.max_prompts)
-            return await self.lmi.answer(body, inputs.get_property("requestId"), header, self.rolling_formatter)
+            return await self.lmi.answer(
+                body, inputs.get_property("requestId"), header, self.rolling_formatter, priority
+            )
         if kind == "session":
             return self.sessions.answer(inputs, body)
         raise InputError(
@@ -228,6 +233,8 @@ class VllmEngine(Engine):
         message = f"{path} does not serve this model: it is served for {served}; its routes are {routes}"
         return _openai_error(path, 400, message)
 
-    async def _openai(self, kind: str, body: dict, header: str | None, path: str) -> Output:
+    async def _openai(
+        self, kind: str, body: dict, header: str | None, path: str, priority: int | None = None
+    ) -> Output:
         body = {**body, "model": self.adapters.for_openai(body.get("model"), header)}
-        return await self.openai.answer(kind, body, path)
+        return await self.openai.answer(kind, body, path, priority)

@@ -41,6 +41,8 @@ from container.core.errors import (
     is_anthropic_path,
     is_openai_path,
 )
+from container.core.request_priority import HEADER as PRIORITY_HEADER
+from container.core.request_priority import refusal
 from handlers.api import Output
 from handlers.engines.chat_setup import check_parsers
 from handlers.engines.vllm_media import FETCH_FAILED
@@ -178,12 +180,45 @@ def _responses_body(body: dict, path: str) -> dict | Output:
     return {**body, "store": False}
 
 
+def with_priority(body: dict, header: int | None) -> dict:
+    """``body`` with the ``X-Priority`` header's value as its ``priority`` (the header wins over
+    the body, as vLLM's ``X-Vllm-Priority`` does on its server); ``body`` itself without one."""
+    return body if header is None else {**body, "priority": header}
+
+
+def priority_refusal(request: Any, header: int | None, scheduled: bool) -> str | None:
+    """Why a validated vLLM request (its ``priority`` set by ``with_priority``) is refused for its
+    priority, naming where it came from; None when it is not (``request_priority.refusal``)."""
+    return refusal(request.priority, PRIORITY_HEADER if header is not None else "priority", scheduled)
+
+
+class PrioritizedMessagesRequest(AnthropicMessagesRequest):
+    """Anthropic's Messages request with the request's ``X-Priority`` (Anthropic's schema has no
+    priority field; vLLM's Messages route reads one from its own header only)."""
+
+    priority: int = 0
+
+
+class PrioritizedServingMessages(AnthropicServingMessages):
+    """vLLM's Messages serving class, the request's priority carried into the chat request it
+    makes of a Messages request (and schedules as that)."""
+
+    @classmethod
+    def to_chat_completion_request(cls, anthropic_request: Any, **kwargs: Any) -> ChatCompletionRequest:
+        chat = super().to_chat_completion_request(anthropic_request, **kwargs)
+        chat.priority = getattr(anthropic_request, "priority", 0)
+        return chat
+
+
 class OpenAIFront:
     """vLLM's OpenAI serving classes around one engine, with the chat options (template, tool
     calling, reasoning) as vLLM's server takes them."""
 
-    def __init__(self, engine: Any, served_name: str, options: ChatOptions, model_dir: str) -> None:
+    def __init__(
+        self, engine: Any, served_name: str, options: ChatOptions, model_dir: str, priority_scheduling: bool = False
+    ) -> None:
         self.engine = engine
+        self.priority_scheduling = priority_scheduling  # option.scheduling_policy=priority
         self.models = OpenAIServingModels(engine, [BaseModelPath(name=served_name, model_path=served_name)])
         template = chat_template(options.chat_template, model_dir)
         if template is not None:
@@ -208,7 +243,7 @@ class OpenAIFront:
         self.chat = OpenAIServingChat(engine, self.models, "assistant", online_renderer=renderer, **chat_kwargs)
         self.completion = OpenAIServingCompletion(engine, self.models, online_renderer=renderer, request_logger=None)
         self.responses = OpenAIServingResponses(engine, self.models, renderer, **chat_kwargs)
-        self.messages = AnthropicServingMessages(
+        self.messages = PrioritizedServingMessages(
             engine, self.models, "assistant", online_renderer=renderer, **chat_kwargs
         )
         self.tokenization = ServingTokenization(
@@ -225,16 +260,21 @@ class OpenAIFront:
             card.root = card.id
         return Output().add_property("content-type", "application/json").add(listing.model_dump_json())
 
-    async def answer(self, kind: str, body: dict, path: str) -> Output:
+    async def answer(self, kind: str, body: dict, path: str, priority: int | None = None) -> Output:
         """Answer an OpenAI ``chat``, ``completion``, ``responses``, ``tokenize`` or ``detokenize``
         body, or an Anthropic ``messages`` or ``count_tokens`` one (its ``model`` already resolved),
-        as vLLM's server does."""
+        as vLLM's server does. ``priority``: the request's ``X-Priority``, which wins over the
+        body's ``priority`` (``with_priority``); a Messages request takes it from the header alone."""
+        if kind in ("chat", "completion", "responses"):
+            body = with_priority(body, priority)
+        elif kind == "messages":  # Anthropic's schema has no priority: vLLM ignores one in the body
+            body = {**body, "priority": priority or 0}
         tokenize: type[BaseModel] = TokenizeChatRequest if "messages" in body else TokenizeCompletionRequest
         classes: dict[str, type[BaseModel]] = {
             "chat": ChatCompletionRequest,
             "completion": CompletionRequest,
             "responses": ResponsesRequest,
-            "messages": AnthropicMessagesRequest,
+            "messages": PrioritizedMessagesRequest,
             "count_tokens": AnthropicCountTokensRequest,
             "tokenize": tokenize,
             "detokenize": DetokenizeRequest,
@@ -254,6 +294,10 @@ class OpenAIFront:
             return _openai_error(path, 400, str(exc), param=getattr(exc, "parameter", None))
         except _MALFORMED as exc:  # a vLLM validator tripping over a body of the wrong shape
             return _openai_error(path, 400, _malformed(exc))
+        if isinstance(request, (ChatCompletionRequest, CompletionRequest, ResponsesRequest)):
+            refused = priority_refusal(request, priority, self.priority_scheduling)
+            if refused is not None:
+                return _openai_error(path, 400, refused, param="priority")
         if isinstance(request, DetokenizeRequest):
             vocabulary = self.engine.model_config.get_vocab_size()
             outside = [t for t in request.tokens if not 0 <= t < vocabulary]

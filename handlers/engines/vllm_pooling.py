@@ -49,7 +49,7 @@ from vllm.tasks import POOLING_TASKS
 
 from container.core.errors import InputError
 from handlers.api import Output
-from handlers.engines.vllm_openai import _MALFORMED, _malformed, _openai_error
+from handlers.engines.vllm_openai import _MALFORMED, _malformed, _openai_error, priority_refusal, with_priority
 
 log = logging.getLogger("sagelmi.vllm")
 
@@ -94,9 +94,16 @@ class PoolingFront:
     first request (the engine's supported tasks are only known asynchronously)."""
 
     def __init__(
-        self, engine: Any, models: Any, task: str, normalize: bool | None, trust_request_mm_kwargs: bool = False
+        self,
+        engine: Any,
+        models: Any,
+        task: str,
+        normalize: bool | None,
+        trust_request_mm_kwargs: bool = False,
+        priority_scheduling: bool = False,
     ) -> None:
         self.engine = engine
+        self.priority_scheduling = priority_scheduling  # option.scheduling_policy=priority
         self.models = models
         self.task = task  # how the model is served, for messages: option.task=text-embedding ...
         self.normalize = normalize
@@ -133,10 +140,11 @@ class PoolingFront:
             self.pooling_task = str(pooling_task)
             log.info("pooling model (%s): vLLM pools for %s; serves %s", self.task, tasks, sorted(self.serving))
 
-    async def answer(self, kind: str, body: dict, path: str) -> Output:
+    async def answer(self, kind: str, body: dict, path: str, priority: int | None = None) -> Output:
         """Answer ``kind`` (``embeddings``, ``classification``, ``score``, ``rerank``, ``pooling`` or
         ``lmi``), as vLLM's server does (LMI's form as djl_python's vLLM handler does); ``body``'s
-        model already resolved."""
+        model already resolved. ``priority``: the request's ``X-Priority``, which wins over the
+        body's ``priority``."""
         await self._ready()
         serving = self.serving.get("embeddings" if kind == "lmi" else kind)
         if serving is None:
@@ -148,9 +156,10 @@ class PoolingFront:
         if kind == "lmi":
             normalize = True if self.normalize is None else self.normalize
             request: Any = EmbeddingCompletionRequest(
-                input=_texts(body["inputs"]), model=body.get("model"), use_activation=normalize
+                input=_texts(body["inputs"]), model=body.get("model"), use_activation=normalize, priority=priority or 0
             )
         else:
+            body = with_priority(body, priority)
             if kind == "embeddings" and self.normalize is not None:
                 body = {"use_activation": self.normalize, **body}
             try:
@@ -159,6 +168,9 @@ class PoolingFront:
                 return _openai_error(path, 400, _detail(exc))
             except VLLMClientError as exc:
                 return _openai_error(path, 400, str(exc), param=getattr(exc, "parameter", None))
+        refused = priority_refusal(request, priority, self.priority_scheduling)
+        if refused is not None:
+            return _openai_error(path, 400, refused, param="priority")
         try:
             response = await serving(request, None)
         except (VLLMClientError, ValueError) as exc:  # vLLM's request checks (dimensions, length ...)

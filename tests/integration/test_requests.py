@@ -146,6 +146,19 @@ def test_a_request_cannot_write_a_line_of_its_own_into_the_text_log(server):
     assert any("[forge-error]" in line and f"unhappy\\n{FORGED}" in line for line in lines)
 
 
+def test_a_priority_without_the_priority_scheduling_policy_is_a_400_naming_the_option(server):
+    """This server serves first-come (option.scheduling_policy unset): a request asking for more is
+    refused, not served as if it had not asked; priority 0, every request's default, asks for nothing."""
+    for headers in ({"X-Priority": "2"}, {"X-Amzn-SageMaker-Custom-Attributes": "x-priority=-1"}):
+        r = server.invoke({"inputs": "x"}, headers=headers)
+        assert r.status_code == 400, r.text
+        assert "option.scheduling_policy=priority" in r.json()["error"]
+    r = requests.post(server.url("/v1/chat/completions"), json={"messages": []}, headers={"X-Priority": "2"},
+                      timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("X-Priority=2: "), r.text
+    assert server.invoke({"inputs": "x"}, headers={"X-Priority": "0"}).status_code == 200
+
+
 def test_unknown_route_and_wrong_method(server):
     r = requests.get(server.url("/nowhere"), timeout=10)
     assert r.status_code == 404 and r.json()["code"] == 404
