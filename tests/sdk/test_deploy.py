@@ -1,4 +1,5 @@
-"""SagelmiModel.deploy() under moto's mock of AWS, with the real sagemaker SDK:
+"""SagelmiModel.deploy() under moto's mock of AWS, with the real sagemaker SDK (the installed
+major; test_sdk_majors.py runs on both):
 model, endpoint config and endpoint are created; the environment SageMaker
 records is what the container resolves to the settings asked for; a bad setting
 never reaches AWS."""
@@ -8,12 +9,12 @@ import io
 import tarfile
 
 import pytest
-import sagemaker
 
 from container.core.settings import SettingsError, resolve_settings
 from container.core.engine_args import EngineOptionError
 from sagemaker_sdk import SagelmiModel, SagelmiPredictor
 from sagemaker_sdk import sizing
+from sagemaker_sdk.sdk_major import Session
 from tests.fake_hub import Repo
 from tests.sdk.conftest import IMAGE, INSTANCE_TYPE, ROLE, TEXTGEN
 
@@ -32,7 +33,7 @@ class CallCounter:
 @pytest.fixture
 def session(aws):
     counter = CallCounter(aws)
-    sagemaker_session = sagemaker.Session(boto_session=aws)
+    sagemaker_session = Session(boto_session=aws)
     counter.calls.clear()
     sagemaker_session.counter = counter
     return sagemaker_session
