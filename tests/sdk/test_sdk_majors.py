@@ -11,6 +11,8 @@ import io
 import json
 import sys
 import tarfile
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import boto3
 import pytest
@@ -18,6 +20,7 @@ from botocore.exceptions import ClientError
 
 from container.core.settings import resolve_settings
 from sagemaker_sdk import SDK_MAJOR, DoesNotFit, InferenceComponentConfig, SagelmiModel, SagelmiPredictor
+from sagemaker_sdk.local import LocalEndpoint
 from sagemaker_sdk.sdk_major import Session
 from tests.sdk.aws import IMAGE, INSTANCE_TYPE, REGION, ROLE, aws, components  # noqa: F401 (fixtures)
 from tests.sdk.fake_runtime import FakeRuntime
@@ -172,6 +175,48 @@ def test_the_predictor_names_its_inference_component(runtime):
         ["component-1", "component-1", "component-2"]
     assert json.loads(plain["body"]) == {"inputs": "hi", "parameters": {"max_new_tokens": 2}}
     assert plain["headers"]["Content-Type"] == "application/json"
+
+
+@pytest.fixture
+def container_stub():
+    """A stand-in for the container's /invocations on a local port (this test is not about the
+    server: test_local.py runs the real one): LMI's answer, or its JSON lines when asked to stream."""
+    requests = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            requests.append((self.path, body))
+            lines = [{"token": {"text": "a"}}, {"token": {"text": "b"}, "generated_text": "ab"}]
+            answer = "".join(json.dumps(line) + "\n" for line in lines) if body.get("stream") else \
+                json.dumps({"generated_text": "ab"})
+            self.send_response(200)
+            self.send_header("Content-Type", "application/jsonlines" if body.get("stream") else "application/json")
+            self.send_header("Content-Length", str(len(answer)))
+            self.end_headers()
+            self.wfile.write(answer.encode())
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server.requests = requests
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_local_endpoints_predictor(container_stub):
+    port = container_stub.server_address[1]
+    endpoint = LocalEndpoint(SagelmiModel("org/model", image_uri=IMAGE), mode="docker", port=port)
+    assert endpoint.command()[:2] == ["docker", "run"] and endpoint.command()[-2:] == [IMAGE, "serve"]
+    predictor = endpoint.predictor()
+    assert predictor.predict("hi", max_new_tokens=2) == {"generated_text": "ab"}
+    assert list(predictor.predict_stream("hi", max_new_tokens=2)) == ["a", "b"]
+    assert container_stub.requests == [
+        ("/invocations", {"inputs": "hi", "parameters": {"max_new_tokens": 2}}),
+        ("/invocations", {"inputs": "hi", "parameters": {"max_new_tokens": 2}, "stream": True})]
 
 
 def test_only_the_installed_majors_front_is_imported():
