@@ -194,6 +194,26 @@ def test_a_model_that_fits_is_deployed(session, tmp_path):
     assert session.sagemaker_client.describe_endpoint(EndpointName=small.endpoint_name)
 
 
+def test_an_inference_component_is_planned_on_its_accelerators(session, components, tmp_path):
+    """The fit check of an inference component plans one copy: on its accelerators, not the instance's."""
+    from sagemaker_sdk import DoesNotFit, InferenceComponentConfig
+
+    model_dir = _model_dir(tmp_path / "8b", 32, 16 * 10 ** 9)  # 16 GB of weights: more than one T4 holds
+    spread = SagelmiModel(handler_dir=model_dir, tensor_parallel_degree=2, image_uri=IMAGE, role=ROLE,
+                          sagemaker_session=session)
+    with pytest.raises(DoesNotFit, match=r"tensor x pipeline parallel degree 2 x 1 needs 2 GPUs; 1 GPU\(s\) of "
+                                         r"ml.g4dn.12xlarge \(4 x T4 15 GiB\) has 1"):
+        spread.deploy(instance_type="ml.g4dn.12xlarge", inference_component=InferenceComponentConfig(accelerators=1))
+    single = SagelmiModel(handler_dir=model_dir, image_uri=IMAGE, role=ROLE, sagemaker_session=session)
+    with pytest.raises(DoesNotFit, match=r"does not fit on 1 GPU\(s\) of ml.g4dn.12xlarge"):
+        single.deploy(instance_type="ml.g4dn.12xlarge", inference_component=True)
+    assert components.requests == [] and not [c for c in session.counter.calls if c.startswith("sagemaker.Create")]
+    # two GPUs a copy (tensor parallel 2, the default accelerators): it fits, and is deployed
+    spread.deploy(instance_type="ml.g4dn.12xlarge", inference_component=True, wait=False)
+    requirements = components.request("CreateInferenceComponent")["Specification"]["ComputeResourceRequirements"]
+    assert requirements["NumberOfAcceleratorDevicesRequired"] == 2
+
+
 def test_tensor_parallel_max_is_resolved_alike_by_the_container_the_planner_and_the_sdk(session, tmp_path):
     """tp=max with pp=2 on 4 GPUs of 24 GiB is tp=2, pp=2 for all three (container.core.devices.
     resolve_tensor_parallel): the worker groups the container starts, `sagelmi plan` and the SDK's plan."""

@@ -12,6 +12,10 @@ from sagemaker_sdk import SDK_MAJOR, SagelmiPredictor
 from tests.readme import python_snippets, section
 from tests.sdk.aws import IMAGE, ROLE, aws, components  # noqa: F401 (fixtures)
 
+BY_MAJOR = {major: python_snippets(section(f"With the SDK {major}.x")) for major in (2, 3)}
+(COMPONENT,) = python_snippets(section("Deploying as an inference component"))
+SNIPPETS = [*(snippet for snippets in BY_MAJOR.values() for snippet in snippets), COMPONENT]  # docs/sdk.md's
+
 
 @pytest.fixture
 def default_session(aws, monkeypatch):
@@ -27,7 +31,7 @@ def run(snippet: str) -> dict:
 
 
 def test_the_example_for_this_major(default_session, capsys):
-    (snippet,) = python_snippets(section(f"With the SDK {SDK_MAJOR}.x"))
+    (snippet,) = BY_MAJOR[SDK_MAJOR]
     namespace = run(snippet)
     model, predictor = namespace["model"], namespace["predictor"]
     assert isinstance(predictor, SagelmiPredictor)
@@ -41,8 +45,7 @@ def test_the_example_for_this_major(default_session, capsys):
 
 
 def test_the_inference_component_example(default_session, components, capsys):
-    (snippet,) = python_snippets(section("Deploying as an inference component"))
-    namespace = run(snippet)
+    namespace = run(COMPONENT)
     model, predictor = namespace["model"], namespace["predictor"]
     assert capsys.readouterr().out.split() == [predictor.component_name]
     config = components.request("CreateEndpointConfig")
