@@ -109,6 +109,12 @@ def test_an_inference_component_deploy(session, components):
     assert container["Image"] == IMAGE
     assert resolve_settings(container["Environment"], "/nonexistent").tensor_parallel_degree == 2
 
+    if SDK_MAJOR == 3:  # 3.x's predictor deletes the component before the endpoint (2.x's has delete_predictor)
+        predictor.delete_endpoint()
+        assert [name for name, _ in components.requests if name.startswith("Delete")] == [
+            "DeleteInferenceComponent", "DeleteEndpoint", "DeleteEndpointConfig"]
+        assert components.components == components.endpoints == components.configs == {}
+
 
 def test_an_inference_component_with_its_defaults(session, components):
     made = model(session)
