@@ -120,8 +120,8 @@ class ModelBase:
     ) -> None:
         if unsupported:
             raise TypeError(
-                f"SagelmiModel on sagemaker 3.x takes no {', '.join(sorted(unsupported))}= (sagemaker 2.x's Model "
-                "arguments that have no counterpart here)"
+                f"SagelmiModel on sagemaker 3.x takes no {', '.join(f'{name}=' for name in sorted(unsupported))} "
+                "(sagemaker 2.x's Model arguments that have no counterpart here)"
             )
         self.image_uri = image_uri
         self.model_data = model_data

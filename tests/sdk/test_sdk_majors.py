@@ -143,6 +143,16 @@ def test_an_inference_component_that_cannot_be_placed_is_refused_before_aws(sess
     assert components.boto_session.client("sagemaker").list_models()["Models"] == []
 
 
+@pytest.mark.skipif(SDK_MAJOR == 2, reason="2.x's Model and Model.deploy take all of these")
+def test_arguments_of_2x_that_3x_has_no_counterpart_for_are_refused_by_name(session, components):
+    with pytest.raises(TypeError, match="SagelmiModel on sagemaker 3.x takes no image_config=, model_kms_key="):
+        model(session, image_config={"RepositoryAccessMode": "Vpc"}, model_kms_key="key")
+    with pytest.raises(TypeError, match="deploy.. on sagemaker 3.x takes .* not data_capture_config="):
+        model(session).deploy(instance_type=INSTANCE_TYPE, check_fit=False, data_capture_config=object())
+    assert components.requests == []
+    assert components.boto_session.client("sagemaker").list_models()["Models"] == []
+
+
 def test_the_checked_requests_are_botocores_input_shape(components):
     """The stand-in refuses what SageMaker's API would (botocore's validator on the wire body)."""
     from botocore.exceptions import ParamValidationError
