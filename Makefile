@@ -25,7 +25,9 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --no-compile --retries 1 --timeout 20 --no-deps "$(TORCH)" --extra-index-url $(TORCH_INDEX)
-	$(BIN)/pip install --no-compile -e ".[cpu,mpi,otel,sdk,test,bench]"
+	@# The sagemaker SDK 2.x here: 3.x requires mlflow, which holds gunicorn below 27, and the
+	@# frontend needs gunicorn 27. tests/sdk/test_other_major.py tests the SDK on 3.x in a venv of its own.
+	$(BIN)/pip install --no-compile -e ".[cpu,mpi,otel,sdk,test,bench]" "sagemaker>=2,<3"
 	$(BIN)/python -m compileall -q -j 0 $$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') >/dev/null || true
 	@# vLLM pulls torchvision/torchaudio/torchcodec builds that do not match the CPU
 	@# torch ("operator torchvision::nms does not exist"); nothing here uses them.

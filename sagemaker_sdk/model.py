@@ -1,5 +1,6 @@
-"""``SagelmiModel``: a ``sagemaker`` ``Model`` for the sagelmi image, with the
-container's settings as typed keyword arguments."""
+"""``SagelmiModel``: the sagelmi image as a SageMaker model, with the container's settings as
+typed keyword arguments, on either major of the ``sagemaker`` SDK (``sagemaker_sdk.sdk_major``:
+a ``sagemaker.model.Model`` with 2.x, the ``sagemaker-core`` resources with 3.x)."""
 
 from __future__ import annotations
 
@@ -12,16 +13,15 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from sagemaker import s3
-from sagemaker.model import Model
-from sagemaker.session import Session
-
 from container.core.devices import resolve_tensor_parallel
+from container.core.instances import INSTANCES
 from container.core.setting_keys import option_key
 from container.core.settings import SettingsError
 from sagemaker_sdk import sizing
+from sagemaker_sdk.component import InferenceComponentConfig
 from sagemaker_sdk.env import ContainerEnv, build_container_env, env_name, env_text
 from sagemaker_sdk.predictor import SagelmiPredictor
+from sagemaker_sdk.sdk_major import ModelBase
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class DoesNotFit(ValueError):
     """The model cannot run on the instance type with these settings; the message gives the numbers."""
 
 
-class SagelmiModel(Model):
+class SagelmiModel(ModelBase):
     """The sagelmi image on SageMaker, with the container's settings as arguments.
 
     The model: ``model_id`` (the first positional argument, as DJLModel's: a Hub
@@ -134,10 +134,13 @@ class SagelmiModel(Model):
     ``model_data`` that holds a ``model.py`` should say ``options={"entryPoint": "model.py"}``).
 
     ``model_size_gb`` sizes the deploy timeouts (``sagemaker_sdk.sizing``); the
-    other keyword arguments are ``sagemaker.model.Model``'s (``image_uri``,
-    ``role``, ``name``, ``sagemaker_session``, ``vpc_config`` ...). Script mode
+    other keyword arguments are ``sagemaker.model.Model``'s with sagemaker 2.x (``image_uri``,
+    ``role``, ``name``, ``sagemaker_session``, ``vpc_config`` ...), and those of them that
+    apply with 3.x (``sagemaker_sdk.sdk_v3.ModelBase``). Script mode
     (``entry_point``, ``source_dir`` ...) and DJLModel's image choice
     (``djl_version``, ``djl_framework``) are refused with a ``TypeError`` saying what to use."""
+
+    model_data: Any  # set by the SDK's model; a handler directory's upload replaces None
 
     def __init__(
         self,
@@ -203,7 +206,7 @@ class SagelmiModel(Model):
         self.container = self._container_env(typed, options or {}, _with_token(env or {}, huggingface_hub_token))
         if not self.container.settings.model_id and model_data is None and self.handler_dir is None:
             raise ValueError("nothing to serve: give model_id (a Hub id or s3:// prefix), model_data or handler_dir")
-        # Checked before this: the sagemaker Model may read config files and sessions.
+        # Checked before this: the SDK's model may read config files and sessions.
         super().__init__(
             image_uri=image_uri,
             model_data=_model_data_source(model_data),
@@ -229,34 +232,23 @@ class SagelmiModel(Model):
         """The settings the container will resolve (``container.core.settings.Settings``)."""
         return self.container.settings
 
-    def _session(self) -> Session:
-        """The SageMaker session: passed in, or set up by ``deploy()``."""
-        session = self.sagemaker_session
-        if session is None:
-            raise ValueError("this needs a SageMaker session: pass sagemaker_session=, or deploy() first")
-        return session
-
     # -- model data --------------------------------------------------------------------
 
-    def prepare_container_def(self, *args, **kwargs):
+    def _prepare_model_data(self) -> None:
+        """Before the model is created: a ``handler_dir`` becomes the model data."""
         if self.handler_dir is not None and self.model_data is None:
             self.model_data = self._upload_handler_dir()
-        return super().prepare_container_def(*args, **kwargs)
 
     def _upload_handler_dir(self) -> str:
         """Pack ``handler_dir`` and upload it to the session's default bucket (or
         ``code_location``); the S3 URI of the ``model.tar.gz``."""
-        assert self.handler_dir is not None  # prepare_container_def uploads a handler_dir only
-        session = self._session()
+        assert self.handler_dir is not None  # _prepare_model_data uploads a handler_dir only
         packed = pack_directory(self.handler_dir)
         digest = hashlib.sha256(packed).hexdigest()[:12]
-        bucket, key_prefix = s3.determine_bucket_and_prefix(
-            bucket=self.bucket, key_prefix=f"{self.key_prefix or 'sagelmi'}/handler-{digest}", sagemaker_session=session
-        )
         with tempfile.TemporaryDirectory(prefix="sagelmi-sdk-") as tmp:
             archive = Path(tmp) / "model.tar.gz"
             archive.write_bytes(packed)
-            uri = session.upload_data(str(archive), bucket=bucket, key_prefix=key_prefix)
+            uri = self._upload_archive(archive, f"handler-{digest}")
         log.info("uploaded %s (%d bytes) to %s", self.handler_dir, len(packed), uri)
         return uri
 
@@ -270,7 +262,7 @@ class SagelmiModel(Model):
         if self.settings.model_id is None and self.model_size_gb is not None:
             return float(self.model_size_gb)  # the model is the model data
         if isinstance(data, str) and data.startswith("s3://"):
-            return sizing.s3_gb(self._session().s3_client, data)
+            return sizing.s3_gb(self._s3_client(), data)
         if self.handler_dir is not None:
             return sizing.directory_gb(self.handler_dir)
         return None
@@ -285,7 +277,7 @@ class SagelmiModel(Model):
         if model_id is None:
             return self.model_data_size()
         if model_id.startswith("s3://"):
-            return sizing.s3_gb(self._session().s3_client, model_id)
+            return sizing.s3_gb(self._s3_client(), model_id)
         if Path(model_id).is_absolute():  # a path inside the container (the model data's)
             return self.model_data_size()
         return sizing.hub_gb(model_id, self.settings.revision, self.hub_token)
@@ -304,18 +296,27 @@ class SagelmiModel(Model):
         model_data_download_timeout: int | None = None,
         container_startup_health_check_timeout: int | None = None,
         check_fit: bool = True,
+        inference_component: InferenceComponentConfig | bool | None = None,
         **kwargs,
     ):
-        """``sagemaker.model.Model.deploy`` (returns a ``SagelmiPredictor``), with
-        ``container_startup_health_check_timeout`` and ``model_data_download_timeout``
+        """Create the model, the endpoint configuration and the endpoint; returns a
+        ``SagelmiPredictor`` on it. With sagemaker 2.x this is ``sagemaker.model.Model.deploy``
+        and takes its arguments; with 3.x the arguments ``sagemaker_sdk.sdk_v3`` lists.
+        ``container_startup_health_check_timeout`` and ``model_data_download_timeout`` are
         set from the model's size unless given (see ``sagemaker_sdk.sizing``); the
         container's ``option.model_loading_timeout``, unless set, follows a startup
         timeout longer than its default.
 
+        ``inference_component`` (an ``InferenceComponentConfig``, or True for its defaults)
+        deploys the model as a SageMaker inference component: an endpoint without a model,
+        then the model placed on it with the accelerators, memory and copies asked for; the
+        predictor's requests name the component. With 3.x ``deploy()`` waits for the endpoint
+        before it adds the component (``wait=False`` does not wait for the component).
+
         With ``check_fit`` (the default), a model whose ``config.json`` can be read
-        (``handler_dir``, or a Hub ``model_id``) is planned on ``instance_type`` as
-        ``sagelmi plan`` does, and a configuration that cannot fit raises
-        ``DoesNotFit`` before anything is created in AWS; ``check_fit=False`` goes ahead.
+        (``handler_dir``, or a Hub ``model_id``) is planned on ``instance_type`` (on one
+        component's accelerators) as ``sagelmi plan`` does, and a configuration that cannot
+        fit raises ``DoesNotFit`` before anything is created in AWS; ``check_fit=False`` goes ahead.
 
         ``instance_type="local"`` (SageMaker's local mode) is refused: run the model on
         this machine with ``sagemaker_sdk.local.LocalEndpoint`` (docs/sdk.md says why)."""
@@ -330,9 +331,10 @@ class SagelmiModel(Model):
                 "image_uri is required: the sagelmi image in your ECR registry "
                 "(<account>.dkr.ecr.<region>.amazonaws.com/<repository>:<tag>)"
             )
+        component = self.component_config(inference_component, instance_type)
         if check_fit:
-            self.check_fit(instance_type)
-        self._init_sagemaker_session_if_does_not_exist(instance_type)
+            self.check_fit(instance_type, component.accelerators if component else None)
+        self._ensure_session(instance_type)
         if kwargs.get("serverless_inference_config") is None:
             model_gb = data_gb = None
             if container_startup_health_check_timeout is None:
@@ -352,12 +354,45 @@ class SagelmiModel(Model):
             self._follow_startup_timeout(container_startup_health_check_timeout)
         kwargs["model_data_download_timeout"] = model_data_download_timeout
         kwargs["container_startup_health_check_timeout"] = container_startup_health_check_timeout
-        return super().deploy(initial_instance_count, instance_type, *args, **kwargs)
+        return self._deploy_on_sdk(initial_instance_count, instance_type, *args, component=component, **kwargs)
 
-    def plan(self, instance_type: str):
+    def component_config(
+        self, inference_component: InferenceComponentConfig | bool | None, instance_type: str | None
+    ) -> InferenceComponentConfig | None:
+        """``deploy()``'s ``inference_component`` with its accelerators resolved: unless given,
+        the tensor x pipeline parallel degree (``"max"``: the instance's GPUs). None: not asked for.
+
+        Raises ``DoesNotFit`` for more accelerators than the instance has, ``ValueError`` for
+        ``tensor_parallel_degree="max"`` on an instance type sagelmi does not know."""
+        if inference_component is None or inference_component is False:
+            return None
+        component = InferenceComponentConfig() if inference_component is True else inference_component
+        if not isinstance(component, InferenceComponentConfig):
+            raise TypeError(
+                f"inference_component must be an InferenceComponentConfig or True, not {type(component).__name__}"
+            )
+        instance = INSTANCES.get(instance_type or "")
+        if component.accelerators is None:
+            settings = self.settings
+            if settings.tensor_parallel_degree == "max" and instance is None:
+                raise ValueError(
+                    f"tensor_parallel_degree='max' on {instance_type!r}, an instance type sagelmi does not know: "
+                    "give the GPUs of each copy as InferenceComponentConfig(accelerators=...)"
+                )
+            tp = resolve_tensor_parallel(settings, instance.gpus if instance else 0)
+            component = component.with_accelerators(tp * settings.pipeline_parallel_degree)
+        if instance is not None and (component.accelerators or 0) > instance.gpus:
+            raise DoesNotFit(
+                f"each copy of the inference component asks for {component.accelerators} accelerators; "
+                f"{instance_type} has {instance.gpus}"
+            )
+        return component
+
+    def plan(self, instance_type: str, accelerators: int | None = None):
         """``container.core.plan``'s plan of this model on ``instance_type`` with its settings
-        (one split: the tensor and pipeline parallel degrees asked for); None when the
-        instance is not a known GPU instance or the model's config cannot be read."""
+        (one split: the tensor and pipeline parallel degrees asked for), on ``accelerators`` of
+        its GPUs when given (one inference component's); None when the instance is not a known
+        GPU instance or the model's config cannot be read."""
         from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
 
         from container.core.plan import INSTANCES, PlanError, hardware_of, plan_from_settings, read_model
@@ -384,6 +419,8 @@ class SagelmiModel(Model):
             )
             return None
         gpus, memory, hardware = hardware_of(instance_type, None, None)
+        if accelerators is not None and gpus is not None:
+            gpus, hardware = min(gpus, accelerators), f"{accelerators} GPU(s) of {hardware}"
         try:
             tp = resolve_tensor_parallel(settings, gpus or 0)
             return plan_from_settings(
@@ -399,9 +436,10 @@ class SagelmiModel(Model):
             log.info("no plan for %s on %s (%s); deploying unchecked", model[0], instance_type, exc)
             return None
 
-    def check_fit(self, instance_type: str | None) -> None:
-        """Raise ``DoesNotFit`` when the plan on ``instance_type`` says the model cannot run there."""
-        plan = self.plan(instance_type) if instance_type is not None else None  # no instance: nothing to check
+    def check_fit(self, instance_type: str | None, accelerators: int | None = None) -> None:
+        """Raise ``DoesNotFit`` when the plan on ``instance_type`` (on ``accelerators`` of its
+        GPUs when given) says the model cannot run there."""
+        plan = self.plan(instance_type, accelerators) if instance_type is not None else None  # no instance: no check
         if plan is None:
             return
         (split,) = plan.splits

@@ -2,18 +2,16 @@
 LMI text generation (``{"inputs", "parameters", "stream"}``) and OpenAI chat
 (``{"messages", ...}``), which the built-in handler tells apart by the body
 (``handlers/engines/vllm.py``), with streaming over SageMaker's
-``invoke_endpoint_with_response_stream``."""
+``invoke_endpoint_with_response_stream``. It stands on the installed ``sagemaker`` SDK's
+predictor (``sagemaker_sdk.sdk_major``): 2.x's ``Predictor``, or with 3.x a class with its
+arguments on ``sagemaker.core``'s runtime client."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from sagemaker.deserializers import JSONDeserializer
-from sagemaker.iterators import ByteIterator
-from sagemaker.predictor import Predictor
-from sagemaker.serializers import JSONSerializer
-
+from sagemaker_sdk.sdk_major import ByteIterator, PredictorBase
 from sagemaker_sdk.streaming import parse_stream, stream_texts
 
 _OPENAI_KEYS = ("messages", "prompt")
@@ -57,27 +55,19 @@ def check_request_args(initial_args: Any) -> None:
         )
 
 
-class SagelmiPredictor(Predictor):
+class SagelmiPredictor(PredictorBase):
     """``predict("text", max_new_tokens=64)`` -> LMI's answer
     (``{"generated_text": ...}``); ``predict_stream`` -> the text as it is
     generated; ``chat(messages)`` -> an OpenAI chat completion.
 
-    ``predict`` and ``predict_stream`` take the ``sagemaker`` ``Predictor``'s
-    arguments in its order (``initial_args`` second: ``{"ContentType": ...,
-    "CustomAttributes": ...}``, then ``target_model``, ``target_variant``,
-    ``inference_id``, ``custom_attributes``, ``component_name``); generation
-    parameters are keywords only: ``parameters={...}`` and/or one keyword each."""
-
-    def __init__(
-        self, endpoint_name: str, sagemaker_session=None, serializer=None, deserializer=None, **kwargs
-    ) -> None:
-        super().__init__(
-            endpoint_name,
-            sagemaker_session,
-            serializer=serializer or JSONSerializer(),
-            deserializer=deserializer or JSONDeserializer(),
-            **kwargs,
-        )
+    ``SagelmiPredictor(endpoint_name, sagemaker_session=None, serializer=None,
+    deserializer=None, component_name=None)``: ``component_name`` names the inference
+    component requests go to (``deploy(inference_component=...)`` sets it). ``predict`` and
+    ``predict_stream`` take the ``sagemaker`` ``Predictor``'s arguments in its order
+    (``initial_args`` second: ``{"ContentType": ..., "CustomAttributes": ...}``, then
+    ``target_model``, ``target_variant``, ``inference_id``, ``custom_attributes``,
+    ``component_name``); generation parameters are keywords only: ``parameters={...}`` and/or
+    one keyword each."""
 
     def predict(
         self,

@@ -56,6 +56,7 @@ FULL = {
         "tests/e2e/test_lmi_options.py",
         "tests/e2e/test_observability_vllm.py",
         "tests/e2e/test_pooling.py",
+        "tests/e2e/test_priority.py",
         "tests/e2e/test_readme_run.py",
         "tests/e2e/test_reasoning_and_templates.py",
         "tests/e2e/test_tool_calling.py",

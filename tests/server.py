@@ -279,8 +279,10 @@ class RawStream:
             self._buffer += chunk
 
     def complete(self) -> bool:
-        """Whether the end of the answer has arrived already (LMI's last line, or SSE's [DONE])."""
-        return b'"generated_text"' in self._buffer or b"data: [DONE]" in self._buffer
+        """Whether the end of the answer has arrived already (LMI's last line, SSE's [DONE], or the
+        last event of a Responses or Messages stream)."""
+        return any(end in self._buffer for end in (b'"generated_text"', b"data: [DONE]",
+                                                   b"event: response.completed", b"event: message_stop"))
 
     def close(self) -> None:
         """Drop the connection, as a client that goes away does."""

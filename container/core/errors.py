@@ -7,7 +7,9 @@ payload too large, ...), the worker for what a handler raised.
 The envelope is LMI's: ``{"code": <status>, "message": <summary>, "error":
 <detail>}``; on the OpenAI routes (``/v1/...``) it is OpenAI's (as vLLM's
 server answers): ``{"error": {"message": <detail>, "type", "param", "code":
-<status>}}``. ``envelope_for`` picks by the path the client called. Details
+<status>}}``; on Anthropic's Messages routes (``/v1/messages...``) Anthropic's
+(the shape vLLM's server answers there): ``{"type": "error", "error": {"type",
+"message": <detail>}}``. ``envelope_for`` picks by the path the client called. Details
 never carry a traceback; absolute file-system paths are replaced with
 ``<path>`` before they leave the process.
 """
@@ -19,6 +21,7 @@ import json
 import os
 import re
 from collections.abc import Callable
+from typing import Literal
 
 from pydantic import BaseModel
 
@@ -243,6 +246,18 @@ class OpenAIError(BaseModel):
     error: OpenAIErrorInfo
 
 
+class AnthropicErrorInfo(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicError(BaseModel):
+    """Anthropic's error envelope (``/v1/messages``, ``/v1/messages/count_tokens``), as vLLM's server answers."""
+
+    type: Literal["error"] = "error"
+    error: AnthropicErrorInfo
+
+
 def envelope(status: int, message: str, error: str) -> dict:
     return LmiError(code=status, message=message, error=error).model_dump()
 
@@ -265,14 +280,44 @@ def openai_envelope(status: int, message: str, error: str) -> dict:
     return OpenAIError(error=OpenAIErrorInfo(message=error or message, type=kind, code=status)).model_dump()
 
 
+# Anthropic's error type names by status (what its API and its client's exceptions go by); other
+# statuses get invalid_request_error (4xx) or api_error (5xx). vLLM's server passes OpenAI's
+# type names here; a client of Anthropic's API knows these.
+_ANTHROPIC_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    424: "api_error",  # the model's handler failed: not the request's fault
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
+
+
+def anthropic_envelope(status: int, message: str, error: str) -> dict:
+    """Anthropic's error body; ``error`` (the detail) is its message."""
+    kind = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return AnthropicError(error=AnthropicErrorInfo(type=kind, message=error or message)).model_dump()
+
+
 # vLLM's server routes outside /v1 that answer (and fail) in OpenAI's forms
 OPENAI_FORM_PATHS = ("/tokenize", "/detokenize")
+ANTHROPIC_PATH = "/v1/messages"  # and the routes under it (count_tokens)
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
 
 
 def is_openai_path(path: str) -> bool:
-    return path.startswith("/v1/") or path in OPENAI_FORM_PATHS
+    """Whether the route at ``path`` answers in OpenAI's forms (not Anthropic's routes under ``/v1``)."""
+    return (path.startswith("/v1/") or path in OPENAI_FORM_PATHS) and not is_anthropic_path(path)
 
 
 def envelope_for(path: str, status: int, message: str, error: str) -> dict:
-    """The error body in the envelope of the route at ``path``: OpenAI's on ``/v1/...``, else LMI's."""
+    """The error body in the envelope of the route at ``path``: Anthropic's on ``/v1/messages...``,
+    OpenAI's on the other ``/v1/...`` routes, else LMI's."""
+    if is_anthropic_path(path):
+        return anthropic_envelope(status, message, error)
     return (openai_envelope if is_openai_path(path) else envelope)(status, message, error)

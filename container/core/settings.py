@@ -200,6 +200,13 @@ class Settings(BaseModel):
         return self.max_connections_per_client or self.job_queue_size
 
     @property
+    def priority_scheduling(self) -> bool:
+        """Requests are ordered by their priority (``option.scheduling_policy=priority``, vLLM's
+        engine argument; ``container.core.request_priority``), in the engine and in the worker's
+        queue; else first-come, and a request naming a priority is refused."""
+        return self.options.get("scheduling_policy", "").strip() == "priority"
+
+    @property
     def mpi_extra_args_list(self) -> list[str]:
         return shlex.split(self.mpi_extra_args)
 

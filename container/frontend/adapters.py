@@ -184,7 +184,7 @@ class AdapterRegistry:
             if name in self._adapters or name in self._arriving:
                 raise Conflict(
                     f"adapter {name!r} is already registered; unregister it first "
-                    f"(DELETE /models/{self.model.name}/adapters/{name})"
+                    f"(DELETE /adapters/{name} or DELETE /models/{self.model.name}/adapters/{name})"
                 )
             self._arriving.add(name)  # the name is taken while its files download
         downloaded = None

@@ -61,6 +61,7 @@ def create_app(launch: FrontendLaunch) -> Flask:
     app.extensions["sagelmi.tracer"] = tracer  # shut down (spans flushed) when the frontend drains
 
     requests = RequestLog(metrics, tracer)
+    handler_routes_text = ", ".join(f"{method} {path}" for path, method in ROUTES.items())
 
     @app.before_request
     def _start() -> None:
@@ -88,10 +89,8 @@ def create_app(launch: FrontendLaunch) -> Flask:
     def _http_error(exc: HTTPException) -> Response:
         by_code: dict[int | None, ServingError] = {
             404: NotFound(
-                f"no route {request.method} {request.path}; the server answers GET /ping, "
-                f"POST /invocations, POST /v1/chat/completions, POST /v1/completions, GET /v1/models, "
-                f"POST /tokenize, POST /detokenize, POST /v1/embeddings, POST /v1/score, POST /v1/rerank, "
-                f"GET /models, /models/{{model}}/adapters, GET /openapi.json"
+                f"no route {request.method} {request.path}; the server answers GET /ping, {handler_routes_text}, "
+                f"GET /models, /models/{{model}}/adapters, POST /adapters, DELETE /adapters/{{name}}, GET /openapi.json"
             ),
             405: MethodNotAllowed(f"{request.method} is not allowed on {request.path}"),
             413: PayloadTooLarge(
@@ -127,7 +126,7 @@ def create_app(launch: FrontendLaunch) -> Flask:
         return Response(metrics.render(texts), mimetype=CONTENT_TYPE_LATEST)
 
     @functools.cache
-    def openapi_text() -> str:  # 125 KB of JSON: rendered at the first request, then reused
+    def openapi_text() -> str:  # 600 KB of JSON: rendered at the first request, then reused
         return json.dumps(openapi.for_model(model.builtin_schemas))
 
     @app.get("/openapi.json")

@@ -1,5 +1,5 @@
-"""The routes the handler answers (SageMaker's ``/invocations`` and the OpenAI-compatible
-ones), relayed to worker groups through the ``Router``.
+"""The routes the handler answers (SageMaker's ``/invocations``, the OpenAI-compatible ones and
+Anthropic's Messages), relayed to worker groups through the ``Router``.
 
 They are served by a WSGI app of their own in front of Flask (``HandlerRoutes``): a
 request on one of them with its method is answered here, everything else (other
@@ -72,7 +72,13 @@ ROUTES = {
     "/v1/embeddings": "POST",
     "/v1/score": "POST",
     "/v1/rerank": "POST",
+    "/v1/responses": "POST",
+    "/v1/messages": "POST",
+    "/v1/messages/count_tokens": "POST",
 }
+# The routes whose server-sent events are named (``event:`` lines), as vLLM's Responses and Messages
+# streams are: an error after the stream began goes out as an ``error`` event, without ``data: [DONE]``
+NAMED_EVENT_ROUTES = ("/v1/responses", "/v1/messages")
 STOP_CONFIRM_TIMEOUT = 2.0  # how long a timed-out stream waits for its group to stop writing to the client
 DEFAULT_CONTENT_TYPE = "text/html; charset=utf-8"  # what an answer without one is sent with (as Flask's were)
 
@@ -104,13 +110,16 @@ def count_refusal(metrics, exc: ServingError) -> None:
 
 
 def _in_band_error(exc: ServingError, content_type: str, path: str) -> bytes:
-    """An error after a 200 stream began: sent as the stream's last item. A
-    server-sent-events stream on an OpenAI route then ends as vLLM's does: the
-    error event, then ``data: [DONE]``."""
+    """An error after a 200 stream began: sent as the stream's last item, in the route's envelope.
+    A server-sent-events stream on an OpenAI route then ends as vLLM's does: the error event, then
+    ``data: [DONE]``; on a route of named events (Responses, Messages) it is an ``error`` event, as
+    Anthropic's API sends one."""
     status, message, error = describe(exc)
     line = json.dumps(envelope_for(path, status, message, error))
     if not content_type.startswith("text/event-stream"):
         return f"{line}\n".encode()
+    if path in NAMED_EVENT_ROUTES:
+        return f"event: error\ndata: {line}\n\n".encode()
     event = f"data: {line}\n\n"
     if is_openai_path(path):
         event += "data: [DONE]\n\n"

@@ -37,6 +37,8 @@ from urllib.parse import parse_qsl
 
 from container.core.errors import AnswerError, HandlerError, InputError, ServingError, UnsupportedMediaType
 from container.core.protocol import Invoke
+from container.core.request_priority import HEADER as PRIORITY_HEADER
+from container.core.request_priority import check_allowed, header_priority
 from container.core.settings import Settings
 from handlers.api import Input, Output
 from handlers.api.engine import Engine
@@ -67,16 +69,28 @@ class Inputs:
     common: dict[str, Any] = field(default_factory=dict)
     forms: bool = True  # the handler reads form fields (a model.py); False: a built-in engine, which reads JSON
     max_parts: int = 1000  # most parts of a multipart body (max_multipart_parts)
+    priority_scheduling: bool = False  # requests may name a priority (option.scheduling_policy=priority)
 
     @classmethod
     def for_handler(cls, settings: Settings, tensor_parallel_degree: int, engine: type[Engine] | None) -> Inputs:
         forms = engine is None or engine.reads_forms
-        return cls(common_properties(settings, tensor_parallel_degree), forms, settings.max_multipart_parts)
+        return cls(
+            common_properties(settings, tensor_parallel_degree),
+            forms,
+            settings.max_multipart_parts,
+            settings.priority_scheduling,
+        )
 
     def refusal(self, message: Invoke) -> ServingError | None:
-        """What refuses ``message`` without parsing its body, or None: a multipart body to a
-        handler that reads no forms (``UnsupportedMediaType``), one with more than ``max_parts``
-        parts (``InputError``). Costs a look at a header, and for multipart one scan of the body."""
+        """What refuses ``message`` without parsing its body, or None: an ``X-Priority`` that is no
+        whole number within int64, or one other than 0 without priority scheduling
+        (``InputError``, ``container.core.request_priority``); a multipart body to a handler that
+        reads no forms (``UnsupportedMediaType``), one with more than ``max_parts`` parts
+        (``InputError``). Costs a look at two headers, and for multipart one scan of the body."""
+        try:
+            check_allowed(header_priority(message.properties), PRIORITY_HEADER, self.priority_scheduling)
+        except InputError as exc:
+            return exc
         if _media_type(message) != MULTIPART:
             return None
         if not self.forms:

@@ -13,7 +13,8 @@ takes new requests while others are still running. ``async def handle`` (and
 async generators) run on the loop; a plain ``def handle`` runs on a small thread
 pool (``option.sync_handler_threads``, 1 by default: LMI calls a synchronous
 handler one request at a time), and a synchronous generator runs start to end
-as one job on that pool, its items handed to the loop as they come.
+as one job on that pool, its items handed to the loop as they come. Batched or
+priority-ordered requests wait for it in ``container.worker.batching``'s queue.
 
 Cancelling: a ``Cancel`` message, or the connection closing, cancels the
 request's task. An async handler sees ``CancelledError``; a synchronous
@@ -207,7 +208,7 @@ class Worker:
                         f"it answered {init.code} {init.message}: {init.body().decode('utf-8', 'replace')[:500]}"
                     )
             await self.adapters.loaded(self.engine, self.handler.origin)
-            if self.settings.batch_size > 1 and (self.engine is None or self.engine.dynamic_batching):
+            if Batcher.wanted(self.settings, self.handler.kind, self.engine):
                 self.batcher = Batcher.for_settings(self.settings, self._serve_batch)
                 if self.context.follower is None:  # the other ranks run the batches rank 0 formed
                     self.batcher.start()

@@ -321,6 +321,11 @@ class AccelerateEngine(Engine):
             kwargs["min_new_tokens"] = p.max_new_tokens
         if p.decoder_input_details:
             raise InputError("parameters.decoder_input_details is not supported by the Accelerate engine")
+        if p.priority:  # the worker's queue orders requests before their bodies are read
+            raise InputError(
+                "parameters.priority is not read by the Accelerate engine; send the X-Priority header "
+                "(with option.scheduling_policy=priority), which orders the requests waiting for it"
+            )
         for name, value in (p.model_extra or {}).items():
             if name in self.known_generation:
                 kwargs[name] = value

@@ -17,6 +17,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, ValidationError
 
 from container.core.errors import InputError
+from container.core.request_priority import PRIORITY_MAX, PRIORITY_MIN
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,13 @@ class LmiParameters(BaseModel):
     decoder_input_details: bool = False
     top_n_tokens: int = Field(default=0, ge=0, le=INT64_MAX)
     ignore_eos_token: bool = False
+    priority: int | None = Field(
+        default=None,
+        ge=PRIORITY_MIN,
+        le=PRIORITY_MAX,
+        description="the request's scheduling priority, vLLM's: lower values are served first (default 0); "
+        "needs option.scheduling_policy=priority. The X-Priority header wins over it",
+    )
 
 
 class LmiBody(BaseModel):

@@ -18,6 +18,8 @@ PROMPT_FIELDS = {
     "lmi": ("inputs",),  # LMI's schema, for generation and LMI's embedding form
     "completion": ("prompt", "prompt_embeds"),
     "embeddings": ("input", "messages"),
+    "classification": ("input", "messages"),
+    "pooling": ("input", "messages"),
     "score": ("queries", "documents", "items", "data_1", "data_2", "text_1", "text_2"),
     "rerank": ("documents",),
 }

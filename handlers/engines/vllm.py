@@ -1,24 +1,28 @@
 """The built-in handler: a causal LM served by vLLM's async engine, with
 continuous batching.
 
-Routes, by path and body:
+Routes, by path and, on ``/invocations``, by the body's fields (the first that fits, in this
+order: ``handlers.engines.invocation_forms``):
 
 - ``/v1/chat/completions``, or ``/invocations`` with ``messages``: OpenAI chat;
-- ``/v1/completions``, or ``/invocations`` with ``prompt``: OpenAI completion;
 - ``/invocations`` with ``inputs``: LMI's schema (``handlers.engines.lmi_schema``);
+- ``/v1/completions``, or ``/invocations`` with ``prompt``: OpenAI completion;
 - ``/invocations`` with ``requestType`` (``NEW_SESSION``, ``CLOSE``): SageMaker's stateful
   sessions (``handlers.engines.sessions``); a request naming a session must name a live one;
+- ``/v1/responses``: OpenAI's Responses API; ``/v1/messages``, ``/v1/messages/count_tokens``:
+  Anthropic's Messages API (vLLM's serving classes for both; errors in Anthropic's envelope there);
 - ``/v1/models``: the served model and its LoRA adapters;
 - on a pooling model (vLLM's pooling runner: ``option.task=text-embedding`` ...):
-  ``/v1/embeddings``, ``/v1/score``, ``/v1/rerank`` and their forms on ``/invocations``
-  (``handlers.engines.vllm_pooling``); generation routes are refused there, and pooling
-  routes on a generation model, with a 400 naming the task.
+  ``/v1/embeddings``, ``/v1/score``, ``/v1/rerank`` and, on ``/invocations``, their forms, vLLM's
+  classification and pooling forms and LMI's embedding form (``handlers.engines.vllm_pooling``);
+  generation routes are refused there, and pooling routes on a generation model, with a 400
+  naming the task.
 
 LoRA adapters (``option.enable_lora=true``): ``add_adapter`` / ``remove_adapter``
 are called by the worker for what the frontend registered. A request picks one
 by LMI's ``adapters`` field (a name, or one per prompt for a list of inputs),
 the ``X-Amzn-SageMaker-Adapter-Identifier`` header, or the OpenAI ``model``
-field; an unknown name is a 404 naming it.
+field (``handlers.engines.vllm_adapters``); an unknown name is a 404 naming it.
 
 The engine (``VllmEngine``) starts vLLM and routes each request; the OpenAI
 schema is ``handlers.engines.vllm_openai`` (vLLM's own serving classes), LMI's
@@ -45,12 +49,14 @@ from vllm.v1.engine.exceptions import EngineDeadError
 from container.core.chat_options import chat_options
 from container.core.errors import InputError
 from container.core.logs import redacted_json
+from container.core.request_priority import header_priority
 from container.core.served_names import served_names
 from handlers.api import Input, Output
 from handlers.api.context import WorkerContext
 from handlers.api.engine import Engine, Formatters
 from handlers.engines import vllm_media
 from handlers.engines.formatters import format_request, formatted, unbound
+from handlers.engines.invocation_forms import GENERATION_KINDS, invocation_kind
 from handlers.engines.lmi_schema import Formatter
 from handlers.engines.prompts import check_prompt_count
 from handlers.engines.rolling_formatter import RollingBatchFormatter, takes_request_output
@@ -60,9 +66,20 @@ from handlers.engines.vllm_args import build_engine_kwargs
 from handlers.engines.vllm_lmi import LmiFront
 from handlers.engines.vllm_observe import observe_generate
 from handlers.engines.vllm_openai import OpenAIFront, _openai_error
-from handlers.engines.vllm_pooling import POOLING_PATHS, PoolingFront, invocation_kind
+from handlers.engines.vllm_pooling import POOLING_PATHS, PoolingFront
 
 log = logging.getLogger("sagelmi.vllm")
+
+# The generation routes besides /invocations and the kind of body each takes: vLLM's OpenAI chat and
+# completion, and its Responses and Anthropic Messages serving classes
+OPENAI_PATHS = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completion",
+    "/v1/responses": "responses",
+    "/v1/messages": "messages",
+    "/v1/messages/count_tokens": "count_tokens",
+}
+CONVERSATION_KINDS = frozenset({"responses", "messages", "count_tokens"})  # the Responses and Messages kinds
 
 
 class UnfinishedRequests:
@@ -107,10 +124,11 @@ class VllmEngine(Engine):
             self.rolling_formatter = RollingBatchFormatter(formatters.output, settings.tgi_compat, engine.tokenizer)
             self.answer_formatter = None
             log.info("%s", self.rolling_formatter.describe())
-        self.openai = OpenAIFront(engine, self.served_name, chat_options(settings), settings.model_dir)
+        scheduled = settings.priority_scheduling  # requests may name a priority (container.core.request_priority)
+        self.openai = OpenAIFront(engine, self.served_name, chat_options(settings), settings.model_dir, scheduled)
         names = (self.served_name, served_names(settings, context.launch.model_location).management)
         self.adapters = Adapters(engine, self.openai.models, names, bool(kwargs.get("enable_lora")))
-        self.lmi = LmiFront(engine, Formatter(settings.output_formatter, settings.tgi_compat), self.adapters)
+        self.lmi = LmiFront(engine, Formatter(settings.output_formatter, settings.tgi_compat), self.adapters, scheduled)
         self.sessions = EngineSessions(settings)
         self.max_prompts = settings.max_prompts_per_request
         self.task = f"option.task={settings.task}" if settings.task else "option.task unset"
@@ -118,7 +136,7 @@ class VllmEngine(Engine):
         if engine.model_config.runner_type == "pooling":
             task = self.task if settings.task else "option.runner=pooling"
             self.pooling = PoolingFront(
-                engine, self.openai.models, task, settings.normalize, settings.trust_request_mm_kwargs
+                engine, self.openai.models, task, settings.normalize, settings.trust_request_mm_kwargs, scheduled
             )
         REGISTRY.register(UnfinishedRequests(engine.get_num_unfinished_requests))
 
@@ -171,26 +189,33 @@ class VllmEngine(Engine):
         if not isinstance(body, dict):
             raise InputError("the request body must be a JSON object")
         header = inputs.get_property(ADAPTER_HEADER)
+        priority = header_priority(inputs.properties)  # X-Priority: the worker refused a bad one already
         if path in ("/tokenize", "/detokenize"):
             return await self._openai(path[1:], body, header, path)
-        kind = POOLING_PATHS.get(path) or (invocation_kind(body) if path == "/invocations" and self.pooling else None)
+        if path == "/invocations":
+            served = await self.pooling.served() if self.pooling is not None else GENERATION_KINDS
+            kind = invocation_kind(body, served, pooling=self.pooling is not None)
+        else:
+            kind = POOLING_PATHS.get(path) or OPENAI_PATHS.get(path)
         if self.pooling is not None:
-            if kind is None:
+            if kind is None or kind in OPENAI_PATHS.values():
                 return self._wrong_task(path, f"{self.pooling.task}, a pooling model (vLLM's pooling runner)")
             check_prompt_count(body, kind, self.max_prompts)
             model = self.adapters.for_openai(body.get("model"), header)
-            return await self.pooling.answer(kind, {**body, "model": model}, path)
-        if kind is not None:
+            return await self.pooling.answer(kind, {**body, "model": model}, path, priority)
+        if kind in POOLING_PATHS.values():
             return self._wrong_task(path, f"text generation ({self.task})")
-        if path == "/v1/chat/completions" or (path == "/invocations" and "messages" in body):
-            return await self._openai("chat", body, header, path)
-        if path == "/v1/completions" or (path == "/invocations" and "prompt" in body and "inputs" not in body):
+        if kind == "chat" or kind in CONVERSATION_KINDS:  # one conversation a request: no prompt count to check
+            return await self._openai(kind, body, header, path, priority)
+        if kind == "completion":
             check_prompt_count(body, "completion", self.max_prompts)
-            return await self._openai("completion", body, header, path)
-        if "inputs" in body:
+            return await self._openai("completion", body, header, path, priority)
+        if kind == "lmi":
             check_prompt_count(body, "lmi", self.max_prompts)
-            return await self.lmi.answer(body, inputs.get_property("requestId"), header, self.rolling_formatter)
-        if path == "/invocations" and "requestType" in body:
+            return await self.lmi.answer(
+                body, inputs.get_property("requestId"), header, self.rolling_formatter, priority
+            )
+        if kind == "session":
             return self.sessions.answer(inputs, body)
         raise InputError(
             "the body needs 'inputs' (LMI schema), 'messages' (OpenAI chat) or 'prompt' (OpenAI completion)"
@@ -201,13 +226,15 @@ class VllmEngine(Engine):
         pooling on a generation model)."""
         routes = (
             "/v1/embeddings, /v1/score, /v1/rerank, /invocations with 'inputs' (LMI's embedding form), "
-            "'input', 'query' or 'queries'"
+            "'input', 'messages', 'query' or 'queries'"
             if self.pooling is not None
-            else "/v1/chat/completions, /v1/completions, /invocations"
+            else "/v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, /invocations"
         )
         message = f"{path} does not serve this model: it is served for {served}; its routes are {routes}"
         return _openai_error(path, 400, message)
 
-    async def _openai(self, kind: str, body: dict, header: str | None, path: str) -> Output:
+    async def _openai(
+        self, kind: str, body: dict, header: str | None, path: str, priority: int | None = None
+    ) -> Output:
         body = {**body, "model": self.adapters.for_openai(body.get("model"), header)}
-        return await self.openai.answer(kind, body, path)
+        return await self.openai.answer(kind, body, path, priority)

@@ -73,8 +73,10 @@ class Adapters:
 
     def for_openai(self, model: Any, header: str | None) -> str:
         """The ``model`` vLLM serves an OpenAI request with: the header's adapter, else the
-        body's adapter, else the base model. Without LoRA, whatever name the client
-        sends is the one model; with LoRA, an unknown name is a 404."""
+        body's adapter, else the base model. The header replaces ``model``, as AWS's vLLM
+        container does (its ``inject_adapter_id``): the OpenAI clients always send a ``model``.
+        Without LoRA, whatever name the client sends is the one model; with LoRA, an unknown
+        name is a 404."""
         if header:
             model = header
         if not self.lora:
@@ -84,8 +86,20 @@ class Adapters:
 
     def for_lmi(self, body: dict, header: str | None, prompts: int) -> list[LoRARequest | None]:
         """One adapter (or None) per prompt: LMI's ``adapters`` field (a name, or a list
-        as long as a list of inputs), else the SageMaker header."""
-        names = body.get("adapters", header)
+        as long as a list of inputs), or the SageMaker header. Both given and naming
+        different adapters: ``InputError`` (a request that asks for two adapters is not
+        answered with either)."""
+        names = body.get("adapters")
+        if names is None:
+            names = header
+        elif header:
+            other = next((n for n in (names if isinstance(names, list) else [names]) if n != header), header)
+            if other != header:
+                named = "null (the base model)" if other is None else repr(other)
+                raise InputError(
+                    f"the {ADAPTER_HEADER} header names adapter {header!r} and the body's 'adapters' {named}: "
+                    "name the adapter in one of them (or the same one in both)"
+                )
         if isinstance(names, list):
             if len(names) != prompts:
                 raise InputError(f"'adapters' has {len(names)} names for {prompts} inputs; give one per input")

@@ -22,6 +22,8 @@ from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOu
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from container.core.errors import InputError, ServiceUnavailable
+from container.core.request_priority import HEADER as PRIORITY_HEADER
+from container.core.request_priority import check_allowed
 from handlers.api import Output
 from handlers.engines.lmi_schema import Formatter, Generation, LmiRequest, TokenInfo, finish_reason, parse_request
 from handlers.engines.rolling_formatter import RequestFormatting, RollingBatchFormatter
@@ -35,10 +37,11 @@ FORMATTED_TEXT = "text/plain; charset=utf-8"
 
 
 class LmiFront:
-    def __init__(self, engine: Any, formatter: Formatter, adapters: Adapters) -> None:
+    def __init__(self, engine: Any, formatter: Formatter, adapters: Adapters, priority_scheduling: bool) -> None:
         self.engine = engine
         self.formatter = formatter
         self.adapters = adapters
+        self.priority_scheduling = priority_scheduling  # option.scheduling_policy=priority
         self.sampling_fields = set(SamplingParams.__struct_fields__)  # a msgspec.Struct in vLLM 0.32
 
     async def answer(
@@ -47,10 +50,17 @@ class LmiFront:
         inference_id: str | None,
         header: str | None = None,
         rolling: RollingBatchFormatter | None = None,
+        priority: int | None = None,
     ) -> Output:
         """Answer an LMI body: whole, or a stream of token lines; with ``rolling``, the texts that
-        formatter makes of the tokens (one prompt per request, as in LMI's rolling batch)."""
+        formatter makes of the tokens (one prompt per request, as in LMI's rolling batch).
+        ``priority``: the request's ``X-Priority``, which wins over ``parameters.priority``."""
         request = parse_request(body, self.sampling_fields, vllm_envs.VLLM_MAX_STOP_STRINGS)
+        if priority is None:
+            priority = request.parameters.priority or 0
+            check_allowed(priority, "parameters.priority", self.priority_scheduling)
+        else:
+            check_allowed(priority, PRIORITY_HEADER, self.priority_scheduling)
         if rolling is not None and request.batched:
             raise InputError(
                 "'inputs' must be one prompt (a string): model.py's @output_formatter takes one "
@@ -72,7 +82,7 @@ class LmiFront:
                 top_n = request.parameters.top_n_tokens
                 generations = await asyncio.gather(
                     *(
-                        self._complete(p, sampling, f"{tag}-{i}", top_n, lora)
+                        self._complete(p, sampling, f"{tag}-{i}", top_n, lora, priority)
                         for i, (p, lora) in enumerate(zip(request.prompts, loras))
                     )
                 )
@@ -84,7 +94,7 @@ class LmiFront:
                 return Output().add_as_json(self.formatter.body(list(generations), request))
             # what the engine refuses (a prompt too long, a grammar it cannot make) is a 400, not a
             # broken stream; the headers then go out while the engine works on the first token
-            outputs = await self._submit(request.prompts[0], sampling, tag, loras[0])
+            outputs = await self._submit(request.prompts[0], sampling, tag, loras[0], priority)
         except InputError as exc:
             if structured:  # the engine could not make a grammar of it (an invalid schema, regex ...)
                 raise InputError(f"parameters.structured_outputs: {_engine_message(str(exc))}") from None
@@ -110,17 +120,19 @@ class LmiFront:
         return rolling.start(prompt, parameters if isinstance(parameters, dict) else {}, inference_id)
 
     async def _submit(
-        self, prompt: str, sampling, request_id: str, lora: LoRARequest | None = None
+        self, prompt: str, sampling, request_id: str, lora: LoRARequest | None = None, priority: int = 0
     ) -> AsyncIterator[Any]:
-        """Hand one prompt to the engine; its outputs as they come. What the engine refuses
-        is raised here, before any of them."""
+        """Hand one prompt to the engine (scheduled by ``priority``, with priority scheduling);
+        its outputs as they come. What the engine refuses is raised here, before any of them."""
         engine_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
         try:
             # rendered (tokenized, checked against max_model_len) as vLLM's serving classes do: a
             # raw prompt is rendered the same way inside add_request, with a deprecation warning
             renderer = self.engine.renderer
             (engine_input,) = renderer.render_cmpl([parse_model_prompt(renderer.model_config, prompt)])
-            collector = await self.engine.add_request(engine_id, engine_input, sampling, lora_request=lora)
+            collector = await self.engine.add_request(
+                engine_id, engine_input, sampling, lora_request=lora, priority=priority
+            )
         except EngineDeadError:
             raise ServiceUnavailable(ENGINE_STOPPED) from None
         except Exception as exc:
@@ -156,10 +168,10 @@ class LmiFront:
             log.warning("could not abort engine request %s: %s", engine_id, exc)
 
     async def _complete(
-        self, prompt: str, sampling, request_id: str, top_n: int, lora: LoRARequest | None = None
+        self, prompt: str, sampling, request_id: str, top_n: int, lora: LoRARequest | None = None, priority: int = 0
     ) -> Generation:
         gen = Generation(prompt=prompt)
-        async for output in await self._submit(prompt, sampling, request_id, lora):
+        async for output in await self._submit(prompt, sampling, request_id, lora, priority):
             self._absorb(gen, output, top_n)
         return gen
 

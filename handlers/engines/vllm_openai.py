@@ -1,6 +1,7 @@
 """The OpenAI schema on the vLLM engine: vLLM's own OpenAI serving classes (chat, completion,
-models), run in the worker around the same engine, so their semantics (chat templates,
-logprobs, ``n``, usage, SSE ending with ``data: [DONE]``) are vLLM's."""
+responses, models) and its Anthropic Messages class, run in the worker around the same engine,
+so their semantics (chat templates, logprobs, ``n``, usage, SSE ending with ``data: [DONE]``,
+the Responses and Messages APIs' named events) are vLLM's."""
 
 from __future__ import annotations
 
@@ -11,12 +12,16 @@ from typing import Any
 
 import aiohttp
 from pydantic import BaseModel, ValidationError
+from vllm.entrypoints.anthropic.protocol import AnthropicCountTokensRequest, AnthropicMessagesRequest
+from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
 from vllm.entrypoints.openai.models.protocol import BaseModelPath
 from vllm.entrypoints.openai.models.serving import OpenAIServingModels
+from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+from vllm.entrypoints.openai.responses.serving import OpenAIServingResponses
 from vllm.entrypoints.serve import create_error_response
 from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
@@ -26,7 +31,18 @@ from vllm.renderers.online_renderer import OnlineRenderer
 from vllm.tokenizers.hf import ThreadSafeHFTokenizerMixin
 
 from container.core.chat_options import ChatOptions, chat_template
-from container.core.errors import AnswerError, InputError, NotFound, OpenAIError, OpenAIErrorInfo, is_openai_path
+from container.core.errors import (
+    AnswerError,
+    InputError,
+    NotFound,
+    OpenAIError,
+    OpenAIErrorInfo,
+    anthropic_envelope,
+    is_anthropic_path,
+    is_openai_path,
+)
+from container.core.request_priority import HEADER as PRIORITY_HEADER
+from container.core.request_priority import refusal
 from handlers.api import Output
 from handlers.engines.chat_setup import check_parsers
 from handlers.engines.vllm_media import FETCH_FAILED
@@ -118,11 +134,17 @@ def _options_named(message: str) -> str:
 def _openai_error(
     path: str, status: int, message: str, err_type: str = "BadRequestError", param: str | None = None
 ) -> Output:
-    """vLLM's refusal of an OpenAI body: in OpenAI's envelope on ``/v1/...`` (vLLM's type and
-    param kept); on ``/invocations`` raised, so that it gets LMI's envelope like every error there.
-    vLLM's flags in ``message`` are named as the options that set them."""
+    """vLLM's refusal of an OpenAI (or Anthropic) body: in OpenAI's envelope on ``/v1/...`` (vLLM's
+    type and param kept), in Anthropic's on ``/v1/messages...`` (its type by the status, as every
+    error there: ``container.core.errors.anthropic_envelope``); on ``/invocations`` raised, so that
+    it gets LMI's envelope like every error there. vLLM's flags in ``message`` are named as the
+    options that set them."""
     message = _options_named(message)
-    if not is_openai_path(path):
+    if is_anthropic_path(path):
+        body = anthropic_envelope(status, "", message)
+    elif is_openai_path(path):
+        body = OpenAIError(error=OpenAIErrorInfo(message=message, type=err_type, param=param, code=status)).model_dump()
+    else:
         raise (
             InputError(message)
             if status == 400
@@ -130,16 +152,73 @@ def _openai_error(
             if status == 404
             else AnswerError(message, status)
         )
-    body = OpenAIError(error=OpenAIErrorInfo(message=message, type=err_type, param=param, code=status))
-    return Output(code=status).add_property("content-type", "application/json").add_as_json(body.model_dump())
+    return Output(code=status).add_property("content-type", "application/json").add_as_json(body)
+
+
+# The answers serialized as vLLM's server writes them (its routes' JSONResponse arguments): with the
+# fields' aliases (Responses), without the fields that are None (Messages); the others as they are
+_BY_ALIAS = ("responses",)
+_WITHOUT_NONE = ("messages", "count_tokens")
+
+
+def _named_event(event: BaseModel) -> str:
+    """One event of a Responses stream as a server-sent event named by its type, as vLLM's server sends it."""
+    return f"event: {getattr(event, 'type', 'unknown')}\ndata: {event.model_dump_json(by_alias=True)}\n\n"
+
+
+def _responses_body(body: dict, path: str) -> dict | Output:
+    """A Responses body as the server takes it: ``background`` refused (its answer would be fetched
+    later, from a store the server does not keep), and ``store`` off, as vLLM leaves it unless
+    ``VLLM_ENABLE_RESPONSES_API_STORE`` is set: a store kept in memory for every response, never
+    emptied, that no route reads."""
+    if body.get("background"):
+        message = (
+            "background responses are not served: the server keeps no responses to fetch later; "
+            "send the request without 'background'"
+        )
+        return _openai_error(path, 400, message, param="background")
+    return {**body, "store": False}
+
+
+def with_priority(body: dict, header: int | None) -> dict:
+    """``body`` with the ``X-Priority`` header's value as its ``priority`` (the header wins over
+    the body, as vLLM's ``X-Vllm-Priority`` does on its server); ``body`` itself without one."""
+    return body if header is None else {**body, "priority": header}
+
+
+def priority_refusal(request: Any, header: int | None, scheduled: bool) -> str | None:
+    """Why a validated vLLM request (its ``priority`` set by ``with_priority``) is refused for its
+    priority, naming where it came from; None when it is not (``request_priority.refusal``)."""
+    return refusal(request.priority, PRIORITY_HEADER if header is not None else "priority", scheduled)
+
+
+class PrioritizedMessagesRequest(AnthropicMessagesRequest):
+    """Anthropic's Messages request with the request's ``X-Priority`` (Anthropic's schema has no
+    priority field; vLLM's Messages route reads one from its own header only)."""
+
+    priority: int = 0
+
+
+class PrioritizedServingMessages(AnthropicServingMessages):
+    """vLLM's Messages serving class, the request's priority carried into the chat request it
+    makes of a Messages request (and schedules as that)."""
+
+    @classmethod
+    def to_chat_completion_request(cls, anthropic_request: Any, **kwargs: Any) -> ChatCompletionRequest:
+        chat = super().to_chat_completion_request(anthropic_request, **kwargs)
+        chat.priority = getattr(anthropic_request, "priority", 0)
+        return chat
 
 
 class OpenAIFront:
     """vLLM's OpenAI serving classes around one engine, with the chat options (template, tool
     calling, reasoning) as vLLM's server takes them."""
 
-    def __init__(self, engine: Any, served_name: str, options: ChatOptions, model_dir: str) -> None:
+    def __init__(
+        self, engine: Any, served_name: str, options: ChatOptions, model_dir: str, priority_scheduling: bool = False
+    ) -> None:
         self.engine = engine
+        self.priority_scheduling = priority_scheduling  # option.scheduling_policy=priority
         self.models = OpenAIServingModels(engine, [BaseModelPath(name=served_name, model_path=served_name)])
         template = chat_template(options.chat_template, model_dir)
         if template is not None:
@@ -163,6 +242,10 @@ class OpenAIFront:
         )
         self.chat = OpenAIServingChat(engine, self.models, "assistant", online_renderer=renderer, **chat_kwargs)
         self.completion = OpenAIServingCompletion(engine, self.models, online_renderer=renderer, request_logger=None)
+        self.responses = OpenAIServingResponses(engine, self.models, renderer, **chat_kwargs)
+        self.messages = PrioritizedServingMessages(
+            engine, self.models, "assistant", online_renderer=renderer, **chat_kwargs
+        )
         self.tokenization = ServingTokenization(
             self.models,
             renderer,
@@ -177,17 +260,31 @@ class OpenAIFront:
             card.root = card.id
         return Output().add_property("content-type", "application/json").add(listing.model_dump_json())
 
-    async def answer(self, kind: str, body: dict, path: str) -> Output:
-        """Answer an OpenAI ``chat``, ``completion``, ``tokenize`` or ``detokenize`` body (its
-        ``model`` already resolved), as vLLM's server does."""
+    async def answer(self, kind: str, body: dict, path: str, priority: int | None = None) -> Output:
+        """Answer an OpenAI ``chat``, ``completion``, ``responses``, ``tokenize`` or ``detokenize``
+        body, or an Anthropic ``messages`` or ``count_tokens`` one (its ``model`` already resolved),
+        as vLLM's server does. ``priority``: the request's ``X-Priority``, which wins over the
+        body's ``priority`` (``with_priority``); a Messages request takes it from the header alone."""
+        if kind in ("chat", "completion", "responses"):
+            body = with_priority(body, priority)
+        elif kind == "messages":  # Anthropic's schema has no priority: vLLM ignores one in the body
+            body = {**body, "priority": priority or 0}
         tokenize: type[BaseModel] = TokenizeChatRequest if "messages" in body else TokenizeCompletionRequest
         classes: dict[str, type[BaseModel]] = {
             "chat": ChatCompletionRequest,
             "completion": CompletionRequest,
+            "responses": ResponsesRequest,
+            "messages": PrioritizedMessagesRequest,
+            "count_tokens": AnthropicCountTokensRequest,
             "tokenize": tokenize,
             "detokenize": DetokenizeRequest,
         }
         request_cls = classes[kind]
+        if kind == "responses":
+            taken = _responses_body(body, path)
+            if isinstance(taken, Output):
+                return taken
+            body = taken
         try:
             request = request_cls.model_validate(body)
         except ValidationError as exc:
@@ -197,18 +294,28 @@ class OpenAIFront:
             return _openai_error(path, 400, str(exc), param=getattr(exc, "parameter", None))
         except _MALFORMED as exc:  # a vLLM validator tripping over a body of the wrong shape
             return _openai_error(path, 400, _malformed(exc))
+        if isinstance(request, (ChatCompletionRequest, CompletionRequest, ResponsesRequest)):
+            refused = priority_refusal(request, priority, self.priority_scheduling)
+            if refused is not None:
+                return _openai_error(path, 400, refused, param="priority")
         if isinstance(request, DetokenizeRequest):
             vocabulary = self.engine.model_config.get_vocab_size()
             outside = [t for t in request.tokens if not 0 <= t < vocabulary]
             if outside:
                 message = f"tokens: {outside[0]} is not a token id of this model (0 to {vocabulary - 1})"
                 return _openai_error(path, 400, message, param="tokens")
-        result: BaseModel | AsyncGenerator[str, None]  # a response (ErrorResponse too), or SSE lines
+        result: BaseModel | AsyncGenerator[Any, None]  # a response (ErrorResponse too), or SSE lines or events
         try:
             if isinstance(request, ChatCompletionRequest):
                 result = await self.chat.create_chat_completion(request, None)
             elif isinstance(request, CompletionRequest):
                 result = await self.completion.create_completion(request, None)
+            elif isinstance(request, ResponsesRequest):
+                result = await self.responses.create_responses(request, None)
+            elif isinstance(request, AnthropicMessagesRequest):
+                result = await self.messages.create_messages(request, None)
+            elif isinstance(request, AnthropicCountTokensRequest):
+                result = await self.messages.count_tokens(request, None)
             elif isinstance(request, DetokenizeRequest):
                 result = await self.tokenization.create_detokenize(request, None)  # type: ignore[arg-type]
             else:  # vLLM's routes pass the Starlette request, which is only read for X-Request-Id
@@ -225,9 +332,11 @@ class OpenAIFront:
             return _openai_error(path, 400, _malformed(exc))
         if isinstance(result, ErrorResponse):
             return _openai_error(path, result.error.code, result.error.message, result.error.type, result.error.param)
-        if hasattr(result, "model_dump_json"):
-            return Output().add_property("content-type", "application/json").add(result.model_dump_json())
+        if isinstance(result, BaseModel):
+            answer = result.model_dump_json(by_alias=kind in _BY_ALIAS, exclude_none=kind in _WITHOUT_NONE)
+            return Output().add_property("content-type", "application/json").add(answer)
         stream = await started(result)  # the head goes out once the engine has the request
+        events = _named_event if kind == "responses" else None  # the others' items are server-sent events already
         return (
-            Output().add_property("content-type", "text/event-stream; charset=utf-8").add_stream_content(stream, None)
+            Output().add_property("content-type", "text/event-stream; charset=utf-8").add_stream_content(stream, events)
         )

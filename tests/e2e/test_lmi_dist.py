@@ -46,6 +46,18 @@ def test_is_served_by_two_ranks(lmi_dist):
     assert sorted(_ranks(group)) == [0, 1]
 
 
+def test_metrics_carry_the_router_gauges_from_rank_0(lmi_dist):
+    """vllm:num_requests_waiting and vllm:kv_cache_usage_perc, which SageMaker's routers and autoscalers
+    read, under vLLM's names: rank 0 runs vLLM's front, the other rank only its engine core."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = requests.get(lmi_dist.url("/metrics"), timeout=60).text
+    families = {family.name: family for family in text_string_to_metric_families(text)}
+    for name in ("vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
+        assert families[name].type == "gauge"
+        assert [(s.name, s.labels["group"], s.labels["rank"]) for s in families[name].samples] == [(name, "0", "0")]
+
+
 def test_streams_give_the_greedy_tokens_of_python_mode(lmi_dist, vllm_server):
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         sharded = list(pool.map(lambda p: _streamed_ids(lmi_dist, p), PROMPTS))

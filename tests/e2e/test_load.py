@@ -22,7 +22,7 @@ import psutil
 import pytest
 import requests
 
-from container.core.errors import is_openai_path
+from container.core.errors import is_anthropic_path, is_openai_path
 from tests.reliability import record
 from tests.server import RawStream, Server, metric, wait_idle
 
@@ -86,6 +86,19 @@ def _openai(rng: random.Random, chat: bool, stream: bool, tokens: int) -> dict:
     return body
 
 
+def _responses(rng: random.Random, stream: bool, tokens: int) -> dict:
+    """OpenAI's Responses API (vLLM's extension ignore_eos: exactly the tokens asked)."""
+    return {"input": [{"role": "user", "content": _prompt(rng)}], "max_output_tokens": tokens, "ignore_eos": True,
+            "stream": stream, **_sampling(rng)}
+
+
+def _messages(rng: random.Random, stream: bool, tokens: int) -> dict:
+    """Anthropic's Messages API: no ignore_eos there, so an answer may end before the tokens asked."""
+    sampling = {} if rng.random() < 0.5 else {"temperature": round(rng.uniform(0.3, 1.0), 2), "top_p": 0.9}
+    return {"model": "tiny", "messages": [{"role": "user", "content": _prompt(rng)}], "max_tokens": tokens,
+            "stream": stream, **sampling}
+
+
 WELL_FORMED = {  # kind -> (path, make(rng, tokens) -> body, streamed, answers per request)
     "lmi": ("/invocations", lambda rng, n: _lmi(rng, False, n), False, 1),
     "lmi-batch": ("/invocations", lambda rng, n: _lmi(rng, False, n, batch=2), False, 2),
@@ -97,7 +110,13 @@ WELL_FORMED = {  # kind -> (path, make(rng, tokens) -> body, streamed, answers p
     # no tokens generated (0 answers to count): the tokenizer route, and a stateful session's life
     "tokenize": ("/tokenize", lambda rng, n: {"prompt": _prompt(rng)}, False, 0),
     "session": ("/invocations", lambda rng, n: _lmi(rng, False, n), False, 0),
+    "responses": ("/v1/responses", lambda rng, n: _responses(rng, False, n), False, 1),
+    "responses-stream": ("/v1/responses", lambda rng, n: _responses(rng, True, n), True, 1),
+    "messages": ("/v1/messages", lambda rng, n: _messages(rng, False, n), False, 1),
+    "messages-stream": ("/v1/messages", lambda rng, n: _messages(rng, True, n), True, 1),
 }
+# How often each kind is drawn, against 1 for the others: the Responses and Messages APIs are a small share
+WEIGHTS = [0.25 if path in ("/v1/responses", "/v1/messages") else 1.0 for path, *_ in WELL_FORMED.values()]
 
 DROPPED = {  # streams long enough to be running when their client leaves
     "lmi": ("/invocations", lambda rng, n: _lmi(rng, True, n)),
@@ -136,6 +155,9 @@ MALFORMED = {  # kind -> (path, raw body[, content type]): each past a rule or a
     "lmi-multipart": ("/invocations", _PARTS + b"--sagelmi--\r\n", _MULTIPART),
     "chat-media-io-kwargs": ("/v1/chat/completions", {"messages": _CHAT, "max_tokens": 4,
                                                       "media_io_kwargs": {"image": {"size": [1, 1]}}}),
+    "responses-input-number": ("/v1/responses", {"input": 5}),
+    "responses-negative-temperature-stream": ("/v1/responses", {"input": "hi", "temperature": -1, "stream": True}),
+    "messages-no-max-tokens": ("/v1/messages", {"model": "tiny", "messages": _CHAT}),
 }
 
 
@@ -187,6 +209,8 @@ def check_answer(kind: str, response: requests.Response, tokens: int) -> str | N
         ok = body.get("count") == len(body.get("tokens", [])) > 0
         return None if ok else f"not a tokenization: {response.text[:300]}"
     text = response.content.decode("utf-8")  # (requests would read a text/event-stream without charset as latin-1)
+    if path in ("/v1/responses", "/v1/messages"):
+        return _check_named_api(path, streamed, text, tokens)
     if path == "/invocations" and streamed:
         lines = [json.loads(line) for line in text.split("\n") if line.strip()]
         if not lines or "generated_text" not in lines[-1] or any("error" in line for line in lines):
@@ -219,6 +243,52 @@ def check_answer(kind: str, response: requests.Response, tokens: int) -> str | N
     return None if got == tokens else f"usage says {got} completion tokens, asked {tokens}"
 
 
+def _named_events(text: str) -> list[tuple[str, dict]]:
+    """The (name, data) of each event of a Responses or Messages stream."""
+    events = []
+    for block in text.split("\n\n"):
+        lines = dict(line.split(": ", 1) for line in block.split("\n") if ": " in line)
+        if "event" in lines:
+            events.append((lines["event"], json.loads(lines.get("data", "null"))))
+    return events
+
+
+def _check_named_api(path: str, streamed: bool, text: str, tokens: int) -> str | None:
+    """What is wrong with an answer of the Responses API (exactly ``tokens`` generated: ignore_eos) or of
+    the Messages API (at most ``tokens``, fewer only when the model ended its turn)."""
+    if streamed:
+        events = _named_events(text)
+        names = [name for name, _ in events]
+        last = "response.completed" if path == "/v1/responses" else "message_stop"
+        if not names or names[-1] != last or "error" in names:
+            return f"stream did not end with {last}: {text[-300:]}"
+        if path == "/v1/responses":
+            body = events[-1][1]["response"]
+        else:
+            delta = [data for name, data in events if name == "message_delta"][-1]
+            body = {"usage": delta["usage"], "stop_reason": delta["delta"]["stop_reason"]}
+    else:
+        body = json.loads(text)
+    got = body["usage"]["output_tokens"]
+    if path == "/v1/responses":
+        return None if got == tokens and body.get("status") in ("completed", "incomplete") else \
+            f"usage says {got} output tokens, asked {tokens} (status {body.get('status')})"
+    ended = body.get("stop_reason")
+    ok = (ended == "max_tokens" and got == tokens) or (ended == "end_turn" and got < tokens)
+    return None if ok else f"stop_reason {ended} with {got} output tokens, asked {tokens}"
+
+
+def delivered(kind: str, response: requests.Response, tokens: int) -> int:
+    """The tokens a well-formed request's (checked) answer carries: a Messages answer may end early."""
+    path, _, streamed, answers = WELL_FORMED[kind]
+    if path != "/v1/messages":
+        return tokens * answers
+    if not streamed:
+        return response.json()["usage"]["output_tokens"]
+    deltas = [data for name, data in _named_events(response.content.decode("utf-8")) if name == "message_delta"]
+    return deltas[-1]["usage"]["output_tokens"]
+
+
 def check_error(path: str, response: requests.Response) -> str | None:
     """What is wrong with a malformed request's answer: it must be a 4xx in the route's envelope."""
     if not 400 <= response.status_code < 500:
@@ -227,7 +297,12 @@ def check_error(path: str, response: requests.Response) -> str | None:
         body = response.json()
     except ValueError:
         return f"{response.status_code} not JSON: {response.text[:300]}"
-    if is_openai_path(path):
+    if is_anthropic_path(path):
+        error = body.get("error") if isinstance(body, dict) else None
+        if body.get("type") != "error" or not isinstance(error, dict) or not isinstance(error.get("message"), str) \
+                or not isinstance(error.get("type"), str):
+            return f"{response.status_code} not in Anthropic's envelope: {response.text[:300]}"
+    elif is_openai_path(path):
         error = body.get("error") if isinstance(body, dict) else None
         if not isinstance(error, dict) or not isinstance(error.get("message"), str) or \
                 error.get("code") != response.status_code:
@@ -239,24 +314,25 @@ def check_error(path: str, response: requests.Response) -> str | None:
 
 
 def well_formed(server: Server, rng: random.Random, tally: Tally) -> None:
-    kind = rng.choice(list(WELL_FORMED))
+    kind = rng.choices(list(WELL_FORMED), WEIGHTS)[0]
     path, make, streamed, answers = WELL_FORMED[kind]
     tokens = rng.randint(16, 128)
     tally.sent[f"well-formed/{kind}"] += 1
     started = time.monotonic()
+    got = tokens * answers
     try:
         if kind == "session":
             wrong = _session(server, make(rng, tokens), tokens)
         else:
             response = requests.post(server.url(path), json=make(rng, tokens), timeout=(30, REQUEST_TIMEOUT))
             wrong = check_answer(kind, response, tokens)
+            got = delivered(kind, response, tokens) if wrong is None else 0
     except Exception as exc:  # a broken answer (bad JSON, missing field) or a failed connection
         wrong = f"{type(exc).__name__}: {exc}"
     if wrong:
         tally.bad("well-formed", kind, wrong)
         return
-    tally.ok("well-formed ok", tokens=tokens * answers,
-             **({} if streamed else {"latency": time.monotonic() - started}))
+    tally.ok("well-formed ok", tokens=got, **({} if streamed else {"latency": time.monotonic() - started}))
 
 
 def _session(server: Server, body: dict, tokens: int) -> str | None:
@@ -489,6 +565,7 @@ def test_64_streams_with_leaving_and_malformed_clients(vllm_server):
         f"client closes the connection after 1-5 lines, {MALFORMED_SHARE:.0%} malformed bodies "
         f"({len(MALFORMED)} kinds: invalid JSON, wrong types, out-of-range numbers, an empty, a non-UTF-8 and a "
         f"deeply nested body; past the limits: 1,025 prompts, a multipart body, per-request media options), the rest well-formed requests of 16-128 tokens (ignore_eos) on the three routes, "
+        f"and a small share on the Responses and Messages APIs (the Messages API has no ignore_eos), "
         f"streamed and not, greedy or sampled with a seed, {LONG_PROMPT_SHARE:.0%} of their prompts long enough "
         f"(2400-4800 tokens) for a chunked prefill, checked for a complete answer with exactly the tokens asked. "
         f"Memory is sampled every {MEMORY_SAMPLE_SECONDS} s over the server's whole process tree (supervisor, "

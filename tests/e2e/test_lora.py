@@ -1,6 +1,7 @@
 """LoRA adapters on real vLLM (CPU build): adapters made with peft on the tiny model,
-found at start-up or registered through LMI's management routes, chosen per request
-by LMI's ``adapters`` field, SageMaker's header or the OpenAI ``model`` field."""
+found at start-up or registered through LMI's management routes or AWS's vLLM container's
+(``POST /adapters``), chosen per request by LMI's ``adapters`` field, SageMaker's header or
+the OpenAI ``model`` field."""
 
 import os
 import signal
@@ -222,3 +223,53 @@ def test_lmi_dist_serves_adapters_on_both_ranks(server, model):
         assert {name: generate(sharded, name) for name in ("a1", None)} == expected
         ensure_a2(sharded, model)  # registered through the route: it reaches both ranks
         assert generate(sharded, "a2") == ensure_a2(server, model)
+
+
+def completion(server, body, headers=None, path="/v1/completions"):
+    """The text of a greedy OpenAI completion on ``path``."""
+    body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True, **body}
+    response = requests.post(server.url(path), json=body, headers=headers or {}, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["text"]
+
+
+def test_aws_adapter_routes_and_the_header_answer_as_lmis_field(server, model, s3):
+    """POST /adapters {"name", "src"} from a directory and from S3 (AWS's vLLM container's route), the
+    header choosing each as LMI's field and the OpenAI model do, DELETE /adapters/{name}, then a 404."""
+    _, client = s3
+    for path in (model / "extra" / "a2").iterdir():
+        client.upload_file(str(path), "adapters", f"aws/s2/{path.name}")
+    sources = {"s1": str(model / "extra" / "a2"), "s2": "s3://adapters/aws/s2"}
+    try:
+        for name, src in sources.items():
+            response = requests.post(server.url("/adapters"), json={"name": name, "src": src}, timeout=120)
+            assert (response.status_code, response.text) == (200, f"Adapter {name} registered")
+        taken = requests.post(server.url("/adapters"), json={"name": "a1", "src": sources["s1"]}, timeout=60)
+        assert taken.status_code == 409 and "'a1' is already registered" in taken.json()["error"]
+        base = generate(server)
+        for name in sources:
+            field = generate(server, name)
+            assert field != base and generate(server, headers={HEADER: name}) == field
+            assert generate(server, name, headers={HEADER: name}) == field  # both, the same adapter
+            by_model = completion(server, {"model": name})
+            assert by_model == completion(server, {"model": "tiny"}, {HEADER: name})  # the header replaces model
+            assert completion(server, {}, {HEADER: name}, "/invocations") == by_model  # a completion body there
+        assert generate(server, "s1") == generate(server, "s2")  # the same files, from a directory and from S3
+        both = server.invoke({"inputs": PROMPT, "adapters": "a1", "parameters": GREEDY}, headers={HEADER: "s1"})
+        assert both.status_code == 400 and "header names adapter 's1' and the body's 'adapters' 'a1'" in both.text
+    finally:
+        for name in sources:
+            requests.delete(server.url(f"/adapters/{name}"), timeout=60)
+    assert requests.delete(server.url("/adapters/s1"), timeout=60).status_code == 404
+    for path, body in (("/invocations", {"inputs": PROMPT, "parameters": GREEDY}),
+                       ("/v1/completions", {"model": "tiny", "prompt": PROMPT, "max_tokens": 4})):
+        gone = requests.post(server.url(path), json=body, headers={HEADER: "s1"}, timeout=60)
+        assert gone.status_code == 404 and "adapter 's1' is not registered" in gone.text, gone.text
+
+
+def test_aws_adapter_route_refuses_a_bad_body_before_downloading(server):
+    for body, expected in (({"name": "x"}, "'src' must be a non-empty string"),
+                           ({"name": "x", "src": "s3://adapters/none"}, "no objects under"),
+                           ({"name": "x y", "src": "s3://adapters/aws/s2"}, "adapter name 'x y' is not valid")):
+        response = requests.post(server.url("/adapters"), json=body, timeout=60)
+        assert response.status_code == 400 and expected in response.json()["error"], response.text

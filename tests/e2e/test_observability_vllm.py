@@ -104,6 +104,26 @@ def test_vllms_span_joins_the_requests_trace(server, receiver):
     assert frontend.attributes["gen_ai.usage.output_tokens"] == worker.attributes["gen_ai.usage.output_tokens"] == 4
 
 
+@pytest.mark.parametrize("path,body", [
+    ("/v1/responses", {"input": PROMPT, "max_output_tokens": 4, "ignore_eos": True}),
+    ("/v1/messages", {"model": "tiny", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 1}),
+], ids=["responses", "messages"])
+def test_the_responses_and_messages_apis_are_traced_and_logged_as_the_other_routes(server, receiver, path, body):
+    trace_id, parent, rid = secrets.token_hex(16), secrets.token_hex(8), f"api-{secrets.token_hex(4)}"
+    r = requests.post(server.url(path), json=body, timeout=120,
+                      headers={"traceparent": f"00-{trace_id}-{parent}-01", "X-Amzn-SageMaker-Inference-Id": rid})
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    spans = {s.name: s for s in receiver.wait_for(trace_id, 3)}
+    frontend, worker, engine = spans[f"POST {path}"], spans["sagelmi.handler"], spans["llm_request"]
+    assert (frontend.parent_span_id, worker.parent_span_id, engine.parent_span_id) == \
+        (parent, frontend.span_id, worker.span_id)
+    assert frontend.attributes["gen_ai.usage.output_tokens"] == usage["output_tokens"] > 0
+    line = completion_line(server, rid)
+    assert (line.group(1), line.group(2), line.group(3)) == (path, "200", "completed")
+    assert (int(line.group(7)), int(line.group(8))) == (usage["input_tokens"], usage["output_tokens"])
+
+
 def _group_members(pgid: int) -> list[int]:
     out = subprocess.run(["pgrep", "-g", str(pgid)], capture_output=True, text=True).stdout
     return [int(p) for p in out.split()]

@@ -195,6 +195,42 @@ def test_generation_routes_are_refused_naming_the_task(server, client):
     assert set(lmi.json()) == {"code", "message", "error"}  # LMI's envelope on /invocations
 
 
+def same_answer(got, want, tolerance=TOLERANCE):
+    """``got`` equals ``want`` but for their ids and creation times, and floats within ``tolerance``."""
+    if isinstance(want, dict):
+        keys = set(want) - {"id", "created"}
+        return set(got) - {"id", "created"} == keys and all(same_answer(got[k], want[k], tolerance) for k in keys)
+    if isinstance(want, list):
+        return len(got) == len(want) and all(same_answer(g, w, tolerance) for g, w in zip(got, want))
+    if isinstance(want, float):
+        return abs(got - want) < tolerance
+    return got == want
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/rerank", {"query": QUERY, "documents": DOCUMENTS, "top_n": 2}),
+    ("/v1/rerank", {"query": QUERY, "documents": DOCUMENTS, "queries": "ignored"}),  # rerank before score
+    ("/v1/score", {"queries": QUERY, "documents": DOCUMENTS}),
+    ("/v1/score", {"text_1": QUERY, "text_2": DOCUMENTS}),
+    ("/v1/embeddings", {"input": TEXTS, "encoding_format": "float"}),
+    ("/v1/embeddings", {"messages": [{"role": "user", "content": "hello world"}], "encoding_format": "float"}),
+], ids=["rerank", "rerank-over-score", "score", "score-texts", "embeddings", "embeddings-chat"])
+def test_vllm_bodies_on_invocations_answer_as_their_routes(server, path, body):
+    """As AWS's vLLM container dispatches them (docs/http_api.md): the route's answer, in its form."""
+    direct = requests.post(server.url(path), json=body, timeout=60)
+    assert direct.status_code == 200, direct.text
+    on_invocations = server.invoke(body)
+    assert on_invocations.status_code == 200, on_invocations.text
+    assert same_answer(on_invocations.json(), direct.json()), (on_invocations.text, direct.text)
+
+
+def test_a_pooling_body_on_invocations_reaches_vllms_pooling_api(server):
+    """{"data"} fits vLLM's pooling API alone (an IO processor plugin's form): vLLM's refusal, in LMI's envelope."""
+    answer = server.invoke({"data": {"text": "hello"}})
+    assert answer.status_code == 400 and set(answer.json()) == {"code", "message", "error"}, answer.text
+    assert "No IOProcessor plugin installed" in answer.json()["error"]
+
+
 @pytest.mark.parametrize("path, body, envelope", [
     ("/invocations", {"inputs": 5}, "lmi"),
     ("/invocations", {"inputs": []}, "lmi"),

@@ -6,6 +6,7 @@ import textwrap
 import time
 
 import pytest
+import requests
 
 from tests.e2e.conftest import HUB_TOKEN, VLLM_CPU_ENV
 from tests.references import offline_reference
@@ -128,6 +129,73 @@ def test_an_lmi_stream_has_its_headers_while_it_waits_for_the_engine(vllm_server
         for stream in streams:
             stream.close()
     wait_idle(vllm_server)
+
+
+def test_metrics_carry_the_gauges_sagemakers_routers_and_autoscalers_read(vllm_server):
+    """HyperPod's inference gateway and KEDA's Prometheus triggers read vLLM's own gauges by these names
+    (several groups and MPI ranks: tests/unit/test_router_gauges.py); the KV cache's is live."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    body = {"inputs": PROMPT, "stream": True, "parameters": {"max_new_tokens": 4000, "ignore_eos": True}}
+    stream = RawStream(vllm_server.port, "/invocations", body)
+    try:
+        assert stream.read_lines(2)
+        text = requests.get(vllm_server.url("/metrics"), timeout=60).text
+    finally:
+        stream.close()
+    families = {family.name: family for family in text_string_to_metric_families(text)}
+    for name in ("vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
+        assert f"# TYPE {name} gauge" in text
+        (sample,) = families[name].samples
+        assert sample.name == name and sample.labels["group"] == "0" and "model_name" in sample.labels
+    assert families["vllm:num_requests_waiting"].samples[0].value == 0
+    assert 0 < families["vllm:kv_cache_usage_perc"].samples[0].value < 1  # the stream's blocks
+    wait_idle(vllm_server)
+
+
+def _lmi_priority(p: int) -> tuple[dict, dict]:
+    return {"inputs": PROMPT, "parameters": {"max_new_tokens": 2, "priority": p}}, {}
+
+
+def _header_priority(p: int) -> tuple[dict, dict]:
+    return {"inputs": PROMPT, "parameters": {"max_new_tokens": 2}}, {"X-Priority": str(p)}
+
+
+def _v1_header_priority(p: int) -> tuple[dict, dict]:
+    return {"prompt": PROMPT, "max_tokens": 2}, {"X-Priority": str(p)}
+
+
+def _body_priority(p: int) -> tuple[dict, dict]:
+    return {"prompt": PROMPT, "max_tokens": 2, "priority": p}, {}
+
+
+def _chat_priority(p: int) -> tuple[dict, dict]:
+    return {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "priority": p}, {}
+
+
+@pytest.mark.parametrize("path,make,where", [
+    ("/invocations", _lmi_priority, "parameters.priority"),
+    ("/invocations", _header_priority, "X-Priority"),
+    ("/invocations", _body_priority, "priority"),
+    ("/v1/completions", _body_priority, "priority"),
+    ("/v1/completions", _v1_header_priority, "X-Priority"),
+    ("/v1/chat/completions", _chat_priority, "priority"),
+], ids=["lmi", "header", "openai-on-invocations", "completions", "completions-header", "chat"])
+def test_a_priority_on_a_first_come_server_is_a_400_naming_the_option(vllm_server, path, make, where):
+    """vllm_server leaves option.scheduling_policy at vLLM's fcfs: a request that asks to be served
+    before (or after) others is refused, where vLLM 0.32's engine would ignore it; priority 0, every
+    request's default, is served."""
+    for priority in (-1, 3):
+        body, headers = make(priority)
+        r = requests.post(vllm_server.url(path), json=body, headers=headers, timeout=60)
+        assert r.status_code == 400, r.text
+        message = r.json()["error"]["message"] if path.startswith("/v1/") else r.json()["error"]
+        assert message.startswith(f"{where}={priority}: ") and "option.scheduling_policy=priority" in message, message
+        if path.startswith("/v1/") and where == "priority":
+            assert r.json()["error"]["param"] == "priority"
+    body, headers = make(0)
+    r = requests.post(vllm_server.url(path), json=body, headers=headers, timeout=60)
+    assert r.status_code == 200, r.text
 
 
 def test_unknown_option_stops_start_up_naming_it(tiny_model):

@@ -3,7 +3,7 @@ of the download directory, or over ``max_adapter_size_in_mb``, is refused before
 written; each registration downloads its own copy without holding the registry's lock, and
 unregistering removes it.
 
-The route's answers are checked on a ``model.py`` server (the registry refuses before any worker
+The routes' answers (LMI's and AWS's vLLM container's ``POST /adapters``) are checked on a ``model.py`` server (the registry refuses before any worker
 group is asked); what a registration downloads is checked on the registry itself, with no worker
 group (tests/e2e/test_lora.py has the engine serving a re-registered adapter)."""
 
@@ -70,18 +70,26 @@ def server(s3, tmp_path_factory):
         yield server
 
 
-def register(server, name: str, src: str) -> requests.Response:
+def register(server, name: str, src: str, route: str = "lmi") -> requests.Response:
+    if route == "sagemaker":  # AWS's vLLM container's route
+        return requests.post(server.url("/adapters"), json={"name": name, "src": src}, timeout=60)
     return requests.post(server.url("/models/lmi_echo/adapters"), params={"name": name, "src": src}, timeout=60)
 
 
-def test_keys_leading_out_of_the_download_are_a_400_writing_nothing(server, s3):
+ROUTES = pytest.mark.parametrize("route", ["lmi", "sagemaker"])
+
+
+@ROUTES
+def test_keys_leading_out_of_the_download_are_a_400_writing_nothing(server, s3, route):
     _, client = s3
-    outside = server.tmp / "outside"
+    outside = server.tmp / f"outside-{route}"
     outside.mkdir()
-    absolute = f"bad/{outside}/absolute.pth"  # 'bad/' then an absolute path
-    dotdot = "bad/" + "../" * 30 + f"{str(outside).lstrip('/')}/dotdot.pth"
-    upload_adapter(client, "bad", **{absolute[4:]: b"import os", dotdot[4:]: b"import os"})
-    response = register(server, "bad", "s3://adapters/bad")
+    prefix = f"bad-{route}"
+    absolute = f"{prefix}/{outside}/absolute.pth"  # the prefix, then an absolute path
+    dotdot = f"{prefix}/" + "../" * 30 + f"{str(outside).lstrip('/')}/dotdot.pth"
+    skip = len(prefix) + 1
+    upload_adapter(client, prefix, **{absolute[skip:]: b"import os", dotdot[skip:]: b"import os"})
+    response = register(server, "bad", f"s3://adapters/{prefix}", route)
     assert response.status_code == 400, response.text
     body = response.json()
     assert set(body) == {"code", "message", "error"} and body["code"] == 400
@@ -93,21 +101,23 @@ def test_keys_leading_out_of_the_download_are_a_400_writing_nothing(server, s3):
     assert requests.get(server.url("/models/lmi_echo/adapters"), timeout=5).json() == {"adapters": []}
 
 
-def test_an_adapter_over_max_adapter_size_in_mb_is_a_413_before_it_downloads(server, s3):
+@ROUTES
+def test_an_adapter_over_max_adapter_size_in_mb_is_a_413_before_it_downloads(server, s3, route):
     _, client = s3
     upload_adapter(client, "big", weights=b"\0" * (2**20 + 1))  # over the server's 1 MiB
-    response = register(server, "big", "s3://adapters/big")
+    response = register(server, "big", "s3://adapters/big", route)
     assert response.status_code == 413, response.text
     error = response.json()["error"]
     assert "max_adapter_size_in_mb=1" in error and "SERVING_MAX_ADAPTER_SIZE_IN_MB" in error, error
     assert downloaded(server) == []
 
 
-def test_a_refused_registration_leaves_no_files(server, s3):
+@ROUTES
+def test_a_refused_registration_leaves_no_files(server, s3, route):
     """A model.py does not serve LoRA adapters: its worker group refuses the downloaded adapter."""
     _, client = s3
     upload_adapter(client, "good")
-    response = register(server, "good", "s3://adapters/good")
+    response = register(server, "good", "s3://adapters/good", route)
     assert response.status_code == 400 and "does not serve LoRA adapters" in response.json()["error"], response.text
     assert downloaded(server) == []
 

@@ -195,6 +195,38 @@ def test_a_stream_failing_on_an_openai_route_ends_with_an_openai_error_event_and
     assert openai_error(events[2].encode(), 424)["message"] == "generation failed on purpose"
 
 
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/responses"])
+def test_a_stream_failing_on_a_route_of_named_events_ends_with_an_error_event(sse_server, path):
+    """vLLM's Responses and Messages streams name their events (and send no [DONE]): an error after
+    the stream began is an ``error`` event, in the route's envelope, as Anthropic's API sends it."""
+    r = requests.post(sse_server.url(path), timeout=10,
+                      json={"inputs": "one two three", "stream": True, "fail_after": 2})
+    assert r.status_code == 200
+    events = [event for event in r.text.split("\n\n") if event.strip()]
+    assert len(events) == 3 and "[DONE]" not in r.text, r.text
+    name, data = events[2].split("\n")
+    assert name == "event: error"
+    error = json.loads(data.removeprefix("data: "))
+    if path == "/v1/messages":
+        assert error == {"type": "error", "error": {"type": "api_error", "message": "generation failed on purpose"}}
+    else:
+        assert openai_error(json.dumps(error).encode(), 424)["message"] == "generation failed on purpose"
+
+
+def test_the_messages_routes_refuse_in_anthropics_envelope(server):
+    """Errors the frontend answers itself on /v1/messages are Anthropic's shape, as vLLM's server answers there."""
+    head = "POST /v1/messages HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 7340032"
+    r, _ = send(server.port, head)
+    assert r.status == 413
+    error = json.loads(r.body)
+    assert error["type"] == "error" and error["error"]["type"] == "request_too_large", error
+    assert "max_payload_in_mb" in error["error"]["message"]
+    for method, path, status in (("GET", "/v1/messages", 405), ("POST", "/v1/messages/batches", 404)):
+        r = requests.request(method, server.url(path), json={}, timeout=10)
+        assert r.status_code == status
+        assert r.json()["type"] == "error" and set(r.json()["error"]) == {"type", "message"}, r.text
+
+
 def test_a_stream_failing_on_invocations_ends_with_lmis_envelope(sse_server):
     r = requests.post(sse_server.url("/invocations"), timeout=10,
                       json={"inputs": "one two three", "stream": True, "fail_after": 2})

@@ -54,6 +54,7 @@ def test_every_readme_command_is_covered():
     from tests.e2e.test_vision import DATA_CURL, HTTP_CURL, SERVE, SNIPPET as VISION_SNIPPET, WRITE
     from tests.sdk.test_readme import SNIPPETS as SDK_SNIPPETS
     from tests.integration.test_sm_vllm import DOC_COMMAND as SM_VLLM_CONFIG
+    from tests.e2e.test_vllm_openai import DOC_COMMANDS as RESPONSES_AND_MESSAGES
 
     covered = {
         *LMI_DIST_TRY_OUT,  # tests/e2e/conftest.py (lmi_dist_server)
@@ -72,6 +73,7 @@ def test_every_readme_command_is_covered():
         *TOOL_CALLING_EXAMPLE,  # tests/e2e/test_tool_calling.py (its server fixture, test_the_readme_examples)
         *REASONING_EXAMPLE,  # tests/e2e/test_reasoning_and_templates.py (its server, test_the_readme_example...)
         *POOLING_EXAMPLE,  # tests/e2e/test_pooling.py (its server fixture, test_the_readme_examples)
+        *RESPONSES_AND_MESSAGES,  # tests/e2e/test_vllm_openai.py (test_the_docs_examples)
         WRITE, SERVE, DATA_CURL, HTTP_CURL,  # tests/e2e/test_vision.py (docs/vision.md)
         *shell_commands(documents()["docs/sessions.md"]),  # tests/e2e/test_vllm_sessions.py
         *DEPLOY_STEPS,  # NOT_RUN (test_the_deploy_steps_fit_together)

@@ -9,6 +9,7 @@ import psutil
 import pytest
 import requests
 
+from container.frontend.invocations import ROUTES
 from tests.server import MODEL_DIRS, RawStream, Server
 
 
@@ -145,9 +146,25 @@ def test_a_request_cannot_write_a_line_of_its_own_into_the_text_log(server):
     assert any("[forge-error]" in line and f"unhappy\\n{FORGED}" in line for line in lines)
 
 
+def test_a_priority_without_the_priority_scheduling_policy_is_a_400_naming_the_option(server):
+    """This server serves first-come (option.scheduling_policy unset): a request asking for more is
+    refused, not served as if it had not asked; priority 0, every request's default, asks for nothing."""
+    for headers in ({"X-Priority": "2"}, {"X-Amzn-SageMaker-Custom-Attributes": "x-priority=-1"}):
+        r = server.invoke({"inputs": "x"}, headers=headers)
+        assert r.status_code == 400, r.text
+        assert "option.scheduling_policy=priority" in r.json()["error"]
+    r = requests.post(server.url("/v1/chat/completions"), json={"messages": []}, headers={"X-Priority": "2"},
+                      timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("X-Priority=2: "), r.text
+    assert server.invoke({"inputs": "x"}, headers={"X-Priority": "0"}).status_code == 200
+
+
 def test_unknown_route_and_wrong_method(server):
     r = requests.get(server.url("/nowhere"), timeout=10)
     assert r.status_code == 404 and r.json()["code"] == 404
+    others = ("GET /ping", "GET /models", "/models/{model}/adapters", "POST /adapters", "DELETE /adapters/{name}")
+    for route in (*(f"{method} {path}" for path, method in ROUTES.items()), *others, "GET /openapi.json"):
+        assert route in r.json()["error"]
     r = requests.get(server.url("/invocations"), timeout=10)
     assert r.status_code == 405 and r.json()["code"] == 405
 

@@ -1,8 +1,8 @@
-"""A stand-in for SageMaker's runtime endpoint, for streams only (moto has no
+"""A stand-in for SageMaker's runtime endpoint (moto has no
 ``invoke_endpoint_with_response_stream``): it answers the real boto3 client's
-request with the bytes it is given, cut into ``PayloadPart`` events of AWS's
-event-stream encoding, so that botocore decodes them as it decodes SageMaker's.
-It records the requests it gets."""
+stream request with the bytes it is given, cut into ``PayloadPart`` events of AWS's
+event-stream encoding, so that botocore decodes them as it decodes SageMaker's, and
+``invoke_endpoint`` with a JSON answer. It records the requests it gets."""
 
 import json
 import struct
@@ -44,16 +44,21 @@ class FakeRuntime:
         self.requests: list[dict] = []
         self.events: list[bytes] = []
         self.content_type = "application/jsonlines"
+        self.answer = {"generated_text": "answer"}  # invoke_endpoint's
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 fake.requests.append({"path": self.path, "headers": dict(self.headers), "body": body})
-                payload = b"".join(fake.events)
                 self.send_response(200)
-                self.send_header("Content-Type", "application/vnd.amazon.eventstream")
-                self.send_header("X-Amzn-SageMaker-Content-Type", fake.content_type)
+                if self.path.endswith("/invocations"):  # invoke_endpoint
+                    payload = json.dumps(fake.answer).encode()
+                    self.send_header("Content-Type", "application/json")
+                else:
+                    payload = b"".join(fake.events)
+                    self.send_header("Content-Type", "application/vnd.amazon.eventstream")
+                    self.send_header("X-Amzn-SageMaker-Content-Type", fake.content_type)
                 self.send_header("x-Amzn-Invoked-Production-Variant", "AllTraffic")
                 self.send_header("Content-Length", str(len(payload)))
                 self.end_headers()

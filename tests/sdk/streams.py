@@ -4,9 +4,8 @@ import json
 import random
 
 import requests
-from sagemaker.iterators import ByteIterator
-
 from sagemaker_sdk import parse_stream
+from sagemaker_sdk.sdk_major import ByteIterator
 
 MULTI_BYTE = "☃".encode()  # three bytes; the test handler's answers hold it and other multi-byte characters
 
@@ -28,7 +27,7 @@ def sse_events(raw: bytes) -> list:
 
 
 def sagemaker_items(pieces: list[bytes]) -> list:
-    """The items predict_stream reads from PayloadParts holding ``pieces`` (through sagemaker's ByteIterator)."""
+    """The items predict_stream reads from PayloadParts holding ``pieces`` (through the sagemaker SDK's ByteIterator)."""
     return list(parse_stream(ByteIterator([{"PayloadPart": {"Bytes": piece}} for piece in pieces])))
 
 

@@ -1,4 +1,5 @@
-"""SagelmiModel.deploy() under moto's mock of AWS, with the real sagemaker SDK:
+"""SagelmiModel.deploy() under moto's mock of AWS, with the real sagemaker SDK (the installed
+major; test_sdk_majors.py runs on both):
 model, endpoint config and endpoint are created; the environment SageMaker
 records is what the container resolves to the settings asked for; a bad setting
 never reaches AWS."""
@@ -8,12 +9,12 @@ import io
 import tarfile
 
 import pytest
-import sagemaker
 
 from container.core.settings import SettingsError, resolve_settings
 from container.core.engine_args import EngineOptionError
 from sagemaker_sdk import SagelmiModel, SagelmiPredictor
 from sagemaker_sdk import sizing
+from sagemaker_sdk.sdk_major import Session
 from tests.fake_hub import Repo
 from tests.sdk.conftest import IMAGE, INSTANCE_TYPE, ROLE, TEXTGEN
 
@@ -32,7 +33,7 @@ class CallCounter:
 @pytest.fixture
 def session(aws):
     counter = CallCounter(aws)
-    sagemaker_session = sagemaker.Session(boto_session=aws)
+    sagemaker_session = Session(boto_session=aws)
     counter.calls.clear()
     sagemaker_session.counter = counter
     return sagemaker_session
@@ -191,6 +192,26 @@ def test_a_model_that_fits_is_deployed(session, tmp_path):
     assert small.plan(INSTANCE_TYPE).splits[0].fits
     small.deploy(instance_type=INSTANCE_TYPE, wait=False)
     assert session.sagemaker_client.describe_endpoint(EndpointName=small.endpoint_name)
+
+
+def test_an_inference_component_is_planned_on_its_accelerators(session, components, tmp_path):
+    """The fit check of an inference component plans one copy: on its accelerators, not the instance's."""
+    from sagemaker_sdk import DoesNotFit, InferenceComponentConfig
+
+    model_dir = _model_dir(tmp_path / "8b", 32, 16 * 10 ** 9)  # 16 GB of weights: more than one T4 holds
+    spread = SagelmiModel(handler_dir=model_dir, tensor_parallel_degree=2, image_uri=IMAGE, role=ROLE,
+                          sagemaker_session=session)
+    with pytest.raises(DoesNotFit, match=r"tensor x pipeline parallel degree 2 x 1 needs 2 GPUs; 1 GPU\(s\) of "
+                                         r"ml.g4dn.12xlarge \(4 x T4 15 GiB\) has 1"):
+        spread.deploy(instance_type="ml.g4dn.12xlarge", inference_component=InferenceComponentConfig(accelerators=1))
+    single = SagelmiModel(handler_dir=model_dir, image_uri=IMAGE, role=ROLE, sagemaker_session=session)
+    with pytest.raises(DoesNotFit, match=r"does not fit on 1 GPU\(s\) of ml.g4dn.12xlarge"):
+        single.deploy(instance_type="ml.g4dn.12xlarge", inference_component=True)
+    assert components.requests == [] and not [c for c in session.counter.calls if c.startswith("sagemaker.Create")]
+    # two GPUs a copy (tensor parallel 2, the default accelerators): it fits, and is deployed
+    spread.deploy(instance_type="ml.g4dn.12xlarge", inference_component=True, wait=False)
+    requirements = components.request("CreateInferenceComponent")["Specification"]["ComputeResourceRequirements"]
+    assert requirements["NumberOfAcceleratorDevicesRequired"] == 2
 
 
 def test_tensor_parallel_max_is_resolved_alike_by_the_container_the_planner_and_the_sdk(session, tmp_path):

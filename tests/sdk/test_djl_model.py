@@ -1,17 +1,23 @@
 """SagelmiModel as users of sagemaker.djl_inference.DJLModel know it: the same
 arguments (a positional model_id, task, engine, min_workers ...) build the
-environment DJLModel builds, compared with DJLModel's own code on the installed
-sagemaker SDK. No AWS calls (moto for DJLModel's session), no server."""
+environment DJLModel builds, compared with DJLModel's own code on the sagemaker
+SDK 2.x (3.x has no DJLModel: tests/sdk/test_other_major.py runs this file in a
+2.x virtual environment when the shared one has 3.x). No AWS calls (moto for
+DJLModel's session), no server."""
 
 import inspect
 
 import pytest
-import sagemaker
-from sagemaker.djl_inference import DJLModel
 
 from container.core.settings import SettingsError, resolve_settings
-from sagemaker_sdk import SagelmiModel
-from tests.sdk.conftest import IMAGE, ROLE
+from sagemaker_sdk import SDK_MAJOR, SagelmiModel
+from tests.sdk.aws import IMAGE, ROLE, aws, components  # noqa: F401 (fixtures)
+
+if SDK_MAJOR != 2:
+    pytest.skip("DJLModel is sagemaker 2.x's (test_other_major.py runs this file there)", allow_module_level=True)
+
+import sagemaker  # noqa: E402
+from sagemaker.djl_inference import DJLModel  # noqa: E402
 
 # The names differ, the setting is the same: sagelmi writes LMI's own spelling of each setting
 # (the first of its environment names in container/core/setting_keys.py, the one serving.properties'

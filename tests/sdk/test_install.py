@@ -1,39 +1,27 @@
-"""`pip install 'sagelmi[sdk]'` in a fresh virtual environment (pip as configured
-here: proxy, find-links) brings neither vLLM nor torch, and the README's deploy
-example builds its model there (the settings checks included: the list of vLLM's
-engine arguments is in the package)."""
+"""`pip install 'sagelmi[sdk]'` (pip picks the sagemaker SDK 3.x, the newest major the extra
+allows) brings neither vLLM nor torch, and the README's deploy example builds its model there (the
+settings checks included: the list of vLLM's engine arguments is in the package). The environment
+is tests/sdk/venvs.py's, kept between runs; this checkout's sources are installed into it anew."""
 
 import json
-import shutil
 import subprocess
-import sys
 
 import pytest
 
 from tests.sdk.test_readme import DEPLOY
-from tests.server import REPO, clean_env
+from tests.sdk.venvs import DEFAULT_MAJOR, install_checkout, python, sagemaker_version, sdk_venv
+from tests.server import clean_env
 
 pytestmark = pytest.mark.slow
 
-SOURCES = ("container", "handlers", "djl_python", "sagemaker_sdk", "pyproject.toml", "README.md")
-
 
 def test_the_sdk_extra_installs_without_vllm_or_torch(tmp_path):
-    source = tmp_path / "sagelmi"  # a copy: pip builds in the tree it is given
-    for name in SOURCES:
-        if (REPO / name).is_dir():
-            shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
-        else:
-            shutil.copy(REPO / name, source / name)
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
-    python = str(venv / "bin" / "python")
+    venv = sdk_venv(DEFAULT_MAJOR)
+    assert sagemaker_version(venv).startswith(f"{DEFAULT_MAJOR}.")
+    install_checkout(venv, tmp_path)
+    interpreter = python(venv)
     env = clean_env({"SAGEMAKER_SUPPRESS_V2_WARNING": "1"})
-    install = subprocess.run([python, "-m", "pip", "install", "--quiet", f"{source}[sdk]"], env=env,
-                             capture_output=True, text=True, timeout=1200, cwd=tmp_path)
-    assert install.returncode == 0, install.stderr[-3000:]
-
-    listed = subprocess.run([python, "-m", "pip", "list", "--format=json"], env=env, capture_output=True, text=True,
+    listed = subprocess.run([interpreter, "-m", "pip", "list", "--format=json"], env=env, capture_output=True, text=True,
                             check=True, timeout=120, cwd=tmp_path).stdout
     installed = {package["name"].lower() for package in json.loads(listed)}
     assert {"sagelmi", "sagemaker"} <= installed
@@ -48,7 +36,7 @@ def test_the_sdk_extra_installs_without_vllm_or_torch(tmp_path):
         "except EngineOptionError as exc:",
         "    print(exc)",
     ])
-    run = subprocess.run([python, "-c", example], env=env, capture_output=True, text=True, timeout=300,
+    run = subprocess.run([interpreter, "-c", example], env=env, capture_output=True, text=True, timeout=300,
                          cwd=tmp_path)  # not the repository: the installed package is imported
     assert run.returncode == 0, run.stderr[-3000:]
     printed = [line for line in run.stdout.splitlines() if not line.startswith("sagemaker.config INFO")]

@@ -7,10 +7,9 @@ import signal
 
 import boto3
 import pytest
-from sagemaker.local import LocalSession
-
 from sagemaker_sdk import SagelmiModel, SagelmiPredictor, StreamError
 from sagemaker_sdk.local import InvocationError, LocalEndpoint, container_command, endpoint_env
+from sagemaker_sdk.sdk_major import LocalSession
 from tests.sdk.conftest import IMAGE, REGION, TEXTGEN
 from tests.server import MODEL_DIRS
 

@@ -1,22 +1,47 @@
-"""SagelmiPredictor keeps the sagemaker Predictor's signature: its second argument is
-initial_args (invoke_endpoint's arguments), generation parameters are keywords. That
+"""SagelmiPredictor keeps the sagemaker 2.x Predictor's signature on both SDK majors: its second
+argument is initial_args (invoke_endpoint's arguments), generation parameters are keywords. That
 the request options reach an endpoint: tests/sdk/test_local.py (a real server) and
-tests/sdk/test_streaming.py (boto3's runtime client)."""
+tests/sdk/test_streaming.py (boto3's runtime client). Runs under both majors
+(tests/sdk/test_other_major.py runs it in the other one)."""
 
 import inspect
 
 import pytest
-from sagemaker.predictor import Predictor
 
-from sagemaker_sdk import SagelmiPredictor
+from sagemaker_sdk import SDK_MAJOR, SagelmiPredictor
+
+# sagemaker 2.x's Predictor.predict and predict_stream (compared with the class itself on 2.x)
+PREDICTOR_2X = {
+    "predict": [("self", None), ("data", None), ("initial_args", None), ("target_model", None),
+                ("target_variant", None), ("inference_id", None), ("custom_attributes", None),
+                ("component_name", None)],
+    "predict_stream": [("self", None), ("data", None), ("initial_args", None), ("target_variant", None),
+                       ("inference_id", None), ("custom_attributes", None), ("component_name", None),
+                       ("target_container_hostname", None), ("iterator", "ByteIterator")],
+}
+
+
+def _parameters(function) -> list:
+    return list(inspect.signature(function).parameters.values())
+
+
+def _named(parameter) -> tuple:
+    default = parameter.default
+    return parameter.name, (None if default is inspect.Parameter.empty else
+                            default.__name__ if inspect.isclass(default) else default)
 
 
 @pytest.mark.parametrize("method", ["predict", "predict_stream"])
 def test_the_predictor_keeps_the_sagemaker_predictors_arguments_in_order(method):
-    base = list(inspect.signature(getattr(Predictor, method)).parameters.values())
-    ours = list(inspect.signature(getattr(SagelmiPredictor, method)).parameters.values())
-    assert [(p.name, p.kind, p.default) for p in ours[:len(base)]] == [(p.name, p.kind, p.default) for p in base]
-    assert all(p.kind in (p.KEYWORD_ONLY, p.VAR_KEYWORD) for p in ours[len(base):])  # ours: keywords only
+    expected = PREDICTOR_2X[method]
+    ours = _parameters(getattr(SagelmiPredictor, method))
+    assert [_named(p) for p in ours[:len(expected)]] == expected
+    assert all(p.kind == p.POSITIONAL_OR_KEYWORD for p in ours[:len(expected)])
+    assert all(p.kind in (p.KEYWORD_ONLY, p.VAR_KEYWORD) for p in ours[len(expected):])  # ours: keywords only
+    if SDK_MAJOR == 2:
+        from sagemaker.predictor import Predictor
+
+        assert [_named(p) for p in _parameters(getattr(Predictor, method))] == expected
 
 
 def test_generation_parameters_in_initial_args_are_refused_before_any_call():

@@ -13,13 +13,14 @@ from container.core.settings import resolve_settings
 from sagemaker_sdk import EngineOptionError, SagelmiModel, SagelmiPredictor
 from sagemaker_sdk.local import LocalSession
 from tests.readme import documents, python_snippets, section
+from tests.sdk.test_sdk_guide import SNIPPETS as SDK_GUIDE
 from tests.server import REPO, clean_env
 
 QUICK_START = section("Deploy to SageMaker")  # README.md
 GUIDE = documents()["docs/sagemaker.md"]
 (DEPLOY,) = python_snippets(QUICK_START)
 USE, LOCAL = python_snippets(GUIDE)
-SNIPPETS = [DEPLOY, USE, LOCAL]
+SNIPPETS = [DEPLOY, USE, LOCAL, *SDK_GUIDE]  # docs/sdk.md's run in test_sdk_guide.py
 
 
 def test_the_deploy_snippet_deploys(aws):

@@ -8,10 +8,10 @@ import json
 
 import boto3
 import pytest
-import sagemaker
 from botocore.exceptions import EventStreamError
 
 from sagemaker_sdk import SagelmiPredictor, StreamError, StreamParser, parse_stream
+from sagemaker_sdk.sdk_major import Session
 from sagemaker_sdk.streaming import item_text, stream_texts
 from tests.sdk.conftest import REGION
 from tests.sdk.fake_runtime import FakeRuntime, model_stream_error
@@ -107,7 +107,7 @@ def runtime(monkeypatch):
         boto_session = boto3.Session(region_name=REGION)
         client = boto_session.client("sagemaker-runtime", endpoint_url=fake.url)
         fake.predictor = SagelmiPredictor(
-            "my-endpoint", sagemaker.Session(boto_session=boto_session, sagemaker_runtime_client=client))
+            "my-endpoint", Session(boto_session=boto_session, sagemaker_runtime_client=client))
         yield fake
 
 

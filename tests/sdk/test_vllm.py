@@ -8,10 +8,9 @@ import sys
 
 import boto3
 import pytest
-from sagemaker.local import LocalSession
-
 from sagemaker_sdk import SagelmiModel, SagelmiPredictor
 from sagemaker_sdk.local import LocalEndpoint
+from sagemaker_sdk.sdk_major import LocalSession
 from sagemaker_sdk.streaming import stream_texts
 from tests.sdk.conftest import REGION
 from tests.sdk.streams import assert_every_cut_gives, capture, json_lines, sse_events

@@ -7,6 +7,7 @@ from container.core.errors import (
     describe,
     envelope,
     envelope_for,
+    is_openai_path,
     one_line,
     scrub,
 )
@@ -49,6 +50,20 @@ def test_the_envelope_follows_the_route():
     assert envelope_for("/v1/models", 404, "not found", "no")["error"]["type"] == "NotFoundError"
     assert envelope_for("/v1/chat/completions", 503, "service unavailable", "full")["error"]["type"] == \
         "InternalServerError"
+
+
+def test_anthropics_routes_answer_in_anthropics_envelope():
+    """vLLM's server answers /v1/messages errors as Anthropic's API does: {"type": "error", "error": {"type",
+    "message"}}, the type named as Anthropic names it for the status."""
+    assert envelope_for("/v1/messages", 400, "invalid input", "max_tokens: Field required") == {
+        "type": "error", "error": {"type": "invalid_request_error", "message": "max_tokens: Field required"}}
+    kinds = {status: envelope_for("/v1/messages/count_tokens", status, "m", "d")["error"]["type"]
+             for status in (404, 413, 424, 429, 503, 504, 507)}
+    assert kinds == {404: "not_found_error", 413: "request_too_large", 424: "api_error",
+                     429: "rate_limit_error", 503: "overloaded_error", 504: "timeout_error", 507: "api_error"}
+    assert not is_openai_path("/v1/messages") and not is_openai_path("/v1/messages/count_tokens")
+    assert is_openai_path("/v1/responses") and "code" in envelope_for("/v1/responses", 400, "m", "d")["error"]
+    assert envelope_for("/v1/messagesx", 400, "m", "d")["error"]["type"] == "BadRequestError"  # not Anthropic's
 
 
 def test_one_line_gives_a_validation_errors_messages():

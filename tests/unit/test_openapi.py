@@ -34,10 +34,12 @@ def test_handler_routes_document_every_error_the_server_sends_for_them():
     statuses = {cls.status for cls in (errors.InputError, errors.NotFound, errors.PayloadTooLarge,
                                        errors.HandlerError, errors.ServiceUnavailable, errors.GatewayTimeout,
                                        errors.OutOfMemory)}
-    for path in ("/invocations", "/v1/chat/completions", "/v1/completions"):
+    envelopes = {"/invocations": "LmiError", "/v1/chat/completions": "OpenAIError", "/v1/completions": "OpenAIError",
+                 "/v1/responses": "OpenAIError", "/v1/messages": "AnthropicError",
+                 "/v1/messages/count_tokens": "AnthropicError"}
+    for path, envelope in envelopes.items():
         responses = document["paths"][path]["post"]["responses"]
         assert statuses <= {int(s) for s in responses if s.isdigit()}, path
-        envelope = "OpenAIError" if path.startswith("/v1/") else "LmiError"
         assert responses["400"]["content"]["application/json"]["schema"]["$ref"].endswith(envelope)
 
 
@@ -64,3 +66,10 @@ def test_the_documented_lmi_answer_is_what_the_formatter_writes():
 def test_error_envelopes_are_built_from_their_documented_types():
     assert errors.LmiError.model_validate(errors.envelope(400, "invalid input", "bad"))
     assert errors.OpenAIError.model_validate(errors.openai_envelope(404, "not found", "no such adapter"))
+    assert errors.AnthropicError.model_validate(errors.anthropic_envelope(400, "invalid input", "bad"))
+
+
+def test_the_handler_routes_are_the_documented_ones():
+    from container.frontend.invocations import ROUTES
+
+    assert openapi.for_model(True)["x-handler-routes"] == list(ROUTES)

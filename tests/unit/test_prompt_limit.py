@@ -55,7 +55,7 @@ def test_one_prompt_or_up_to_the_limit_passes(form, body):
 
 
 def test_every_form_has_its_fields():
-    assert set(PROMPT_FIELDS) == {"lmi", "completion", "embeddings", "score", "rerank"}
+    assert set(PROMPT_FIELDS) == {"lmi", "completion", "embeddings", "classification", "pooling", "score", "rerank"}
     assert prompt_count(None) == prompt_count("x") == prompt_count([]) == 1
 
 

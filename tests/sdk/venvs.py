@@ -1,0 +1,86 @@
+"""Virtual environments with sagelmi's ``sdk`` extra on one major of the sagemaker SDK, for the
+tests that need an environment other than the one they run in: test_install.py (what
+``pip install '.[sdk]'`` gives: pip picks the newest major the extra allows, 3.x) and
+test_other_major.py (the major this environment does not have).
+
+Each is made once and kept under the user's cache directory (``$XDG_CACHE_HOME`` or
+``~/.cache``, ``sagelmi/sdk-venvs/``), named after the major and a digest of pyproject.toml, the
+packages and Python's version (a change of the package's dependencies makes a new one); pip's own
+cache makes a rebuild quicker. A lock file keeps two test processes from building one at once; a
+marker written last tells a finished one from an interrupted one (made again)."""
+
+import fcntl
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.server import REPO, clean_env
+
+SOURCES = ("container", "handlers", "djl_python", "sagemaker_sdk", "pyproject.toml", "README.md")
+TOOLS = ("moto[s3,sagemaker]>=5", "pytest>=8", "pytest-timeout>=2.3")  # what the tests run with there
+DEFAULT_MAJOR = 3  # pip's pick for sagemaker>=2,<4
+READY = "sagelmi-ready"
+
+
+def copy_checkout(target: Path) -> Path:
+    """The package's sources, copied to ``target`` (pip builds in the tree it is given)."""
+    for name in SOURCES:
+        if (REPO / name).is_dir():
+            shutil.copytree(REPO / name, target / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(REPO / name, target / name)
+    return target
+
+
+def _requirements(major: int) -> tuple[str, ...]:
+    pin = () if major == DEFAULT_MAJOR else (f"sagemaker>={major},<{major + 1}",)
+    return (*pin, *TOOLS)
+
+
+def sdk_venv(major: int) -> Path:
+    """A virtual environment made by ``pip install '<checkout>[sdk]'`` (with ``sagemaker`` held to
+    ``major`` when it is not pip's own pick) and the test tools; its directory."""
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sagelmi" / "sdk-venvs"
+    root.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256((REPO / "pyproject.toml").read_bytes())
+    digest.update(" ".join(_requirements(major)).encode() + sys.version.encode())
+    venv = root / f"sagemaker{major}-{digest.hexdigest()[:12]}"
+    with (root / f"{venv.name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (venv / READY).exists():
+            _make(venv, root / f"{venv.name}.source", major)
+    return venv
+
+
+def _make(venv: Path, source: Path, major: int) -> None:
+    shutil.rmtree(venv, ignore_errors=True)
+    shutil.rmtree(source, ignore_errors=True)
+    copy_checkout(source)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    install = subprocess.run([python(venv), "-m", "pip", "install", "--quiet", f"{source}[sdk]", *_requirements(major)],
+                             env=clean_env(), capture_output=True, text=True, timeout=1800, cwd=source)
+    assert install.returncode == 0, install.stderr[-3000:]
+    shutil.rmtree(source)
+    assert sagemaker_version(venv).split(".")[0] == str(major), sagemaker_version(venv)
+    (venv / READY).write_text(" ".join(_requirements(major)) + "\n")
+
+
+def python(venv: Path) -> str:
+    return str(venv / "bin" / "python")
+
+
+def sagemaker_version(venv: Path) -> str:
+    return subprocess.run([python(venv), "-c", "from importlib.metadata import version; print(version('sagemaker'))"],
+                          capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+
+
+def install_checkout(venv: Path, scratch: Path) -> None:
+    """This checkout's sources installed into ``venv`` over the copy it was made with (its
+    dependencies stay: they change only with pyproject.toml, which names the venv)."""
+    source = copy_checkout(scratch / "sagelmi")
+    install = subprocess.run([python(venv), "-m", "pip", "install", "--quiet", "--no-deps", "--force-reinstall",
+                              str(source)], env=clean_env(), capture_output=True, text=True, timeout=600, cwd=scratch)
+    assert install.returncode == 0, install.stderr[-3000:]
