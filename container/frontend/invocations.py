@@ -4,8 +4,8 @@ Anthropic's Messages), relayed to worker groups through the ``Router``.
 They are served by a WSGI app of their own in front of Flask (``HandlerRoutes``): a
 request on one of them with its method is answered here, everything else (other
 methods, ``/ping``, the management routes ...) goes on to Flask, whose dispatch (its
-contexts, URL matching, hooks and response objects) cost about 200 µs a request, more
-than the rest of the relay at one stream (docs/benchmarks/README.md, issue 31).
+contexts, URL matching, hooks and response objects) would cost more than the rest of the
+relay at one stream.
 
 Request path: read the body (413 past the limit, without reading it), admit (503 when
 the queue is full or the server is draining), pick a worker group, send, wait for the

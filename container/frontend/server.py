@@ -220,8 +220,8 @@ class DrainingWorker(HeadWaitingWorker):
         """gthread's, then a look at what the client of a kept-alive connection did meanwhile.
         A client that closed it is let go here: gthread would hand the connection back to its
         main loop, which wakes on the close and hands it to a thread again only to read the
-        end (three wake-ups and ~200 µs of this process's CPU in the first millisecond of the
-        client's next request, docs/benchmarks/README.md). A next request whose head is there
+        end (three wake-ups, and this process's CPU in the first millisecond of the client's
+        next request). A next request whose head is there
         whole is served in this thread, without the main loop's wake-up and another thread's;
         one not whole yet waits in the main loop. /ping's threads serve one request and go back."""
         keepalive = super().handle(conn)

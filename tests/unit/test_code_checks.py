@@ -2,6 +2,7 @@
 first) runs ruff, lint-imports and mypy over the product packages; here, that the layers'
 contracts catch an import that crosses them, and that no product module grows past one job."""
 
+import re
 import shutil
 import subprocess
 import sys
@@ -55,3 +56,17 @@ def test_every_product_module_does_one_job_in_at_most_500_lines():
         if (lines := len(path.read_text().splitlines())) > MAX_MODULE_LINES
     }
     assert long == {}, f"split these along their jobs: {long}"
+
+
+# An issue or the benchmark diary cited in a product module's comment or docstring: comments say what
+# the code does and why now; history belongs in commit messages, figures in docs/benchmarks/.
+HISTORY = re.compile(r"\b[Ii]ssue #?\d+|docs/benchmarks/README\.md")
+
+
+def test_no_product_comment_cites_an_issue_or_the_benchmark_diary():
+    cited = [f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+             for package in PACKAGES
+             for path in (ROOT / package).rglob("*.py")
+             for number, line in enumerate(path.read_text().splitlines(), 1)
+             if HISTORY.search(line)]
+    assert cited == [], "\n".join(cited)
