@@ -3,12 +3,15 @@
 without an engine)."""
 
 import os
+import signal
+import subprocess
+import sys
 
 import pytest
 
 from tests.fake_hub import FakeHub, Repo
 from tests.sdk.aws import IMAGE, INSTANCE_TYPE, REGION, ROLE, aws, components  # noqa: F401 (fixtures, constants)
-from tests.server import MODEL_DIRS
+from tests.server import MODEL_DIRS, REPO, clean_env
 
 # Before anything imports sagemaker: its v2 deprecation warning is noise here.
 os.environ.setdefault("SAGEMAKER_SUPPRESS_V2_WARNING", "1")
@@ -37,3 +40,34 @@ def hub_api(fake_hub, monkeypatch):
                         fake_hub.url + "/{repo_id}/resolve/{revision}/{filename}")
     return fake_hub
 
+
+
+# The tests that run in tests/sdk/venvs.py's environments, by module: the majors each needs.
+_VENV_MODULES = {"test_install.py": "DEFAULT_MAJOR", "test_other_major.py": "OTHER"}
+_building: list[subprocess.Popen] = []
+
+
+def pytest_collection_finish(session):
+    """Make the SDK environments this run's tests need in the background from the start (the first
+    takes minutes of pip): tests/sdk/venvs.py's lock makes a test wait for one still being made."""
+    if session.config.option.collectonly:
+        return
+    modules = {item.path.name for item in session.items if item.path.parent == REPO / "tests" / "sdk"}
+    wanted = sorted(_VENV_MODULES[m] for m in modules & set(_VENV_MODULES))
+    if not wanted:
+        return
+    from sagemaker_sdk import SDK_MAJOR
+    from tests.sdk.venvs import DEFAULT_MAJOR
+
+    majors = sorted({DEFAULT_MAJOR if name == "DEFAULT_MAJOR" else {2: 3, 3: 2}[SDK_MAJOR] for name in wanted})
+    script = "import sys; from tests.sdk.venvs import sdk_venv; [sdk_venv(int(m)) for m in sys.argv[1:]]"
+    _building.append(subprocess.Popen([sys.executable, "-c", script, *map(str, majors)], cwd=REPO,
+                                      env=clean_env({"PYTHONPATH": str(REPO)}), stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL, start_new_session=True))
+
+
+def pytest_sessionfinish(session):
+    for process in _building:  # a run that ended first stops it (pip too); it is made again next time
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+            process.wait(60)
