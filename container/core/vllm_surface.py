@@ -108,8 +108,11 @@ _ROWS: tuple[tuple, ...] = (
     ("vllm.entrypoints.anthropic.protocol", "AnthropicMessagesResponse", "in openapi.json"),
     ("vllm.entrypoints.anthropic.serving", "AnthropicServingMessages", "subclassed and built: answers /v1/messages"),
     ("vllm.entrypoints.anthropic.serving", "AnthropicServingMessages.create_messages", "called per message", HAND),
-    ("vllm.entrypoints.anthropic.serving", "AnthropicServingMessages.to_chat_completion_request",
-     "overridden: the request's priority carried into the chat request"),
+    (
+        "vllm.entrypoints.anthropic.serving",
+        "AnthropicServingMessages.to_chat_completion_request",
+        "overridden: the request's priority carried into the chat request",
+    ),
     (f"{_OPENAI}.responses.protocol", "ResponsesRequest", "validates /v1/responses bodies; in openapi.json"),
     (f"{_OPENAI}.responses.protocol", "ResponsesResponse", "in openapi.json"),
     (f"{_OPENAI}.responses.serving", "OpenAIServingResponses", "built: answers /v1/responses"),
