@@ -27,8 +27,10 @@ EXACT = {"OPTION_DTYPE": "float32"}
 # and the log shows it as ***.
 HUB_TOKEN = "hf_e2eTokenThatMustNeverBeLogged0123"
 TINY_CONTEXT = 8192
-# A first start compiles the model (later starts reuse vLLM's compile cache): allow for it on 2 busy cores.
-ENGINE_READY_TIMEOUT = 240
+# An engine start imports vLLM in three processes and may compile the model; at a run's start, three lanes
+# start engines at once beside the image's build: 4 minutes were too few for an eager start then. (Below
+# pytest's own timeout of a test, 600 s, which counts its fixtures' set-up too.)
+ENGINE_READY_TIMEOUT = 480
 
 
 @pytest.fixture(scope="session")

@@ -242,9 +242,10 @@ def test_requirements_txt_is_installed_before_loading():
 
 
 def test_port_is_bound_before_the_model_loads():
-    server = Server(MODEL_DIRS / "slow_init", env={"OPTION_INIT_SECONDS": "3"}).start(wait_ready=False)
+    # The model loads for a minute: the first answer comes while it loads, however busy the machine.
+    server = Server(MODEL_DIRS / "slow_init", env={"OPTION_INIT_SECONDS": "60"}).start(wait_ready=False)
     try:
-        first = server.wait_until(lambda r: True, timeout=5)
+        first = server.wait_until(lambda r: True, timeout=50)
         assert first.status_code == 503
     finally:
         server.stop()

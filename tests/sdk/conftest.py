@@ -61,7 +61,8 @@ def pytest_collection_finish(session):
 
     majors = sorted({DEFAULT_MAJOR if name == "DEFAULT_MAJOR" else {2: 3, 3: 2}[SDK_MAJOR] for name in wanted})
     script = "import sys; from tests.sdk.venvs import sdk_venv; [sdk_venv(int(m)) for m in sys.argv[1:]]"
-    _building.append(subprocess.Popen([sys.executable, "-c", script, *map(str, majors)], cwd=REPO,
+    # At the lowest CPU priority: it must not slow the engines every lane starts at once.
+    _building.append(subprocess.Popen(["nice", "-n", "19", sys.executable, "-c", script, *map(str, majors)], cwd=REPO,
                                       env=clean_env({"PYTHONPATH": str(REPO)}), stdout=subprocess.DEVNULL,
                                       stderr=subprocess.DEVNULL, start_new_session=True))
 
