@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.conftest import ENGINE_READY_TIMEOUT
 from tests.readme import python_snippets, quick_start_curls, run_shell, section
 from tests.server import REPO, clean_env, free_port, installed_venv, wait_healthy
 
@@ -38,7 +39,7 @@ def test_make_run_serves_the_tiny_model_and_the_quick_start_works(tmp_path):
                                env=clean_env(), start_new_session=True, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
     try:
-        wait_healthy(port, 240)
+        wait_healthy(port, ENGINE_READY_TIMEOUT)  # a cold start, compiling the model, beside the other lanes
         assert (tmp_path / ".cache" / "tiny-model" / "config.json").exists()  # written by the copy's make run
         ping, lmi, stream, chat = (run_shell(c, port) for c in quick_start_curls())
         assert json.loads(ping.stdout)["status"] == "Healthy"
