@@ -11,6 +11,7 @@ import pytest
 
 from tests.fake_hub import FakeHub, Repo
 from tests.sdk.aws import IMAGE, INSTANCE_TYPE, REGION, ROLE, aws, components  # noqa: F401 (fixtures, constants)
+from tests.sdk.venvs import DEFAULT_MAJOR, OTHER_MAJOR
 from tests.server import MODEL_DIRS, REPO, clean_env
 
 # Before anything imports sagemaker: its v2 deprecation warning is noise here.
@@ -41,9 +42,8 @@ def hub_api(fake_hub, monkeypatch):
     return fake_hub
 
 
-
-# The tests that run in tests/sdk/venvs.py's environments, by module: the majors each needs.
-_VENV_MODULES = {"test_install.py": "DEFAULT_MAJOR", "test_other_major.py": "OTHER"}
+# The tests that run in tests/sdk/venvs.py's environments, by module: the major each needs.
+_VENV_MODULES = {"test_install.py": DEFAULT_MAJOR, "test_other_major.py": OTHER_MAJOR}
 _building: list[subprocess.Popen] = []
 
 
@@ -53,13 +53,9 @@ def pytest_collection_finish(session):
     if session.config.option.collectonly:
         return
     modules = {item.path.name for item in session.items if item.path.parent == REPO / "tests" / "sdk"}
-    wanted = sorted(_VENV_MODULES[m] for m in modules & set(_VENV_MODULES))
-    if not wanted:
+    majors = sorted({_VENV_MODULES[m] for m in modules & set(_VENV_MODULES)})
+    if not majors:
         return
-    from sagemaker_sdk import SDK_MAJOR
-    from tests.sdk.venvs import DEFAULT_MAJOR
-
-    majors = sorted({DEFAULT_MAJOR if name == "DEFAULT_MAJOR" else {2: 3, 3: 2}[SDK_MAJOR] for name in wanted})
     script = "import sys; from tests.sdk.venvs import sdk_venv; [sdk_venv(int(m)) for m in sys.argv[1:]]"
     # At the lowest CPU priority: it must not slow the engines every lane starts at once.
     _building.append(subprocess.Popen(["nice", "-n", "19", sys.executable, "-c", script, *map(str, majors)], cwd=REPO,

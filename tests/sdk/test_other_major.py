@@ -8,13 +8,12 @@ import subprocess
 
 import pytest
 
-from sagemaker_sdk import SDK_MAJOR
+from tests.sdk.venvs import OTHER_MAJOR as OTHER
 from tests.sdk.venvs import python, sagemaker_version, sdk_venv
 from tests.server import REPO, clean_env
 
 pytestmark = pytest.mark.slow
 
-OTHER = {2: 3, 3: 2}[SDK_MAJOR]
 MAJOR_TESTS = [
     "tests/sdk/test_sdk_majors.py",
     "tests/sdk/test_sdk_guide.py",

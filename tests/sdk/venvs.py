@@ -17,11 +17,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+from sagemaker_sdk import SDK_MAJOR
 from tests.server import REPO, clean_env
 
 SOURCES = ("container", "handlers", "djl_python", "sagemaker_sdk", "pyproject.toml", "README.md")
 TOOLS = ("moto[s3,sagemaker]>=5", "pytest>=8", "pytest-timeout>=2.3")  # what the tests run with there
 DEFAULT_MAJOR = 3  # pip's pick for sagemaker>=2,<4
+OTHER_MAJOR = {2: 3, 3: 2}[SDK_MAJOR]  # the major this environment does not have
 READY = "sagelmi-ready"
 
 
