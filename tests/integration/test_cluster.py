@@ -54,7 +54,7 @@ def single():
 def _start_pair(secret: str, cluster_port: int) -> Server:
     worker = _worker(secret, cluster_port, **WORKER_OWN).start(wait_ready=False)
     env = _env(secret, cluster_port, SAGELMI_NODE_ADDR="127.0.0.1", **LEADER_OWN)
-    leader = Server(EXAMPLE, env=env, ready_timeout=60)
+    leader = Server(EXAMPLE, env=env)
     leader.worker = worker
     try:
         return leader.start()
@@ -67,7 +67,7 @@ def _start_pair(secret: str, cluster_port: int) -> Server:
 def cluster():
     """One cluster for the module (the lost-node test, last, replaces its worker node). Two Open MPI
     "nodes" on one host once pinned both ranks to core 0 (mpirun's default binding, now --bind-to
-    none), where rank 0's polling starved rank 1 past the 60 s start-up. One more try, in case."""
+    none), where rank 0's polling starved rank 1 for over a minute. One more try, in case."""
     secret, cluster_port = secrets.token_hex(16), free_port()
     try:
         leader = _start_pair(secret, cluster_port)
@@ -203,7 +203,7 @@ def test_a_restarted_leader_finds_its_worker_node_again(cluster, single):
     assert not old & set(parents())  # the group's ranks are gone on both nodes, prted included
     assert cluster.worker.process.poll() is None  # the worker node stays up, waiting
     env = _env(cluster.secret, cluster.cluster_port, SAGELMI_NODE_ADDR="127.0.0.1")
-    with Server(EXAMPLE, env=env, ready_timeout=60) as leader:
+    with Server(EXAMPLE, env=env) as leader:
         assert [g["outputs"] for g in _answers(leader)] == single
         assert "worker node 1 registered from 127.0.0.2" in leader.log()
     assert "registering again" in cluster.worker.log()
