@@ -109,14 +109,20 @@ def plan_groups(settings: Settings, devices: list[str]) -> list[GroupPlan]:
     return [GroupPlan(i, tuple(devices[i * per_group : (i + 1) * per_group]), tp, pp) for i in range(count)]
 
 
+def cpu_threads(plans: list[GroupPlan], cores: list[int] | None = None) -> int:
+    """The cores of one engine process's share when the usable cores are split evenly
+    between the processes of ``plans`` (at least one): its OpenMP threads."""
+    cores = sorted(os.sched_getaffinity(0)) if cores is None else cores
+    return max(1, len(cores) // sum(p.world_size for p in plans))
+
+
 def cpu_binding(plans: list[GroupPlan], cores: list[int] | None = None) -> dict[int, str]:
     """``VLLM_CPU_OMP_THREADS_BIND`` for each CPU worker group, by group index:
     the usable cores split evenly, one share per engine process (``0-3|4-7``).
     vLLM's CPU build needs a share per local engine process once a group has
     several (tensor or pipeline parallel); sharing cores is better than refusing."""
     cores = sorted(os.sched_getaffinity(0)) if cores is None else cores
-    processes = sum(p.world_size for p in plans)
-    per_process = max(1, len(cores) // processes)
+    per_process = cpu_threads(plans, cores)
     binding, next_core = {}, 0
     for plan in plans:
         shares = []

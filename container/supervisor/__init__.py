@@ -28,7 +28,7 @@ from pathlib import Path
 
 from container.core import proc
 from container.core.artifacts import ArtifactError, fetch_model
-from container.core.devices import GroupPlan, cpu_binding, discover_devices, plan_groups
+from container.core.devices import GroupPlan, cpu_binding, cpu_threads, discover_devices, plan_groups
 from container.core.engine_args import EngineOptionError, engine_environment
 from container.core.handler_choice import uses_builtin_engine
 from container.core.launch import (
@@ -209,7 +209,10 @@ class Supervisor:
                 plans[0].world_size if mpirun else 1,
                 ", ".join(f"{p.index}: {p.cuda_visible_devices or 'cpu'}" for p in plans),
             )
-            binding = cpu_binding(cluster_share(plans, cluster) if cluster else plans) if not devices else {}
+            local_plans = cluster_share(plans, cluster) if cluster else plans
+            binding = cpu_binding(local_plans) if not devices else {}
+            # MPI ranks on the CPU: each rank's OpenMP threads (WorkerGroup._env says why)
+            rank_threads = cpu_threads(local_plans) if mpirun and not devices else None
             try:
                 environment = engine_environment(self.settings)
             except EngineOptionError as exc:
@@ -239,6 +242,7 @@ class Supervisor:
                     binding.get(plan.index) if plan.world_size > 1 else None,
                     environment,
                     self.cluster,
+                    omp_threads=rank_threads,
                 )
                 for plan in plans
             ]

@@ -59,6 +59,7 @@ class WorkerGroup:
         cpu_binding: str | None,
         environment: dict[str, str] | None = None,
         cluster: Leader | None = None,
+        omp_threads: int | None = None,
     ) -> None:
         self.plan = plan
         self.cluster = cluster  # a cluster's leader: the group spans its nodes
@@ -68,6 +69,7 @@ class WorkerGroup:
         self.settings = settings
         self.mpirun = mpirun
         self.cpu_binding = cpu_binding
+        self.omp_threads = omp_threads  # MPI ranks on the CPU: OMP_NUM_THREADS for each
         self.name = f"worker group {plan.index}"
         socket_path = str(group_file(runtime, plan.index, "sock"))
         self.launch_path = group_file(runtime, plan.index, "json")
@@ -111,6 +113,13 @@ class WorkerGroup:
             env["MASTER_ADDR"] = self.cluster.local_address  # rank 0's node, as the others reach it
         if self.cpu_binding is not None and "VLLM_CPU_OMP_THREADS_BIND" not in env:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_binding
+        if self.omp_threads is not None and "OMP_NUM_THREADS" not in env:
+            # mpirun, unlike vLLM's own launcher, gives its CPU workers no OMP_NUM_THREADS. Without
+            # it a new thread of a rank runs OpenMP at OpenMP's default (every core the unbound rank
+            # may use) until its first torch operation sets torch's count (1 in an MPI process: MKL's
+            # choice), and vLLM's CPU attention, planned before that on lmi-dist's stepping thread
+            # and run after it, stops the engine.
+            env["OMP_NUM_THREADS"] = str(self.omp_threads)
         # vLLM's own cap on a completion's prompt list, the same as the server's on every route
         env.setdefault("VLLM_MAX_COMPLETION_PROMPTS", str(self.settings.max_prompts_per_request))
         return env
@@ -161,6 +170,8 @@ class WorkerGroup:
             details.append(f"CUDA_VISIBLE_DEVICES={self.plan.cuda_visible_devices}")
         if env.get("VLLM_CPU_OMP_THREADS_BIND") and self.plan.world_size > 1 and not self.plan.devices:
             details.append(f"VLLM_CPU_OMP_THREADS_BIND={env['VLLM_CPU_OMP_THREADS_BIND']}")
+        if self.omp_threads is not None:
+            details.append(f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']}")
         log.info("started %s (%s)", self.name, ", ".join(details))
         log.debug("%s command: %s", self.name, " ".join(redacted_command(command)))
 

@@ -19,6 +19,9 @@ engine takes identical steps, so one rank decides them:
 Waiting costs nothing: rank 0's thread sleeps until work arrives, the others
 block on their relay socket. Requests reach rank 0 only
 (``requests_on_rank0_only``): the plans carry everything the other ranks need.
+On the CPU, vLLM's attention needs the stepping thread to run OpenMP at torch's
+thread count; the supervisor gives every rank ``OMP_NUM_THREADS``, so that every
+thread starts at it.
 
 A plan is a typed ``msgspec`` struct, encoded with vLLM's own msgpack encoder and
 decoder (``vllm.v1.serial_utils``, what vLLM uses between its front and its

@@ -14,11 +14,12 @@ from tests.server import REPO, Server, clean_env, shared
 # What vLLM's CPU build needs on a small machine (see docs/troubleshooting.md).
 VLLM_CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 # Servers in float32 whose point is not vLLM's compiled model run it eager: a start without torch.compile
-# costs about 35 s of CPU less (docs/testing.md). Not in bfloat16: there vLLM's CPU build lost its model
-# runner process on the first request of some eager servers on a loaded machine, with no message.
-# The shared ``vllm_server`` and the references compared with it are among them. vLLM's default, the
-# compiled model, is what the lmi-dist, pipeline-parallel and LoRA servers, ``make run``, ``make bench``,
-# the SDK's README snippet and the image's servers run.
+# costs about 35 s of CPU less per engine process (docs/testing.md). Not in bfloat16: there vLLM's CPU
+# build lost its model runner process on the first request of some eager servers on a loaded machine, with
+# no message. The shared ``vllm_server``, the references compared with it and the shared lmi-dist server
+# (its option-matrix cell is lmi-dist + eager) are among them. vLLM's default, the compiled model, is what
+# the pipeline-parallel and LoRA servers, ``make run``, ``make bench``, the SDK's README snippet and the
+# image's servers (its lmi-dist cluster included) run.
 EAGER = {"OPTION_ENFORCE_EAGER": "true"}
 # Tests that compare greedy tokens across servers whose sums run in a different order (tensor and
 # pipeline shards, other batch shapes) serve in float32: in bfloat16, vLLM's CPU default, near-ties flip.
@@ -46,14 +47,14 @@ def tiny_think_model(tmp_path_factory):
 # The lmi-dist try-out (docs/large_models.md): write the tiny model, serve it split over two ranks.
 LMI_DIST_README = shell_commands(section("The lmi-dist engine"))
 LMI_DIST_README_ENV = {"OPTION_ROLLING_BATCH": "lmi-dist", "TENSOR_PARALLEL_DEGREE": "2", **VLLM_CPU_ENV}
-# What the option matrix's lmi-dist cell adds (prefix caching is vLLM's default on x86; the README's model
-# has a context of 1024 already): the cell is served by the same server.
-LMI_DIST_CELL = {"OPTION_ENABLE_PREFIX_CACHING": "true", "OPTION_MAX_MODEL_LEN": "1024"}
+# What the option matrix's lmi-dist cell adds (eager; prefix caching is vLLM's default on x86; the README's
+# model has a context of 1024 already): the cell is served by the same server.
+LMI_DIST_CELL = {**EAGER, "OPTION_ENABLE_PREFIX_CACHING": "true", "OPTION_MAX_MODEL_LEN": "1024"}
 
 
 @pytest.fixture(scope="session")
 def lmi_dist_server(tmp_path_factory):
-    """The README's lmi-dist try-out, in float32 (its tokens are compared with ``vllm_server``'s)."""
+    """The README's lmi-dist try-out, in float32 (its tokens are compared with ``vllm_server``'s), eager."""
     directory = str(tmp_path_factory.mktemp("readme-tiny"))
     write, serve = (command.replace("/tmp/tiny-model", directory) for command in LMI_DIST_README)
     written = run_shell(write, 0, timeout=300)

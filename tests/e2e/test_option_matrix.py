@@ -74,7 +74,7 @@ CELLS = {
 }
 # Served by a shared server: cell -> its settings (what that server runs with, checked below)
 SHARED_CELLS = {
-    "lmi-dist tp 2 + prefix caching + max_model_len": {**LMI_DIST_README_ENV, **LMI_DIST_CELL},
+    "lmi-dist tp 2 + eager + prefix caching + max_model_len": {**LMI_DIST_README_ENV, **LMI_DIST_CELL},
     "LoRA + chunked prefill + max_rolling_batch_size": {**LORA, **LORA_CELL},
 }
 RESULTS: dict[str, str] = {}
@@ -165,7 +165,7 @@ def _shared_cell(cell: str, server: Server, vllm_server: Server, which: str) -> 
 
 @pytest.mark.mpi
 def test_the_lmi_dist_cell_serves_exact_tokens(lmi_dist_server, vllm_server):
-    _shared_cell("lmi-dist tp 2 + prefix caching + max_model_len", lmi_dist_server, vllm_server, "lmi-dist")
+    _shared_cell("lmi-dist tp 2 + eager + prefix caching + max_model_len", lmi_dist_server, vllm_server, "lmi-dist")
 
 
 def test_the_lora_cell_serves_exact_tokens(lora_server, vllm_server):

@@ -1,6 +1,6 @@
 import pytest
 
-from container.core.devices import GroupPlan, cpu_binding, discover_devices, parse_visible_devices, plan_groups
+from container.core.devices import GroupPlan, cpu_binding, cpu_threads, discover_devices, parse_visible_devices, plan_groups
 from container.core.settings import SettingsError, resolve_settings
 
 
@@ -79,3 +79,9 @@ def test_cpu_binding_gives_each_engine_process_its_own_cores():
         {0: "0-1|2-3", 1: "4-5|6-7"}
     # more processes than cores: shares wrap around rather than refuse
     assert cpu_binding([GroupPlan(0, (), 2, 1), GroupPlan(1, (), 2, 1)], cores=[0, 1]) == {0: "0|1", 1: "0|1"}
+
+
+def test_cpu_threads_are_the_cores_of_one_processs_share():
+    assert cpu_threads([GroupPlan(0, (), 1, 2)], cores=list(range(8))) == 4
+    assert cpu_threads([GroupPlan(0, (), 1, 1)], cores=[0, 1]) == 2
+    assert cpu_threads([GroupPlan(0, (), 2, 1), GroupPlan(1, (), 2, 1)], cores=[0, 1]) == 1  # never none

@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 
 from container import supervisor
-from container.core.devices import GroupPlan
+from container.core.devices import GroupPlan, cpu_threads
 from container.core.settings import resolve_settings
+from container.supervisor.groups import WorkerGroup
 
 
 def test_mpirun_command_starts_tp_x_pp_ranks_with_the_users_arguments(tmp_path):
@@ -63,3 +64,25 @@ def test_a_long_tmpdir_moves_the_runtime_directory_where_its_sockets_fit(tmp_pat
         assert supervisor.runtime_directory().parent == short
     finally:
         shutil.rmtree(short)
+
+
+@pytest.mark.parametrize("users", [None, "3"])
+def test_mpi_ranks_on_the_cpu_get_their_share_of_the_cores_as_openmp_threads(tmp_path, monkeypatch, users):
+    """mpirun, unlike vLLM's own launcher, sets no OMP_NUM_THREADS: the group does (the user's wins), and
+    every rank gets it, on other nodes too. Without it, lmi-dist in eager mode stopped at its first request
+    (tests/e2e/test_option_matrix.py's lmi-dist cell)."""
+    if users is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", users)
+    settings = resolve_settings({"OPTION_ROLLING_BATCH": "lmi-dist", "TENSOR_PARALLEL_DEGREE": "2"}, tmp_path)
+    plan = GroupPlan(0, (), 2, 1)
+    threads = cpu_threads([plan], cores=[0, 1, 2, 3])
+    group = WorkerGroup(plan, settings, tmp_path, str(tmp_path), "/x/mpirun", "0-1|2-3", omp_threads=threads)
+    try:
+        env = group._env()
+        assert env["OMP_NUM_THREADS"] == (users or "2")
+        command = group.command(env)
+        assert command[command.index("OMP_NUM_THREADS") - 1] == "-x"
+    finally:
+        group.client.close()
