@@ -28,11 +28,11 @@ import time
 from tests import reliability
 from tests.server import REPO
 
-# The full run's lanes (make test) besides ``rest``, which runs every test they do not name.
+# The full run's lanes (make test) besides ``rest``, which runs every test they do not name. Each lane
+# that needs ``vllm_server`` (tests/conftest.py) starts its own; what lanes save is waiting in line.
 FULL = {
     # The modules around the shared servers (tests/conftest.py's vllm_server, tests/e2e/conftest.py's
-    # lmi-dist and LoRA servers), and the image's tests, whose cluster is compared with vllm_server:
-    # each shared server starts once in the run. The image builds in the background from the start.
+    # lmi-dist and LoRA servers): each shared server starts once in the run.
     "engines": [
         "tests/e2e/test_bench.py",
         "tests/e2e/test_fuzz.py",
@@ -40,23 +40,29 @@ FULL = {
         "tests/e2e/test_lmi_dist.py",
         "tests/e2e/test_lora.py",
         "tests/e2e/test_option_matrix.py",
-        "tests/e2e/test_pipeline_parallel.py",
-        "tests/e2e/test_plan.py",
         "tests/e2e/test_vllm_engine.py",
         "tests/e2e/test_vllm_limits.py",
         "tests/e2e/test_vllm_lmi.py",
         "tests/e2e/test_vllm_lmi_custom_handlers.py",
         "tests/e2e/test_vllm_openai.py",
         "tests/e2e/test_vllm_sessions.py",
+    ],
+    # The image's tests (its cluster is compared with vllm_server), last, and before them, while the image
+    # builds in the background from the lane's start, modules with servers of their own.
+    "image": [
+        "tests/e2e/test_pipeline_parallel.py",
+        "tests/e2e/test_plan.py",
         "tests/container",
     ],
-    # The e2e modules that start servers of their own.
+    # The e2e modules that start servers of their own, in two lanes.
     "e2e": [
         "tests/e2e/test_accelerate_engine.py",
         "tests/e2e/test_lmi_options.py",
         "tests/e2e/test_observability_vllm.py",
         "tests/e2e/test_pooling.py",
         "tests/e2e/test_priority.py",
+    ],
+    "e2e-b": [
         "tests/e2e/test_readme_run.py",
         "tests/e2e/test_reasoning_and_templates.py",
         "tests/e2e/test_tool_calling.py",
