@@ -68,6 +68,8 @@ FULL = {
         "tests/e2e/test_tool_calling.py",
         "tests/e2e/test_vision.py",
     ],
+    # SageMaker's inference toolkit: Hugging Face pipelines in every server (no engine)
+    "toolkit": ["tests/integration/test_inference_toolkit*.py"],
 }
 # make test-fast (--fast: the tests not marked slow) starts no engine, and its tests mostly wait
 # (model.py servers starting and stopping, timeouts, back-offs: one process keeps about half a core

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from container.core.lmi_options import lmi_options
-from tests.e2e.conftest import ENGINE_READY_TIMEOUT, VLLM_CPU_ENV
+from tests.e2e.conftest import EAGER, ENGINE_READY_TIMEOUT, EXACT, VLLM_CPU_ENV
 from tests.server import Server
 
 pytestmark = pytest.mark.slow
@@ -42,7 +42,7 @@ def test_every_ignored_lmi_name_at_once_starts_and_serves(tiny_model, tmp_path):
     properties = {e.name: LOUD_VALUES.get(e.name, e.example) for e in ignored} | FRONT_VALUES | MAPPED_VALUES
     (model_dir / "serving.properties").write_text("".join(f"{k}={v}\n" for k, v in properties.items()))
 
-    with Server(model_dir, env=VLLM_CPU_ENV, ready_timeout=ENGINE_READY_TIMEOUT) as server:
+    with Server(model_dir, env={**VLLM_CPU_ENV, **EXACT, **EAGER}, ready_timeout=ENGINE_READY_TIMEOUT) as server:
         answer = server.invoke({"inputs": "one two", "parameters": {"max_new_tokens": 4}})
         assert answer.status_code == 200, answer.text
         assert "generated_text" in answer.json()

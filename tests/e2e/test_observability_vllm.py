@@ -14,7 +14,7 @@ import time
 import pytest
 import requests
 
-from tests.e2e.conftest import ENGINE_READY_TIMEOUT, VLLM_CPU_ENV
+from tests.e2e.conftest import EAGER, ENGINE_READY_TIMEOUT, EXACT, VLLM_CPU_ENV
 from tests.otlp_receiver import OtlpReceiver
 from tests.server import Server
 
@@ -33,7 +33,7 @@ def receiver():
 def server(tiny_model, receiver):
     traces = f"{receiver.endpoint}/v1/traces"
     with Server(tiny_model, env={
-        **VLLM_CPU_ENV,
+        **VLLM_CPU_ENV, **EXACT, **EAGER,  # logs and traces, not the compiled model
         "OPTION_ENABLE_LOG_REQUESTS": "true",  # vLLM logs "Added request ..." in the worker's process
         "OPTION_OTLP_TRACES_ENDPOINT": traces,  # vLLM's own tracing
         "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": traces,  # sagelmi's (and the protocol for both)
