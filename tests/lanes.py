@@ -40,18 +40,18 @@ FULL = {
         "tests/e2e/test_lmi_dist.py",
         "tests/e2e/test_lora.py",
         "tests/e2e/test_option_matrix.py",
+        "tests/e2e/test_pipeline_parallel.py",
         "tests/e2e/test_vllm_engine.py",
         "tests/e2e/test_vllm_limits.py",
         "tests/e2e/test_vllm_lmi.py",
-        "tests/e2e/test_vllm_lmi_custom_handlers.py",
         "tests/e2e/test_vllm_openai.py",
         "tests/e2e/test_vllm_sessions.py",
     ],
     # The image's tests (its cluster is compared with vllm_server), last, and before them, while the image
-    # builds in the background from the lane's start, modules with servers of their own.
+    # builds in the background from the lane's start, modules with eager or small servers of their own.
     "image": [
-        "tests/e2e/test_pipeline_parallel.py",
         "tests/e2e/test_plan.py",
+        "tests/e2e/test_vllm_lmi_custom_handlers.py",
         "tests/container",
     ],
     # The e2e modules that start servers of their own, in two lanes.
