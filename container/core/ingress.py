@@ -1,20 +1,28 @@
-"""A request as the handler gets it (its ``Input`` properties), the streamed requests
-gthread's main loop takes without a request thread (``container.frontend.early``), and what that
-loop looks for in a request head before a thread reads it (``head_ready``, ``request_path``).
+"""HTTP/1.1 bytes, in one module for both processes: request heads parsed by httptools (llhttp, the
+parser uvicorn uses), what gthread's main loop looks for in a head before a thread reads it
+(``head_ready``, ``request_path``, ``is_bare_ping``), a request as the handler gets it (its ``Input``
+properties), and what rank 0 writes of a streamed answer (``response_head``, ``chunk``).
 
-``read_request`` looks at what a connection has sent (peeked, ``MSG_PEEK``) and takes only what
-gunicorn would read the same way: a streamed completion, chat or LMI call over HTTP/1.1 with one
-``Content-Length``, no transfer coding, no repeated or unusual header, limits below gunicorn's.
-Where a request thread must take such a request over, gunicorn reads the same bytes, and the
-thread checks that it read the same request (``HandlerRoutes``, ``Invocation``).
+``read_request`` takes only what gunicorn would read the same way: a streamed completion, chat or
+LMI call over HTTP/1.1 with one ``Content-Length``, no transfer coding, no repeated or unusual
+header, limits below gunicorn's. Where a request thread must take such a request over, gunicorn
+reads the same bytes, and the thread checks that it read the same request (``HandlerRoutes``,
+``Invocation``). ``may_be_read`` is the same decision, made by the frontend before it hands a
+connection to rank 0 unread.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from email.utils import formatdate
+from time import time
 
+import httptools
+
+from container.core.protocol import ResponseHead
+from container.core.sessions import SESSION_HEADERS
 from container.core.tracing import TRACEPARENT, TRACESTATE
 
 INFERENCE_ID = "X-Amzn-SageMaker-Inference-Id"  # the request's id: the client's, else a new one; echoed
@@ -25,12 +33,10 @@ STREAM_ASKED = re.compile(rb'"stream"\s*:\s*true')
 # The routes read early, when their body asks for a stream
 HOT_PATHS = ("/v1/completions", "/v1/chat/completions", "/invocations")
 _HOT_LINES = tuple(b"POST %s HTTP/1.1\r\n" % path.encode() for path in HOT_PATHS)
-_LENGTH = re.compile(rb"\r\ncontent-length:[ \t]*(\d{1,12})[ \t]*\r\n", re.IGNORECASE)  # may_be_read's look
 PEEK_BYTES = 1 << 16  # what is looked at without reading it: a larger request goes through the frontend
 MAX_FIELDS = 64  # below gunicorn's limit_request_fields (100)
 MAX_FIELD_BYTES = 4096  # below gunicorn's limit_request_field_size (8190) and limit_request_line (4094)
-_TOKEN = re.compile(rb"[!#$%&'*+.^`|~0-9A-Za-z-]+")  # a header name (RFC 9110), without "_" (gunicorn drops those)
-_VALUE = re.compile(rb"[\t\x20-\x7e]*")  # a header value of visible ASCII, spaces and tabs
+_VALUE = re.compile(rb"[\t\x20-\x7e]*")  # a header value of visible ASCII, spaces and tabs (gunicorn's)
 # Headers that make a request one the frontend must read: a body framed otherwise, a session
 # (routed by the frontend to the group holding it), an interim answer, a protocol change.
 _DECLINED = frozenset(
@@ -116,24 +122,40 @@ class Partial:
     need: int
 
 
+class _Fields:
+    """What httptools reports of a request head: its target and its header fields."""
+
+    __slots__ = ("headers", "url")
+
+    def __init__(self) -> None:
+        self.url = b""
+        self.headers: list[tuple[bytes, bytes]] = []
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name, value))
+
+
+def parse_head(head: bytes) -> list[tuple[bytes, bytes]] | None:
+    """The header fields of the request head ``head`` (its request line to its empty line), as
+    httptools parses it (values without their surrounding whitespace); ``None`` for a head it
+    refuses."""
+    fields = _Fields()
+    try:
+        httptools.HttpRequestParser(fields).feed_data(head)
+    except (httptools.HttpParserError, httptools.HttpParserUpgrade):
+        return None
+    return [(name, value.strip(b" \t")) for name, value in fields.headers]
+
+
 def may_be_read(data: bytes) -> bool | Partial:
-    """Whether the start of a connection's next request (``data``, peeked) may be one
-    ``read_request`` takes: the request line of one of ``HOT_PATHS``, a ``Content-Length`` and a
-    body, all there, that asks for a stream. ``Partial`` while the request line, the head or the
-    body are not all there yet. A cheap look for gthread's main loop, which hands such a
-    connection to rank 0 unread (``Handoff``), where ``read_request`` decides."""
-    if not data.startswith(_HOT_LINES):
-        return Partial(len(data) + 1) if any(line.startswith(data) for line in _HOT_LINES) else False
-    end = data.find(b"\r\n\r\n")
-    if end < 0:
-        return Partial(len(data) + 1) if len(data) < PEEK_BYTES else False
-    length = _LENGTH.search(data, 0, end + 2)
-    if length is None:
-        return False
-    size = end + 4 + int(length.group(1))
-    if size > len(data):
-        return Partial(size) if size <= PEEK_BYTES else False
-    return STREAM_ASKED.search(data, end + 4, size) is not None
+    """Whether the start of a connection's next request (``data``, peeked) is one rank 0's
+    ``read_request`` takes; ``Partial`` while the request line, the head or the body are not all
+    there yet. gthread's main loop hands such a connection to rank 0 unread (``Handoff``)."""
+    request = read_request(data, PEEK_BYTES)
+    return request if isinstance(request, Partial) else request is not None
 
 
 def read_request(data: bytes, max_body: int) -> ReadRequest | Partial | None:
@@ -143,29 +165,26 @@ def read_request(data: bytes, max_body: int) -> ReadRequest | Partial | None:
     for the start of such a request (its head not ended, or its body not all there)."""
     if not data.startswith(_HOT_LINES):
         return Partial(len(data) + 1) if any(line.startswith(data) for line in _HOT_LINES) else None
-    end = data.find(b"\r\n\r\n")
+    end = data.find(HEAD_END)
     if end < 0:
         return Partial(len(data) + 1) if len(data) < PEEK_BYTES else None
-    line_end = data.index(b"\r\n")
-    path = data[5 : line_end - 9].decode("ascii")
-    lines = data[line_end + 2 : end].split(b"\r\n") if end > line_end else []
-    if len(lines) > MAX_FIELDS:
+    head = data[: end + 4]
+    fields = parse_head(head) if head.count(b"\n") == head.count(b"\r\n") else None  # gunicorn refuses a bare LF
+    if fields is None or len(fields) > MAX_FIELDS:
         return None
     headers: list[tuple[str, str]] = []
     seen: set[bytes] = set()
     length = None
     close = False
-    for line in lines:
-        name, colon, value = line.partition(b":")
+    for name, value in fields:
         lowered = name.lower()
-        if not colon or len(line) > MAX_FIELD_BYTES or not _TOKEN.fullmatch(name) or lowered in seen:
-            return None
-        value = value.strip(b" \t")
-        if not _VALUE.fullmatch(value) or lowered in _DECLINED:
+        if len(name) + len(value) >= MAX_FIELD_BYTES or b"_" in name or lowered in seen or lowered in _DECLINED:
+            return None  # gunicorn drops a name with "_"; these headers are the frontend's to act on
+        if not _VALUE.fullmatch(value):
             return None
         seen.add(lowered)
         if lowered == b"content-length":
-            if not value.isdigit() or len(value) > 12:
+            if len(value) > 12:  # httptools checked its digits
                 return None
             length = int(value)
         elif lowered == b"connection":
@@ -174,11 +193,76 @@ def read_request(data: bytes, max_body: int) -> ReadRequest | Partial | None:
                 return None  # an upgrade or a hop-by-hop header list: gunicorn's to read
             close = b"close" in tokens
         headers.append((name.decode("ascii").title(), value.decode("ascii")))
-    if length is None or length > max_body or end + 4 + length > PEEK_BYTES:
+    size = end + 4 + (length or 0)
+    if length is None or length > max_body or size > PEEK_BYTES:
         return None
-    if end + 4 + length > len(data):
-        return Partial(end + 4 + length)
-    body = data[end + 4 : end + 4 + length]
+    if size > len(data):
+        return Partial(size)
+    body = data[end + 4 : size]
     if STREAM_ASKED.search(body) is None:
         return None
-    return ReadRequest(path, headers, body, close, end + 4 + length)
+    path = data[5 : data.index(b" ", 5)].decode("ascii")
+    return ReadRequest(path, headers, body, close, size)
+
+
+# -- what rank 0 writes of a streamed answer
+
+# What gunicorn accepts in a response header (RFC 9110's token; a value of visible characters,
+# spaces and tabs): a head with anything else is left to the frontend, which refuses it as before
+_RESPONSE_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_RESPONSE_VALUE = re.compile(r"[ \t\x21-\x7e\x80-\xff]*")
+# The headers that frame a body, which the worker takes out of a handler's answer
+HOP_BY_HOP = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive"})
+# Headers the frontend acts on or that frame the body: a head with one is the frontend's to write
+_FRONTEND_HEADERS = HOP_BY_HOP | {"upgrade", "te", "trailer", "trailers"} | SESSION_HEADERS
+END_OF_CHUNKS = b"0\r\n\r\n"  # the last chunk of an HTTP/1.1 chunked body (no trailers)
+_date: tuple[int, bytes] = (0, b"")
+
+
+def chunk(data: bytes) -> bytes:
+    """``data`` as one HTTP/1.1 chunk."""
+    return b"%X\r\n%s\r\n" % (len(data), data)
+
+
+def _http_date() -> bytes:
+    """The ``Date`` header's value (as gunicorn writes it), formatted once a second."""
+    global _date
+    now = int(time())
+    if _date[0] != now:
+        _date = (now, formatdate(now, usegmt=True).encode())
+    return _date[1]
+
+
+def response_head(head: ResponseHead, chunked: bool, code: int, headers: Mapping[str, str]) -> bytes | None:
+    """The HTTP head of a streamed answer as the frontend's gunicorn writes the head of the same
+    answer (its status line, ``Server``, ``Date``, ``Connection`` and ``Transfer-Encoding``, then the
+    handler's headers, then the frontend's), so a client sees one head whichever process wrote it:
+    ``None`` where the frontend must write it itself (not a 200, no ``Content-Type``, a header the
+    frontend acts on or would refuse)."""
+    if code != 200:
+        return None
+    lines = [
+        b"%s 200 OK\r\nServer: %s\r\nDate: %s\r\nConnection: %s\r\n"
+        % (head.version.encode(), head.server.encode(), _http_date(), b"close" if head.close else b"keep-alive")
+    ]
+    if chunked:
+        lines.append(b"Transfer-Encoding: chunked\r\n")
+    typed = False
+    ours = {name.lower() for name in head.headers}
+    for name, value in headers.items():
+        lower = name.lower()
+        if (
+            lower in _FRONTEND_HEADERS
+            or lower in ours
+            or not _RESPONSE_TOKEN.fullmatch(name)
+            or not _RESPONSE_VALUE.fullmatch(value)
+        ):
+            return None
+        typed = typed or lower == "content-type"
+        lines.append(b"%s: %s\r\n" % (name.encode("latin-1"), value.encode("latin-1")))
+    if not typed:
+        return None  # the frontend's default content type is its own to add
+    for name, value in head.headers.items():
+        lines.append(b"%s: %s\r\n" % (name.encode("latin-1"), value.encode("latin-1")))
+    lines.append(b"\r\n")
+    return b"".join(lines)

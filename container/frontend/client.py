@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import socket
 
+from container.core.ingress import chunk
 from container.core.protocol import ResponseHead
 from container.frontend.body import WSGI_RESPONSE
 
@@ -86,7 +87,7 @@ class ClientSink:
         return sock, chunked, ResponseHead(version, response.version, close, ours)
 
     def frame(self, data: bytes) -> bytes:
-        return b"%X\r\n%s\r\n" % (len(data), data) if self.chunked else data
+        return chunk(data) if self.chunked else data
 
     def send_nowait(self, frame: bytes) -> int:
         return self.sock.send(frame, socket.MSG_DONTWAIT)

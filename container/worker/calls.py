@@ -17,9 +17,9 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
+from container.core.ingress import HOP_BY_HOP
 from container.core.protocol import Chunk, End, Ending, Head
 from container.worker.connection import Connection, DroppedAnswers
-from container.worker.direct import HOP_BY_HOP
 from container.worker.observe import Observation
 from container.worker.requests import chunk_of
 from handlers.api import Input, Output, json_line, prepend

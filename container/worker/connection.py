@@ -9,6 +9,7 @@ import os
 from collections.abc import Callable, Mapping
 from time import monotonic
 
+from container.core.ingress import response_head
 from container.core.protocol import (
     FRAME_HEADER,
     Attach,
@@ -24,7 +25,7 @@ from container.core.protocol import (
     encode,
     frame_length,
 )
-from container.worker.direct import WRITE_HIGH_WATER, DescriptorChannel, DirectBody, peer_pid, response_head
+from container.worker.direct import WRITE_HIGH_WATER, DescriptorChannel, DirectBody, peer_pid
 
 log = logging.getLogger("sagelmi.worker")
 

@@ -1,7 +1,7 @@
 """A streamed answer's body written by rank 0 straight to the client's socket, which the
 frontend hands over once it has sent the HTTP headers (``Attach`` with the socket, on the
 descriptor channel; ``container.core.protocol``), or, for a request that asked for a stream,
-with the request, rank 0 then writing the HTTP head too (``response_head``).
+with the request, rank 0 then writing the HTTP head too (``container.core.ingress.response_head``).
 
 Tokens do not cross the frontend: a hop through it per token would cost its CPU and wake-ups
 that preempt the engine. The frontend wakes at the stream's start and end only.
@@ -17,35 +17,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import re
 import socket
 import struct
-from collections.abc import Callable, Collection, Mapping
-from email.utils import formatdate
+from collections.abc import Callable, Collection
 from pathlib import Path
-from time import monotonic, time
+from time import monotonic
 from typing import Protocol
 
 from container.core.errors import ClientClosedRequest
-from container.core.protocol import Attach, Handoff, ProtocolError, ResponseHead, fd_channel_path, receive_with_fd
-from container.core.sessions import SESSION_HEADERS
+from container.core.ingress import END_OF_CHUNKS, chunk
+from container.core.protocol import Attach, Handoff, ProtocolError, fd_channel_path, receive_with_fd
 
 log = logging.getLogger("sagelmi.worker")
 
 WRITE_HIGH_WATER = 1 << 16  # bytes not yet taken by the client before the stream waits (vLLM merges deltas)
 PROGRESS_INTERVAL = 1.0  # seconds between two Progress messages of a body written directly
-END_OF_CHUNKS = b"0\r\n\r\n"  # the last chunk of an HTTP/1.1 chunked body (no trailers)
 UNCLAIMED_TIMEOUT = 60.0  # seconds a socket handed over before its Invoke waits for it (then closed)
 
-# What gunicorn accepts in a response header (RFC 9110's token; a value of visible characters,
-# spaces and tabs): a head with anything else is left to the frontend, which refuses it as before
-_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
-_VALUE = re.compile(r"[ \t\x21-\x7e\x80-\xff]*")
-# The headers that frame a body, which the worker takes out of a handler's answer (calls.py)
-HOP_BY_HOP = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive"})
-# Headers the frontend acts on or that frame the body: a head with one is the frontend's to write
-_FRONTEND_HEADERS = HOP_BY_HOP | {"upgrade", "te", "trailer", "trailers"} | SESSION_HEADERS
-_date: tuple[int, bytes] = (0, b"")
 _CREDENTIALS = struct.Struct("3i")  # SO_PEERCRED's pid, uid, gid
 
 
@@ -58,44 +46,6 @@ def peer_pid(sock: object) -> int:
     except (AttributeError, OSError, struct.error):
         return 0
     return pid
-
-
-def _http_date() -> bytes:
-    """The ``Date`` header's value (as gunicorn writes it), formatted once a second."""
-    global _date
-    now = int(time())
-    if _date[0] != now:
-        _date = (now, formatdate(now, usegmt=True).encode())
-    return _date[1]
-
-
-def response_head(head: ResponseHead, chunked: bool, code: int, headers: Mapping[str, str]) -> bytes | None:
-    """The HTTP head of a streamed answer, byte for byte what the frontend would have had gunicorn
-    write (gunicorn's status line, ``Server``, ``Date``, ``Connection`` and ``Transfer-Encoding``,
-    then the handler's headers, then the frontend's): ``None`` where the frontend must write it
-    itself (not a 200, no ``Content-Type``, a header the frontend acts on or would refuse)."""
-    if code != 200:
-        return None
-    lines = [
-        b"%s 200 OK\r\nServer: %s\r\nDate: %s\r\nConnection: %s\r\n"
-        % (head.version.encode(), head.server.encode(), _http_date(), b"close" if head.close else b"keep-alive")
-    ]
-    if chunked:
-        lines.append(b"Transfer-Encoding: chunked\r\n")
-    typed = False
-    ours = {name.lower() for name in head.headers}
-    for name, value in headers.items():
-        lower = name.lower()
-        if lower in _FRONTEND_HEADERS or lower in ours or not _TOKEN.fullmatch(name) or not _VALUE.fullmatch(value):
-            return None
-        typed = typed or lower == "content-type"
-        lines.append(b"%s: %s\r\n" % (name.encode("latin-1"), value.encode("latin-1")))
-    if not typed:
-        return None  # the frontend's default content type is its own to add
-    for name, value in head.headers.items():
-        lines.append(b"%s: %s\r\n" % (name.encode("latin-1"), value.encode("latin-1")))
-    lines.append(b"\r\n")
-    return b"".join(lines)
 
 
 class ClientGone(ClientClosedRequest):
@@ -161,7 +111,7 @@ class DirectBody:
         self.sent += len(data)
         frame = data
         if self.chunked:
-            frame = b"%X\r\n%s\r\n" % (len(data), data) if data else b""
+            frame = chunk(data) if data else b""
             if last:
                 frame += END_OF_CHUNKS
         if self.preamble:

@@ -204,7 +204,7 @@ def test_the_head_the_worker_writes_for_a_request_is_the_one_gunicorn_writes_for
     """``ClientSink.before_head`` takes from gunicorn's response what its head will say
     (version, server, keep-alive), and ``response_head`` (the worker's writer) makes the same
     bytes as gunicorn's own ``send_headers``, the date aside."""
-    from container.worker.direct import response_head
+    from container.core.ingress import response_head
 
     server_end, client_end = socket.socketpair()
     client_end.sendall(
