@@ -99,10 +99,13 @@ class RayProcess:
         self.token_path.unlink(missing_ok=True)
 
 
-def ray_process(settings: Settings, config: ClusterConfig | None, runtime: Path) -> RayProcess | None:
-    """This node's Ray process when the built-in engine runs on Ray across a cluster, else ``None``.
-    Raises ``StartupError`` when Ray is not installed (before anything starts or downloads)."""
+def ray_process(
+    settings: Settings, config: ClusterConfig | None, runtime: Path, ray: str | None = None
+) -> RayProcess | None:
+    """This node's Ray process when the built-in engine runs on Ray across a cluster, else ``None``;
+    ``ray``: the ``ray`` command (default: ``find_ray``). Raises ``StartupError`` when Ray is not
+    installed (before anything starts or downloads)."""
     if config is None or not uses_ray(settings):
         return None
     node = ray_node(config.leader, settings.ray_port, config.is_leader(), config.node_address)
-    return RayProcess(node, config.secret, runtime)
+    return RayProcess(node, config.secret, runtime, ray)
