@@ -18,6 +18,7 @@ from tests.readme import section, shell_commands
 
 SECRET = "0123456789abcdef" * 4
 DOC_LEADER, DOC_LEADER_IP = "llama-0.llama", "10.0.0.1"  # docs/cluster.md's example
+DOC_COMMANDS = shell_commands(section("Ray across the nodes"))
 
 
 def settings(tmp_path, **env):
@@ -31,7 +32,7 @@ def test_the_setting_is_vllms_executor_backend(tmp_path):
 
 
 def test_the_documented_commands_are_the_ones_sagelmi_runs():
-    head, joining = shell_commands(section("Ray across the nodes"))
+    head, joining = DOC_COMMANDS
     assert shlex.split(head) == RayNode(DOC_LEADER, 6379, head=True, node_address=DOC_LEADER_IP).start_command()
     assert shlex.split(joining) == RayNode(DOC_LEADER, 6379, head=False).start_command()
     assert f"`RAY_ADDRESS={DOC_LEADER}:6379`" in section("Ray across the nodes")
