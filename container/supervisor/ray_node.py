@@ -102,10 +102,11 @@ class RayProcess:
 def ray_process(
     settings: Settings, config: ClusterConfig | None, runtime: Path, ray: str | None = None
 ) -> RayProcess | None:
-    """This node's Ray process when the built-in engine runs on Ray across a cluster, else ``None``;
+    """This node's Ray process when the built-in engine runs on Ray across a cluster (Python mode:
+    under MPI mode the groups are ``mpirun`` jobs, and lmi-dist refuses Ray), else ``None``;
     ``ray``: the ``ray`` command (default: ``find_ray``). Raises ``StartupError`` when Ray is not
     installed (before anything starts or downloads)."""
-    if config is None or not uses_ray(settings):
+    if config is None or settings.use_mpi or not uses_ray(settings):
         return None
     node = ray_node(config.leader, settings.ray_port, config.is_leader(), config.node_address)
     return RayProcess(node, config.secret, runtime, ray)
