@@ -37,8 +37,8 @@ def find_ray() -> str:
     found = str(beside) if beside.is_file() else shutil.which("ray")
     if found is None:
         raise StartupError(
-            "option.distributed_executor_backend=ray needs Ray on every node: pip install 'sagelmi[ray]' "
-            "(the image has it)"
+            "option.distributed_executor_backend=ray needs Ray on every node: pip install '.[ray]' from "
+            "sagelmi's checkout (the image has it)"
         )
     return found
 
