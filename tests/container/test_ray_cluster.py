@@ -50,7 +50,7 @@ import ray
 try:
     ray.init(address=sys.argv[1], log_to_driver=False)
 except Exception as exc:
-    print(json.dumps({"refused": f"{type(exc).__name__}: {exc}"[:400]}))
+    print("RESULT", json.dumps({"refused": f"{type(exc).__name__}: {exc}"[:400]}), flush=True)
     sys.exit(0)
 nodes = [{"ip": n["NodeManagerAddress"], "alive": n["Alive"]} for n in ray.nodes()]
 hosts = {}
@@ -61,7 +61,7 @@ if sys.argv[2] == "tasks":
     live = [n["ip"] for n in nodes if n["alive"]]
     hosts = dict(zip(live, ray.get([host.options(resources={f"node:{ip}": 0.001}).remote() for ip in live],
                                    timeout=120)))
-print(json.dumps({"nodes": nodes, "hosts": hosts}))
+print("RESULT", json.dumps({"nodes": nodes, "hosts": hosts}), flush=True)
 """
 
 
@@ -80,7 +80,8 @@ def driver(container: str, secret: str | None, tasks: bool = False) -> dict:
     env = ["-e", f"SAGELMI_CLUSTER_SECRET={secret}"] if secret else []
     result = podman("exec", *env, container, "python", "-c", _DRIVER, f"{HEAD}:{PORT}",
                     "tasks" if tasks else "nodes", timeout=300)
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    (line,) = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]  # Ray prints too
+    return json.loads(line.removeprefix("RESULT "))
 
 
 def address(name: str) -> str:
