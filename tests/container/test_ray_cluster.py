@@ -3,9 +3,9 @@ has them form one (``sagelmi ray-node``: the same ``ray start`` that ``serve`` r
 engine, without a model): a plain Ray task runs on each node, a container without the secret
 cannot join nor connect, and a node that is killed is seen as dead by the head.
 
-vLLM itself cannot run on Ray in the CPU image (its CPU platform has no Ray device: the setting is
-refused at start-up, tests/integration/test_engine_options.py), so this proves the cluster, not the
-engine. The containers, their network and names are this module's own.
+vLLM itself cannot run on Ray in the CPU image (its CPU platform has no Ray device): ``serve`` with
+the setting stops in one line (the last test here; tests/integration/test_engine_options.py shows it
+stops before any download), so this proves the cluster, not the engine. The containers, their network and names are this module's own.
 """
 
 from __future__ import annotations
@@ -147,3 +147,19 @@ def test_a_lost_node_is_seen_as_dead_by_the_head(ray_cluster):
         time.sleep(3)
     assert alive[ray_cluster["head"]] is True
     print(f"the head saw the lost node dead {time.monotonic() - killed:.0f} s after it was killed")
+
+
+def test_serve_refuses_the_ray_backend_on_the_cpu_image_in_one_line(image):
+    """The engine on Ray cannot run here: ``serve`` with the setting stops at once, one line naming why."""
+    name = "sagelmi-ray-serve"
+    remove(name)
+    try:
+        podman("run", "-d", "--name", name, *RUN_LIMITS, "-e", "OPTION_DISTRIBUTED_EXECUTOR_BACKEND=ray",
+               "-e", "HF_MODEL_ID=s3://models/llama/v1", image)
+        code = podman("wait", name, timeout=120).stdout.strip()
+        lines = [line for line in logs(name).splitlines() if line.strip() and "syslog" not in line]
+        assert code == "2" and len(lines) == 1, (code, lines)
+        assert "option.distributed_executor_backend=ray cannot work on vLLM's CPU build" in lines[0]
+        assert "current platform cpu does not support ray" in lines[0]
+    finally:
+        remove(name)
