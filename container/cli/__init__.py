@@ -7,6 +7,7 @@ sagelmi engine-args [--write]                 vLLM's engine arguments, as the pa
 sagelmi openapi [--write]                     the OpenAPI document GET /openapi.json serves (from the installed types)
 sagelmi lmi-options [--write]                 LMI's option names and what sagelmi does with each (docs/lmi_options.md)
 sagelmi vllm-surface                          check that the installed vLLM has every vLLM name sagelmi uses
+sagelmi ray-node [--model-dir DIR]            this node's part of the cluster's Ray cluster, until stopped
 sagelmi plan [--model-dir DIR | --model-id ID] [--instance TYPE | --gpus N --gpu-memory GIB] [--json] [NAME=VALUE ...]
                                               size a deployment before paying for it (container/core/plan.py)
 """
@@ -22,6 +23,7 @@ import sys
 from pathlib import Path
 
 from container.cli import plan as plan_cli
+from container.cli import ray_node as ray_node_cli
 from container.core import logs
 from container.core.artifacts import ArtifactError
 from container.core.devices import discover_devices, plan_groups
@@ -107,6 +109,7 @@ def _parser() -> argparse.ArgumentParser:
         "exit 1 naming those it lacks",
     )
     plan_cli.add_parser(sub)
+    ray_node_cli.add_parser(sub)
     return parser
 
 
@@ -226,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     try:
         settings = resolve_settings(os.environ, args.model_dir, port=getattr(args, "port", None))
+        if args.command == "ray-node":  # Ray alone: no engine, so no engine option to check
+            return ray_node_cli.run(settings)
         missing = missing_model(settings) if args.command == "serve" else None
         if missing is not None:
             raise SettingsError(missing)

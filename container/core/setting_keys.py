@@ -138,6 +138,14 @@ KEYS: tuple[Key, ...] = (
         "MPI mode: more mpirun arguments, e.g. --mca btl_tcp_if_include eth0.",
     ),
     Key(
+        "ray_port",
+        "option.ray_port",
+        ("OPTION_RAY_PORT",),
+        "a port number from 1024 to 65535",
+        "A cluster with option.distributed_executor_backend=ray: the port of Ray's head on the leader, which the "
+        "worker nodes join (docs/cluster.md).",
+    ),
+    Key(
         "min_workers",
         "min_workers",
         ("SERVING_MIN_WORKERS",),

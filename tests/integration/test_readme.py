@@ -54,6 +54,7 @@ def test_every_readme_command_is_covered():
     from tests.e2e.test_vision import DATA_CURL, HTTP_CURL, SERVE, SNIPPET as VISION_SNIPPET, WRITE
     from tests.sdk.test_readme import SNIPPETS as SDK_SNIPPETS
     from tests.integration.test_sm_vllm import DOC_COMMAND as SM_VLLM_CONFIG
+    from tests.unit.test_ray_cluster import DOC_COMMANDS as RAY_COMMANDS
     from tests.e2e.test_vllm_openai import DOC_COMMANDS as RESPONSES_AND_MESSAGES
 
     covered = {
@@ -67,6 +68,7 @@ def test_every_readme_command_is_covered():
         "make bench",  # tests/e2e/test_bench.py
         "sagelmi config --model-dir examples/echo",  # test_config_command
         SM_VLLM_CONFIG,  # tests/integration/test_sm_vllm.py (docs/configuration.md)
+        *RAY_COMMANDS,  # tests/unit/test_ray_cluster.py: what sagelmi runs, word for word (tests/container/test_ray_cluster.py runs it)
         *quick_start_curls(),  # tests/e2e/test_readme_run.py
         *STREAMING_EXAMPLE,  # test_streaming_example
         *HANDLER_COMMANDS,  # test_the_handler_quick_start

@@ -200,15 +200,25 @@ def test_a_users_hostfile_names_the_cluster_s_nodes_for_mpirun(tmp_path):
     assert command[command.index("plm_rsh_agent") + 1].endswith(f" -m container.supervisor.rsh {tmp_path / 'k'}")
 
 
-def test_the_leaderworkerset_manifest_of_the_docs_runs_one_image_with_one_environment():
+def _doc_manifests() -> list[list[dict]]:
+    """The YAML blocks of docs/cluster.md, each as its documents: the LeaderWorkerSet of MPI mode, then Ray's."""
     import re
 
     import yaml
 
     from tests.server import REPO
 
-    (text,) = re.findall(r"```yaml\n(.*?)```", (REPO / "docs" / "cluster.md").read_text(), re.S)
-    manifest = yaml.safe_load(text)
+    blocks = re.findall(r"```yaml\n(.*?)```", (REPO / "docs" / "cluster.md").read_text(), re.S)
+    return [list(yaml.safe_load_all(text)) for text in blocks]
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["mpirun", "ray"])
+def test_the_leaderworkerset_manifest_of_the_docs_runs_one_image_with_one_environment(which, monkeypatch, tmp_path):
+    from tests.server import REPO
+
+    manifests = _doc_manifests()
+    assert len(manifests) == 2
+    manifest, *others = manifests[which]
     template = manifest["spec"]["leaderWorkerTemplate"]
     leader, worker = (template[t]["spec"]["containers"][0] for t in ("leaderTemplate", "workerTemplate"))
     assert leader["image"] == worker["image"] and leader["args"] == worker["args"] == ["serve"]
@@ -220,7 +230,17 @@ def test_the_leaderworkerset_manifest_of_the_docs_runs_one_image_with_one_enviro
            "LWS_WORKER_INDEX": "1", **env, "SAGELMI_CLUSTER_SECRET_FILE": str(secret)}
     config = ClusterConfig.from_env(lws)
     assert (config.size, config.leader, config.index) == (2, "llama-0.llama.default", 1)
-    assert int(env["TENSOR_PARALLEL_DEGREE"]) % config.size == 0
+    for name, value in lws.items():
+        monkeypatch.setenv(name, value)
+    settings = resolve_settings(env, str(tmp_path))
+    assert cluster_config(settings) is not None  # the mode and the split are a cluster's
     assert leader["readinessProbe"]["httpGet"]["path"] == "/ping" and "readinessProbe" not in worker
     mounts = {m["mountPath"] for m in leader["volumeMounts"]}
     assert str(Path(env["SAGELMI_CLUSTER_SECRET_FILE"]).parent) in mounts
+    if which == 1:  # Ray's ports reach the group's own pods alone
+        assert env["OPTION_DISTRIBUTED_EXECUTOR_BACKEND"] == "ray"
+        (policy,) = others
+        pods = {"leaderworkerset.sigs.k8s.io/name": manifest["metadata"]["name"]}
+        assert policy["kind"] == "NetworkPolicy" and policy["spec"]["podSelector"]["matchLabels"] == pods
+        assert policy["spec"]["ingress"] == [{"ports": [{"port": 8080}]},
+                                             {"from": [{"podSelector": {"matchLabels": pods}}]}]

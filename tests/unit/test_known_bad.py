@@ -34,8 +34,17 @@ def test_lmi_dist_on_oversubscribed_cores_is_refused_on_the_cpu_build(tmp_path):
     check_known_bad(chosen, ("vllm", "0.32.0"))
 
 
+def test_the_ray_backend_is_refused_on_the_cpu_build(tmp_path):
+    chosen = settings(tmp_path, OPTION_DISTRIBUTED_EXECUTOR_BACKEND="Ray")
+    with pytest.raises(KnownBadCombination, match=r"^option.distributed_executor_backend=ray cannot work on vLLM's "
+                                                  r"CPU build: .*\"current platform cpu does not support ray\""):
+        check_known_bad(chosen, CPU)
+    check_known_bad(chosen, ("vllm", "0.32.0"))  # the GPU build has Ray's GPU device
+    check_known_bad(settings(tmp_path, OPTION_DISTRIBUTED_EXECUTOR_BACKEND="mp"), CPU)
+
+
 def test_every_row_has_a_test_here():
-    assert len(RULES) == 2  # a new row comes with its test above
+    assert len(RULES) == 3  # a new row comes with its test above
 
 
 def test_the_settings_check_refuses_them_in_one_line(tmp_path):
