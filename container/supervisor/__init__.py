@@ -49,6 +49,7 @@ from container.supervisor.cluster import (
     serve_worker_node,
     withhold_secret,
 )
+from container.supervisor.engine_nodes import HeadlessNode
 from container.supervisor.groups import WorkerGroup, group_file
 from container.supervisor.plan_check import compare_kv, startup_plan
 from container.supervisor.processes import (
@@ -254,9 +255,23 @@ class Supervisor:
             self._shutdown()
 
     def _serve_as_worker_node(self, cluster) -> int:
+        engine = None
+        if not self.settings.use_mpi:  # the built-in engine: this node runs vLLM's headless node for the leader
+            devices = discover_devices(self.settings)
+            (plan,) = cluster_plan(self.settings, devices, cluster)
+            binding = cpu_binding(cluster_share([plan], cluster)) if not devices else {}
+            try:
+                environment = engine_environment(self.settings)
+            except EngineOptionError as exc:
+                raise StartupError(str(exc)) from None
+
+            def engine(location: str) -> HeadlessNode:
+                return HeadlessNode(self.settings, self.runtime, location, plan, environment, binding.get(plan.index))
+
         self._bind()
         assert self.listener is not None
-        return serve_worker_node(cluster, self.listener, self._prepare_model, lambda: self._stop_signal is not None)
+        stopping = lambda: self._stop_signal is not None  # noqa: E731
+        return serve_worker_node(cluster, self.listener, self._prepare_model, stopping, engine)
 
     def _prepare_model(self) -> str:
         install_requirements(Path(self.settings.model_dir))

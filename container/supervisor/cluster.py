@@ -1,10 +1,11 @@
-"""The cluster's own code: a thin bootstrap over Open MPI, never a scheduler.
+"""The cluster's own code: a thin bootstrap over Open MPI and vLLM's own executor, never a scheduler.
 
 - ``Leader``: the leader's registry. Worker nodes connect to its cluster port, prove they know
   the secret (``container.core.cluster.Channel``) and stay connected, sending heartbeats; a
   node whose connection closes or falls silent is gone. The supervisor waits for every node
-  before it starts a group, starts the group as one ``mpirun`` over the registered addresses,
-  and ends the group at once when a node goes.
+  before it starts a group, starts the group as one ``mpirun`` over the registered addresses
+  (or, for the built-in engine, tells each node to start its part of vLLM:
+  ``container.supervisor.engine_nodes``), and ends the group at once when a node goes.
 - ``WorkerNode``: what ``sagelmi serve`` is on a worker node: ``/ping`` says "cluster worker"
   (never 200), the registration (reconnecting whenever the leader goes), and the launch
   service ``mpirun`` reaches through ``container.supervisor.rsh``, which runs Open MPI's
@@ -45,7 +46,10 @@ from container.core.cluster import (
     recv_exactly,
 )
 from container.core.devices import GroupPlan
+from container.core.handler_choice import uses_builtin_engine
+from container.core.launch import EngineNodes
 from container.core.settings import Settings
+from container.supervisor.engine_nodes import HeadlessNode, start_message
 from container.supervisor.processes import StartupError, _kill_family, _start
 from container.supervisor.prted import LaunchRefused, installed_prted, parse_launch
 
@@ -86,6 +90,8 @@ class Leader:
         self.local_address: str | None = None  # this node's address as the workers reach it
         self.losses = 0  # how many times a node went away: a group started before a loss must end
         self.lost: dict[int, str] = {}  # index -> why, for nodes gone and not back
+        self.failure = ""  # why the last loss happened, when the node is back already (engine-exit)
+        self.engine_start = 0  # the start of the built-in engine's group the nodes were last told of
         self._lock = threading.Lock()
         self._service: AcceptLoop | None = None
 
@@ -131,6 +137,46 @@ class Leader:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             json.dump({"port": self.config.port, "nodes": keys}, f)
+
+    def start_engines(self, incarnation: int, nodes: EngineNodes) -> None:
+        """Tell every worker node to start its part of the built-in engine for this start of the
+        group (``container.supervisor.engine_nodes``); ``nodes`` is the leader's own (rank 0)."""
+        with self._lock:
+            self.engine_start = incarnation
+            targets = list(self.nodes.values())
+        for node in targets:
+            own = EngineNodes(nodes.nnodes, node.index, nodes.master_addr, nodes.master_port)
+            self._tell(node, start_message(incarnation, own, node.address))
+
+    def stop_engines(self) -> None:
+        """Tell every worker node to stop its part of the built-in engine: the group ended."""
+        with self._lock:
+            self.engine_start = 0
+            targets = list(self.nodes.values())
+        for node in targets:
+            self._tell(node, {"type": "engine-stop"})
+
+    def _tell(self, node: Node, message: dict) -> None:
+        try:
+            node.channel.send(message)
+        except OSError:
+            node.channel.close()  # its reader thread then ends the registration at once
+
+    def engine_exit(self, index: int, message: dict) -> None:
+        """A worker node's part of the built-in engine ended by itself: the group cannot go on,
+        so it counts as a loss (the group ends and starts again; the node stays registered)."""
+        reason = str(message.get("reason", "?"))[:200]
+        with self._lock:
+            if message.get("incarnation") != self.engine_start or not self.engine_start:
+                return  # of an older start of the group, ended already
+            self.engine_start = 0
+            self.losses += 1
+            self.failure = f"worker node {index}: {reason}"
+        log.error("cluster: worker node %d's part of the engine ended: %s", index, reason)
+
+    def loss_reason(self) -> str:
+        """Why the group had to end: the nodes it waits for, or what a node reported."""
+        return self.describe_missing() or self.failure or "a worker node went away"
 
     def describe_missing(self) -> str:
         lost = self.lost
@@ -178,13 +224,17 @@ class Leader:
             self.local_address = conn.getsockname()[0]
             self.lost.pop(index, None)
         if old is not None:
-            old.channel.close()  # a node that restarted: its old connection is stale
+            old.channel.close()  # a node that restarted: its old connection is stale, and its part of the group gone
+            with self._lock:
+                self.losses += 1
+                self.failure = f"worker node {index} registered again (it restarted)"
         log.info("cluster: worker node %d registered from %s (%s)", index, node.address, node.hostname)
         try:
             channel.send({"type": "welcome", "index": index})
             conn.settimeout(LOST_AFTER)
-            while channel.receive() is not None:
-                pass
+            while (message := channel.receive()) is not None:
+                if message.get("type") == "engine-exit":
+                    self.engine_exit(index, message)
             why = "its connection closed"
         except (ClusterError, OSError, ValueError) as exc:
             why = "silent for 5 s" if isinstance(exc, TimeoutError) else f"its connection failed ({exc})"
@@ -254,6 +304,7 @@ class WorkerNode:
         self._service: AcceptLoop | None = None
         self._ping: http.server.ThreadingHTTPServer | None = None
         self._prted = installed_prted()
+        self.engine: HeadlessNode | None = None  # the built-in engine's part here (not MPI mode)
 
     def start(self) -> WorkerNode:
         handler = type("Ping", (_WorkerPing,), {"leader": self.config.leader})
@@ -306,8 +357,9 @@ class WorkerNode:
 
         threading.Thread(target=beat, name="cluster-heartbeat", daemon=True).start()
         try:
-            while not self.stopping() and channel.receive() is not None:
-                pass
+            while not self.stopping() and (message := channel.receive()) is not None:
+                if self.engine is not None:
+                    self.engine.handle(message, channel.send)
             log.warning("cluster: lost the leader at %s; registering again", self.config.leader)
         except (TimeoutError, ClusterError, OSError) as exc:
             log.warning("cluster: lost the leader at %s (%s); registering again", self.config.leader, exc)
@@ -315,6 +367,8 @@ class WorkerNode:
             stop.set()
             with self._lock:
                 self._registered = None
+            if self.engine is not None:
+                self.engine.stop()  # its peers on the leader are gone, or going
             channel.close()
 
     def _launch(self, conn: socket.socket, address) -> None:
@@ -389,6 +443,8 @@ class WorkerNode:
         return channel
 
     def stop(self) -> None:
+        if self.engine is not None:
+            self.engine.stop()
         if self._ping is not None:
             self._ping.shutdown()
         if self._service is not None:
@@ -408,10 +464,17 @@ def cluster_config(settings: Settings) -> ClusterConfig | None:
         raise StartupError(str(exc)) from None
     if config is None:
         return None
-    if not settings.use_mpi:
+    if not settings.use_mpi and not uses_builtin_engine(settings, Path(settings.model_dir)):
         raise StartupError(
-            f"a cluster of {config.size} nodes runs each worker group as one mpirun across them: set "
-            f"option.rolling_batch=lmi-dist (vLLM across the nodes) or option.mpi_mode=true (your model.py)"
+            f"a cluster of {config.size} nodes runs the built-in vLLM engine across them, or each worker group as "
+            f"one mpirun across them: serve without a model.py's handle (the built-in engine), or set "
+            f"option.mpi_mode=true (your model.py) or option.rolling_batch=lmi-dist"
+        )
+    backend = settings.passthrough_options().get("distributed_executor_backend", "mp").strip()
+    if not settings.use_mpi and backend != "mp":
+        raise StartupError(
+            f"option.distributed_executor_backend={backend}: a cluster of {config.size} nodes runs the built-in "
+            f"engine on vLLM's multiprocessing executor across them (mp)"
         )
     world = settings.pipeline_parallel_degree * (
         settings.tensor_parallel_degree if isinstance(settings.tensor_parallel_degree, int) else 0
@@ -453,14 +516,17 @@ def cluster_share(plans: list[GroupPlan], config: ClusterConfig) -> list[GroupPl
     return [GroupPlan(p.index, p.devices, p.world_size // config.size) for p in plans]
 
 
-def serve_worker_node(config: ClusterConfig, listener: socket.socket, prepare, stopping) -> int:
+def serve_worker_node(config: ClusterConfig, listener: socket.socket, prepare, stopping, engine=None) -> int:
     """``sagelmi serve`` on a worker node: ``/ping`` says so, ``prepare`` installs the
-    requirements and fetches the model as on the leader, then the node registers and runs what
-    the leader's ``mpirun`` starts here, until stopped."""
+    requirements and fetches the model as on the leader (returning where it is), then the node
+    registers and runs what the leader starts here (``mpirun``'s daemon; with ``engine``, which
+    makes a ``HeadlessNode`` from the model's location, the built-in engine's part), until stopped."""
     node = WorkerNode(config, listener, stopping).start()
     try:
         log.info("cluster worker node of %s: preparing the model, then registering", config.leader)
-        prepare()
+        location = prepare()
+        if engine is not None:
+            node.engine = engine(location)
         node.run()
     finally:
         node.stop()

@@ -146,10 +146,22 @@ def test_cluster_settings_are_checked_against_the_engine_settings(tmp_path, monk
     for name, value in {"SAGELMI_CLUSTER_SIZE": "2", "SAGELMI_LEADER_ADDR": "127.0.0.1",
                         "SAGELMI_CLUSTER_SECRET": SECRET}.items():
         monkeypatch.setenv(name, value)
-    with pytest.raises(supervisor.StartupError, match="runs each worker group as one mpirun across them"):
-        cluster_config(resolve_settings({"TENSOR_PARALLEL_DEGREE": "2"}, tmp_path))
     with pytest.raises(supervisor.StartupError, match=r"\(3\) must be a number divisible by the cluster's 2 nodes"):
         cluster_config(resolve_settings({"OPTION_MPI_MODE": "true", "TENSOR_PARALLEL_DEGREE": "3"}, tmp_path))
+    with pytest.raises(supervisor.StartupError, match=r"\(3\) must be a number divisible by the cluster's 2 nodes"):
+        cluster_config(resolve_settings({"TENSOR_PARALLEL_DEGREE": "3"}, tmp_path))  # the built-in engine too
+    with pytest.raises(supervisor.StartupError, match="option.distributed_executor_backend=uni: a cluster of 2 nodes "
+                                                      "runs the built-in engine on vLLM's multiprocessing executor"):
+        cluster_config(resolve_settings({"TENSOR_PARALLEL_DEGREE": "2", "OPTION_DISTRIBUTED_EXECUTOR_BACKEND": "uni"},
+                                        tmp_path))
+    # The built-in engine (no model.py) runs across the nodes on vLLM's own executor ...
+    config = cluster_config(resolve_settings({"TENSOR_PARALLEL_DEGREE": "2"}, tmp_path))
+    assert config is not None and config.engine_port == config.port + 1
+    # ... a model.py's handle needs MPI mode.
+    (tmp_path / "model.py").write_text("def handle(inputs):\n    return None\n")
+    with pytest.raises(supervisor.StartupError, match="or each worker group as one mpirun across them: serve without "
+                                                      "a model.py's handle"):
+        cluster_config(resolve_settings({"TENSOR_PARALLEL_DEGREE": "2"}, tmp_path))
     settings = resolve_settings({"OPTION_ROLLING_BATCH": "lmi-dist", "TENSOR_PARALLEL_DEGREE": "4"}, tmp_path)
     config = cluster_config(settings)
     assert cluster_plan(settings, ["0", "1", "2", "3"], config) == [GroupPlan(0, ("0", "1"), 4, 1)]
