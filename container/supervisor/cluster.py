@@ -90,7 +90,7 @@ class Leader:
         self.local_address: str | None = None  # this node's address as the workers reach it
         self.losses = 0  # how many times a node went away: a group started before a loss must end
         self.lost: dict[int, str] = {}  # index -> why, for nodes gone and not back
-        self.failure = ""  # why the last loss happened, when the node is back already (engine-exit)
+        self.failure = ""  # why the last loss happened, for when the node is back already
         self.engine_start = 0  # the start of the built-in engine's group the nodes were last told of
         self._lock = threading.Lock()
         self._service: AcceptLoop | None = None
@@ -244,6 +244,7 @@ class Leader:
             del self.nodes[index]
             self.losses += 1
             self.lost[index] = f"{node.address} went away: {why}"
+            self.failure = f"worker node {index} ({self.lost[index]})"  # the reason, once it is back
         channel.close()
         log.error("cluster: worker node %d (%s) went away: %s", index, node.address, why)
 

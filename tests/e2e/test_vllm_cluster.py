@@ -106,23 +106,50 @@ def _kill_family(root: int) -> set[int]:
     return family
 
 
-def test_a_killed_worker_node_ends_in_flight_requests_and_a_new_one_restores_the_cluster(cluster):
-    """Last in this module: it replaces the worker node."""
-    (group,) = cluster.group_pids()
-    old_group = set(processes(group))
+def _streams(cluster: Server) -> list[RawStream]:
+    """Eight long LMI streams, each past its first token, of which some are still running."""
     body = {"inputs": "Hello", "stream": True, "parameters": {"max_new_tokens": 2000, "ignore_eos": True}}
     streams = [RawStream(cluster.port, "/invocations", body, timeout=60) for _ in range(8)]
     for stream in streams:
         assert len(stream.read_lines(1)) == 1
     in_flight = [stream for stream in streams if not stream.complete()]
     assert in_flight, "every answer had come whole before the kill"
-    worker_family = _kill_family(cluster.worker.process.pid)
-    killed = time.monotonic()
+    return in_flight
+
+
+def _endings(in_flight: list[RawStream], killed: float, what: str) -> list[dict]:
     endings = [json.loads(stream.read_lines(1_000_000)[-1]) for stream in in_flight]
     seconds = time.monotonic() - killed
-    print(f"{len(in_flight)} streams ended {seconds:.2f} s after the worker node died")
+    print(f"{len(in_flight)} streams ended {seconds:.2f} s after {what} died")
     assert seconds < 5
     assert all(e.get("code") == 503 for e in endings), endings
+    return endings
+
+
+def test_a_worker_node_s_part_of_vllm_that_dies_restarts_the_engine_on_every_node(cluster):
+    """vLLM's headless node on the worker node dies (the node's sagelmi stays): in-flight requests
+    end, and the engine starts again on both nodes, nothing of the old start left."""
+    (group,) = cluster.group_pids()
+    old_group = set(processes(group))
+    (node,) = [pid for pid, cmd in _node_processes(cluster.worker).items() if "handlers.engines.vllm_node" in cmd]
+    old_node = set(processes(node))
+    in_flight = _streams(cluster)
+    os.kill(node, signal.SIGKILL)
+    _endings(in_flight, time.monotonic(), "the worker node's vLLM")
+    assert requests.get(cluster.url("/ping"), timeout=5).status_code != 200
+    cluster.wait_until(lambda r: r.status_code == 200, timeout=ENGINE_READY_TIMEOUT)
+    assert len(_answer_ids(cluster, PROMPTS[0])) == 24
+    assert not (old_group | old_node) & set(parents())
+    assert "worker node 1's part of the engine ended: vLLM's node ended (killed by SIGKILL)" in cluster.log()
+
+
+def test_a_killed_worker_node_ends_in_flight_requests_and_a_new_one_restores_the_cluster(cluster):
+    """Last in this module: it replaces the worker node."""
+    (group,) = cluster.group_pids()
+    old_group = set(processes(group))
+    in_flight = _streams(cluster)
+    worker_family = _kill_family(cluster.worker.process.pid)
+    _endings(in_flight, time.monotonic(), "the worker node")
     ping = cluster.wait_until(lambda r: "waiting for worker node 1" in r.text, timeout=10)
     assert ping.status_code != 200
     time.sleep(1)

@@ -236,3 +236,31 @@ def test_the_leaderworkerset_manifest_of_the_docs_runs_one_image_with_one_enviro
     assert leader["readinessProbe"]["httpGet"]["path"] == "/ping" and "readinessProbe" not in worker
     mounts = {m["mountPath"] for m in leader["volumeMounts"]}
     assert str(Path(env["SAGELMI_CLUSTER_SECRET_FILE"]).parent) in mounts
+
+
+def test_the_engine_across_the_nodes_gets_each_node_its_place_and_a_node_s_ended_part_restarts_the_group():
+    """The leader tells each registered worker node its rank of vLLM's executor for one start of the
+    group; a node's report that its part ended counts as a loss for that start alone."""
+    from container.core.launch import EngineNodes
+    from container.supervisor.cluster import Leader, Node
+    from container.supervisor.engine_nodes import _parse_start
+
+    server, client = _pair(b"k" * 20, b"k" * 20)
+    leader = Leader(ClusterConfig(size=2, leader="127.0.0.1", secret=SECRET.encode()))
+    leader.nodes[1] = Node(1, "10.0.0.2", "w", client)
+    leader.start_engines(3, EngineNodes(2, 0, "10.0.0.1", 8890))
+    message = server.receive()
+    assert _parse_start(message) == (3, EngineNodes(2, 1, "10.0.0.1", 8890), "10.0.0.2")
+    leader.engine_exit(1, {"type": "engine-exit", "incarnation": 2, "reason": "old"})  # an earlier start's
+    assert leader.losses == 0
+    leader.engine_exit(1, {"type": "engine-exit", "incarnation": 3, "reason": "vLLM's node ended (exit code 1)"})
+    assert leader.losses == 1
+    assert leader.loss_reason() == "worker node 1: vLLM's node ended (exit code 1)"
+    leader.engine_exit(1, {"type": "engine-exit", "incarnation": 3, "reason": "again"})  # counted once
+    assert leader.losses == 1
+    leader.stop_engines()
+    assert server.receive() == {"type": "engine-stop"}
+    with pytest.raises(ValueError, match="master_addr is not an address"):
+        _parse_start({**message, "master_addr": "a b"})
+    with pytest.raises(ValueError, match="node_rank is not a number"):
+        _parse_start({**message, "node_rank": "1"})
