@@ -139,11 +139,11 @@ class HeadlessNode:
             self.process = None
         reason = f"vLLM's node ended ({_exit_text(code)})"
         log.error("cluster: %s; telling the leader, which restarts its group", reason)
-        _kill_family(process)  # its engine workers, adopted here
-        try:
+        try:  # first: the leader's engine may be waiting on this node's workers
             report({"type": "engine-exit", "incarnation": incarnation, "reason": reason})
         except OSError:
             pass  # the registration is gone: the leader learns it from there
+        _kill_family(process)  # its engine workers, adopted here
 
     def stop(self) -> None:
         """Kill this node's part and everything below it, if it runs."""
