@@ -224,10 +224,12 @@ class Leader:
             self.local_address = conn.getsockname()[0]
             self.lost.pop(index, None)
         if old is not None:
-            old.channel.close()  # a node that restarted: its old connection is stale, and its part of the group gone
+            old.channel.close()  # a node that restarted: its old connection is stale
             with self._lock:
-                self.losses += 1
-                self.failure = f"worker node {index} registered again (it restarted)"
+                if self.engine_start:  # its part of the built-in engine ended with its registration
+                    self.engine_start = 0
+                    self.losses += 1
+                    self.failure = f"worker node {index} registered again"
         log.info("cluster: worker node %d registered from %s (%s)", index, node.address, node.hostname)
         try:
             channel.send({"type": "welcome", "index": index})
