@@ -49,7 +49,7 @@ from container.supervisor.cluster import (
     serve_worker_node,
     withhold_secret,
 )
-from container.supervisor.engine_nodes import HeadlessNode
+from container.supervisor.engine_nodes import HeadlessNode, check_engine_port
 from container.supervisor.groups import WorkerGroup, group_file
 from container.supervisor.plan_check import compare_kv, startup_plan
 from container.supervisor.processes import (
@@ -215,6 +215,8 @@ class Supervisor:
                 environment = engine_environment(self.settings)
             except EngineOptionError as exc:
                 raise StartupError(str(exc)) from None
+            if cluster is not None and mpirun is None:
+                check_engine_port(cluster)
             self._bind()
             if cluster is not None:
                 self.cluster = Leader(cluster).start()  # workers register while the model downloads

@@ -18,18 +18,34 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import subprocess
 import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from container.core.cluster import ClusterConfig
 from container.core.devices import GroupPlan
 from container.core.launch import EngineNodes, HeadlessLaunch, encode_launch
 from container.core.settings import Settings
-from container.supervisor.processes import _exit_text, _kill_family, _start
+from container.supervisor.processes import StartupError, _exit_text, _kill_family, _start
 
 log = logging.getLogger("sagelmi.cluster")
+
+
+def check_engine_port(config: ClusterConfig) -> None:
+    """On the leader, before anything loads: the engine's rendezvous port must be free (vLLM's
+    own error for a taken port comes only once the model loads, deep in a traceback)."""
+    host = config.node_address or "0.0.0.0"
+    try:
+        with socket.create_server((host, config.engine_port)):
+            pass
+    except OSError as exc:
+        raise StartupError(
+            f"cluster: the built-in engine's rendezvous port {config.engine_port} (SAGELMI_CLUSTER_PORT + 1) "
+            f"cannot be bound on {host}: {exc.strerror}; set another SAGELMI_CLUSTER_PORT on every node"
+        ) from None
 
 
 def start_message(incarnation: int, nodes: EngineNodes, address: str) -> dict:

@@ -264,3 +264,16 @@ def test_the_engine_across_the_nodes_gets_each_node_its_place_and_a_node_s_ended
         _parse_start({**message, "master_addr": "a b"})
     with pytest.raises(ValueError, match="node_rank is not a number"):
         _parse_start({**message, "node_rank": "1"})
+
+
+def test_a_taken_engine_rendezvous_port_stops_the_leader_in_one_line():
+    from container.supervisor.engine_nodes import check_engine_port
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        config = ClusterConfig(size=2, leader="127.0.0.1", secret=SECRET.encode(), port=port - 1,
+                               node_address="127.0.0.1")
+        with pytest.raises(supervisor.StartupError, match=f"rendezvous port {port} \\(SAGELMI_CLUSTER_PORT \\+ 1\\) "
+                                                          "cannot be bound on 127.0.0.1"):
+            check_engine_port(config)
+    check_engine_port(config)  # free again
