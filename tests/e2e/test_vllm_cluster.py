@@ -152,9 +152,6 @@ def test_a_worker_node_s_part_of_vllm_that_dies_restarts_the_engine_on_every_nod
     cluster.wait_until(lambda r: r.status_code == 200, timeout=ENGINE_READY_TIMEOUT)
     assert len(_answer_ids(cluster, PROMPTS[0])) == 24
     assert not (old_group | old_node) & set(parents())
-    import subprocess  # TEMP diagnostic
-    print(subprocess.run(["ps", "--ppid", str(cluster.process.pid), "-o", "pid,stat,args"], capture_output=True,
-                         text=True).stdout)
     assert "worker node 1's part of the engine ended: vLLM's node ended (killed by SIGKILL)" in cluster.log()
 
 
