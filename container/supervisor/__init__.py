@@ -41,12 +41,11 @@ from container.core.plan import Plan
 from container.core.protocol import fd_channel_path
 from container.core.served_names import served_names
 from container.core.settings import Settings, SettingsError
-from container.supervisor.cluster import (
-    Leader,
+from container.supervisor.cluster import Leader, serve_worker_node
+from container.supervisor.cluster_setup import (
     cluster_config,
     cluster_plan,
     cluster_share,
-    serve_worker_node,
     withhold_secret,
 )
 from container.supervisor.engine_nodes import HeadlessNode, check_engine_port

@@ -11,7 +11,7 @@ from container import supervisor
 from container.core.cluster import Channel, ClusterConfig, ClusterError
 from container.core.devices import GroupPlan
 from container.core.settings import resolve_settings
-from container.supervisor.cluster import cluster_config, cluster_plan
+from container.supervisor.cluster_setup import cluster_config, cluster_plan
 
 SECRET = "0123456789abcdef0123456789abcdef"  # 32 hex characters, the shortest allowed
 
