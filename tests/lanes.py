@@ -51,6 +51,7 @@ FULL = {
     # builds in the background from the lane's start, modules with eager or small servers of their own.
     "image": [
         "tests/e2e/test_plan.py",
+        "tests/e2e/test_vllm_cluster.py",
         "tests/e2e/test_vllm_lmi_custom_handlers.py",
         "tests/container",
     ],

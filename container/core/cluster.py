@@ -1,9 +1,10 @@
 """A cluster of nodes running the same image: its settings, read from each node's environment,
 and the authenticated channel its nodes talk over.
 
-One node is the *leader*: it serves HTTP and starts each worker group as one ``mpirun`` across
-every node. The others are *worker nodes*: they register with the leader and run what the
-leader's ``mpirun`` starts on them (``container/supervisor/cluster.py``). The names follow
+One node is the *leader*: it serves HTTP and starts each worker group across every node: one
+``mpirun`` (lmi-dist, MPI mode), or vLLM's own executor (the built-in engine), whose headless
+node on each worker node the leader has started there. The others are *worker nodes*: they
+register with the leader and run what it starts on them (``container/supervisor/cluster.py``). The names follow
 LMI's (``DJL_CLUSTER_SIZE``, ``DJL_LEADER_ADDR``) and Kubernetes LeaderWorkerSet's
 (``LWS_GROUP_SIZE``, ``LWS_LEADER_ADDRESS``, ``LWS_WORKER_INDEX``), ``SAGELMI_*`` first.
 
@@ -29,6 +30,7 @@ import os
 import secrets
 import socket
 import struct
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -92,16 +94,25 @@ class ClusterConfig:
             raise ClusterError(
                 f"{name}={size} needs the leader's address: set SAGELMI_LEADER_ADDR (or DJL_LEADER_ADDR)"
             )
+        port = _number(env, "SAGELMI_CLUSTER_PORT", DEFAULT_PORT, int)
+        if not 0 < port < 65535:
+            raise ClusterError(f"SAGELMI_CLUSTER_PORT={port}: a port from 1 to 65534 (the next is the engine's)")
         return cls(
             size=size,
             leader=leader[1],
             leader_variable=leader[0],
             secret=_secret(env),
-            port=_number(env, "SAGELMI_CLUSTER_PORT", DEFAULT_PORT, int),
+            port=port,
             index=_number(env, index[0], None, int) if (index := _first(env, INDEX_NAMES)) else None,
             node_address=env.get("SAGELMI_NODE_ADDR") or None,
             join_timeout=_number(env, "SAGELMI_CLUSTER_JOIN_TIMEOUT", DEFAULT_JOIN_TIMEOUT, float),
         )
+
+    @property
+    def engine_port(self) -> int:
+        """The built-in engine's rendezvous port on the leader (vLLM's ``master_port``, where
+        torch.distributed meets): the port after the cluster port."""
+        return self.port + 1
 
     def is_leader(self) -> bool:
         """Index 0 when the environment gives one; else whether the leader's address is one of
@@ -181,6 +192,7 @@ class Channel:
         self._key = key
         self._out_label, self._in_label = outgoing, incoming
         self._sent = self._received = 0
+        self._sending = threading.Lock()  # heartbeats and other messages leave from several threads
 
     @classmethod
     def connect(cls, sock: socket.socket, secret: bytes, timeout: float = HANDSHAKE_TIMEOUT) -> Channel:
@@ -225,9 +237,10 @@ class Channel:
 
     def send(self, message: dict) -> None:
         body = json.dumps(message, separators=(",", ":")).encode()
-        tag = _mac(self._key, self._out_label, self._sent.to_bytes(8, "big"), body)
-        self._sent += 1
-        self.sock.sendall(self._LENGTH.pack(len(body)) + body + tag)
+        with self._sending:  # the counter and the bytes leave in the same order
+            tag = _mac(self._key, self._out_label, self._sent.to_bytes(8, "big"), body)
+            self._sent += 1
+            self.sock.sendall(self._LENGTH.pack(len(body)) + body + tag)
 
     def receive(self) -> dict | None:
         """The next message, or ``None`` when the peer closed the connection. Raises

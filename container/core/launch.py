@@ -84,6 +84,17 @@ class ModelInfo(msgspec.Struct, frozen=True):
         return self.name if self.location.startswith("/") else self.location
 
 
+class EngineNodes(msgspec.Struct, frozen=True):
+    """vLLM's own executor across the nodes of a cluster: this node's place in it and where the
+    leader's engine holds the rendezvous (vLLM's ``nnodes``, ``node_rank``, ``master_addr``,
+    ``master_port``)."""
+
+    nnodes: int
+    node_rank: int  # 0: the leader's engine; k: worker node k's headless node
+    master_addr: str  # the leader's cluster address, as the other nodes reach it
+    master_port: int  # torch.distributed's rendezvous on the leader (ClusterConfig.engine_port)
+
+
 class WorkerLaunch(msgspec.Struct, frozen=True):
     """Everything a worker group's processes need to start (every rank reads the
     same launch; in MPI mode rank 0 reads it and sends it to the others).
@@ -100,6 +111,18 @@ class WorkerLaunch(msgspec.Struct, frozen=True):
     model_properties: dict[str, str]
     model_location: str  # the model's local path or Hub id (an s3:// prefix already downloaded)
     tensor_parallel_degree: int  # what option.tensor_parallel_degree (max included) means in this group
+    nodes: EngineNodes | None = None  # the built-in engine spans a cluster's nodes, rank 0's part here
+
+
+class HeadlessLaunch(msgspec.Struct, frozen=True):
+    """A worker node's part of the built-in engine across a cluster: vLLM's headless node
+    (``python -m handlers.engines.vllm_node``), started by the node's supervisor for one start
+    of the leader's group."""
+
+    settings: Settings
+    model_location: str
+    tensor_parallel_degree: int
+    nodes: EngineNodes
 
 
 def _encode_settings(value: Any) -> Any:
@@ -114,7 +137,7 @@ def _decode_settings(tp: type, value: Any) -> Any:
     raise NotImplementedError(f"a launch file cannot hold {tp}")
 
 
-def encode_launch(launch: FrontendLaunch | WorkerLaunch) -> bytes:
+def encode_launch(launch: FrontendLaunch | WorkerLaunch | HeadlessLaunch) -> bytes:
     return msgspec.json.encode(launch, enc_hook=_encode_settings)
 
 
@@ -125,3 +148,8 @@ def decode_frontend_launch(data: bytes) -> FrontendLaunch:
 def decode_worker_launch(data: bytes) -> WorkerLaunch:
     """The launch, its ``settings`` validated into ``Settings`` (``msgspec.ValidationError`` if not)."""
     return msgspec.json.decode(data, type=WorkerLaunch, dec_hook=_decode_settings)
+
+
+def decode_headless_launch(data: bytes) -> HeadlessLaunch:
+    """A headless node's launch, its ``settings`` validated (``msgspec.ValidationError`` if not)."""
+    return msgspec.json.decode(data, type=HeadlessLaunch, dec_hook=_decode_settings)

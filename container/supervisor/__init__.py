@@ -41,14 +41,14 @@ from container.core.plan import Plan
 from container.core.protocol import fd_channel_path
 from container.core.served_names import served_names
 from container.core.settings import Settings, SettingsError
-from container.supervisor.cluster import (
-    Leader,
+from container.supervisor.cluster import Leader, serve_worker_node
+from container.supervisor.cluster_setup import (
     cluster_config,
     cluster_plan,
     cluster_share,
-    serve_worker_node,
     withhold_secret,
 )
+from container.supervisor.engine_nodes import HeadlessNode, check_engine_port
 from container.supervisor.groups import WorkerGroup, group_file
 from container.supervisor.plan_check import compare_kv, startup_plan
 from container.supervisor.processes import (
@@ -222,6 +222,8 @@ class Supervisor:
                 raise StartupError(str(exc)) from None
             if self.ray is not None:  # the leader's engine is a driver of the cluster's Ray
                 environment = {**environment, **self.ray.driver_environment()}
+            elif cluster is not None and mpirun is None:
+                check_engine_port(cluster)
             self._bind()
             if cluster is not None:
                 self.cluster = Leader(cluster).start()  # workers register while the model downloads
@@ -265,11 +267,25 @@ class Supervisor:
             self._shutdown()
 
     def _serve_as_worker_node(self, cluster) -> int:
+        engine = None
+        if not self.settings.use_mpi and self.ray is None:  # the built-in engine: vLLM's headless node for the leader
+            devices = discover_devices(self.settings)
+            (plan,) = cluster_plan(self.settings, devices, cluster)
+            binding = cpu_binding(cluster_share([plan], cluster)) if not devices else {}
+            try:
+                environment = engine_environment(self.settings)
+            except EngineOptionError as exc:
+                raise StartupError(str(exc)) from None
+
+            def engine(location: str) -> HeadlessNode:
+                return HeadlessNode(self.settings, self.runtime, location, plan, environment, binding.get(plan.index))
+
         self._bind()
         assert self.listener is not None
         if self.ray is not None:
             self.ray.start()  # joins the leader's Ray head, and again whenever it comes back
-        return serve_worker_node(cluster, self.listener, self._prepare_model, lambda: self._stop_signal is not None)
+        stopping = lambda: self._stop_signal is not None  # noqa: E731
+        return serve_worker_node(cluster, self.listener, self._prepare_model, stopping, engine)
 
     def _prepare_model(self) -> str:
         install_requirements(Path(self.settings.model_dir))

@@ -1,10 +1,11 @@
-"""The cluster's own code: a thin bootstrap over Open MPI, never a scheduler.
+"""The cluster's own code: a thin bootstrap over Open MPI and vLLM's own executor, never a scheduler.
 
 - ``Leader``: the leader's registry. Worker nodes connect to its cluster port, prove they know
   the secret (``container.core.cluster.Channel``) and stay connected, sending heartbeats; a
   node whose connection closes or falls silent is gone. The supervisor waits for every node
-  before it starts a group, starts the group as one ``mpirun`` over the registered addresses,
-  and ends the group at once when a node goes.
+  before it starts a group, starts the group as one ``mpirun`` over the registered addresses
+  (or, for the built-in engine, tells each node to start its part of vLLM:
+  ``container.supervisor.engine_nodes``), and ends the group at once when a node goes.
 - ``WorkerNode``: what ``sagelmi serve`` is on a worker node: ``/ping`` says "cluster worker"
   (never 200), the registration (reconnecting whenever the leader goes), and the launch
   service ``mpirun`` reaches through ``container.supervisor.rsh``, which runs Open MPI's
@@ -31,22 +32,19 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from container.core import proc
 from container.core.accepting import AcceptLoop
 from container.core.cluster import (
     HANDSHAKE_TIMEOUT,
     HEARTBEAT,
     LOST_AFTER,
-    SECRET_VARIABLES,
     Channel,
     ClusterConfig,
     ClusterError,
     launch_key,
     recv_exactly,
 )
-from container.core.devices import GroupPlan
-from container.core.ray_cluster import uses_ray
-from container.core.settings import Settings
+from container.core.launch import EngineNodes
+from container.supervisor.engine_nodes import HeadlessNode, start_message
 from container.supervisor.processes import StartupError, _kill_family, _start
 from container.supervisor.prted import LaunchRefused, installed_prted, parse_launch
 
@@ -87,6 +85,8 @@ class Leader:
         self.local_address: str | None = None  # this node's address as the workers reach it
         self.losses = 0  # how many times a node went away: a group started before a loss must end
         self.lost: dict[int, str] = {}  # index -> why, for nodes gone and not back
+        self.failure = ""  # why the last loss happened, for when the node is back already
+        self.engine_start = 0  # the start of the built-in engine's group the nodes were last told of
         self._lock = threading.Lock()
         self._service: AcceptLoop | None = None
 
@@ -132,6 +132,46 @@ class Leader:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             json.dump({"port": self.config.port, "nodes": keys}, f)
+
+    def start_engines(self, incarnation: int, nodes: EngineNodes) -> None:
+        """Tell every worker node to start its part of the built-in engine for this start of the
+        group (``container.supervisor.engine_nodes``); ``nodes`` is the leader's own (rank 0)."""
+        with self._lock:
+            self.engine_start = incarnation
+            targets = list(self.nodes.values())
+        for node in targets:
+            own = EngineNodes(nodes.nnodes, node.index, nodes.master_addr, nodes.master_port)
+            self._tell(node, start_message(incarnation, own, node.address))
+
+    def stop_engines(self) -> None:
+        """Tell every worker node to stop its part of the built-in engine: the group ended."""
+        with self._lock:
+            self.engine_start = 0
+            targets = list(self.nodes.values())
+        for node in targets:
+            self._tell(node, {"type": "engine-stop"})
+
+    def _tell(self, node: Node, message: dict) -> None:
+        try:
+            node.channel.send(message)
+        except OSError:
+            node.channel.close()  # its reader thread then ends the registration at once
+
+    def engine_exit(self, index: int, message: dict) -> None:
+        """A worker node's part of the built-in engine ended by itself: the group cannot go on,
+        so it counts as a loss (the group ends and starts again; the node stays registered)."""
+        reason = str(message.get("reason", "?"))[:200]
+        with self._lock:
+            if message.get("incarnation") != self.engine_start or not self.engine_start:
+                return  # of an older start of the group, ended already
+            self.engine_start = 0
+            self.losses += 1
+            self.failure = f"worker node {index}: {reason}"
+        log.error("cluster: worker node %d's part of the engine ended: %s", index, reason)
+
+    def loss_reason(self) -> str:
+        """Why the group had to end: the nodes it waits for, or what a node reported."""
+        return self.describe_missing() or self.failure or "a worker node went away"
 
     def describe_missing(self) -> str:
         lost = self.lost
@@ -180,12 +220,18 @@ class Leader:
             self.lost.pop(index, None)
         if old is not None:
             old.channel.close()  # a node that restarted: its old connection is stale
+            with self._lock:
+                if self.engine_start:  # its part of the built-in engine ended with its registration
+                    self.engine_start = 0
+                    self.losses += 1
+                    self.failure = f"worker node {index} registered again"
         log.info("cluster: worker node %d registered from %s (%s)", index, node.address, node.hostname)
         try:
             channel.send({"type": "welcome", "index": index})
             conn.settimeout(LOST_AFTER)
-            while channel.receive() is not None:
-                pass
+            while (message := channel.receive()) is not None:
+                if message.get("type") == "engine-exit":
+                    self.engine_exit(index, message)
             why = "its connection closed"
         except (ClusterError, OSError, ValueError) as exc:
             why = "silent for 5 s" if isinstance(exc, TimeoutError) else f"its connection failed ({exc})"
@@ -195,6 +241,7 @@ class Leader:
             del self.nodes[index]
             self.losses += 1
             self.lost[index] = f"{node.address} went away: {why}"
+            self.failure = f"worker node {index} ({self.lost[index]})"  # the reason, once it is back
         channel.close()
         log.error("cluster: worker node %d (%s) went away: %s", index, node.address, why)
 
@@ -255,6 +302,7 @@ class WorkerNode:
         self._service: AcceptLoop | None = None
         self._ping: http.server.ThreadingHTTPServer | None = None
         self._prted = installed_prted()
+        self.engine: HeadlessNode | None = None  # the built-in engine's part here (not MPI mode)
 
     def start(self) -> WorkerNode:
         handler = type("Ping", (_WorkerPing,), {"leader": self.config.leader})
@@ -307,8 +355,9 @@ class WorkerNode:
 
         threading.Thread(target=beat, name="cluster-heartbeat", daemon=True).start()
         try:
-            while not self.stopping() and channel.receive() is not None:
-                pass
+            while not self.stopping() and (message := channel.receive()) is not None:
+                if self.engine is not None:
+                    self.engine.handle(message, channel.send)
             log.warning("cluster: lost the leader at %s; registering again", self.config.leader)
         except (TimeoutError, ClusterError, OSError) as exc:
             log.warning("cluster: lost the leader at %s (%s); registering again", self.config.leader, exc)
@@ -316,6 +365,8 @@ class WorkerNode:
             stop.set()
             with self._lock:
                 self._registered = None
+            if self.engine is not None:
+                self.engine.stop()  # its peers on the leader are gone, or going
             channel.close()
 
     def _launch(self, conn: socket.socket, address) -> None:
@@ -390,6 +441,8 @@ class WorkerNode:
         return channel
 
     def stop(self) -> None:
+        if self.engine is not None:
+            self.engine.stop()
         if self._ping is not None:
             self._ping.shutdown()
         if self._service is not None:
@@ -400,68 +453,17 @@ class WorkerNode:
             _kill_family(process)
 
 
-def cluster_config(settings: Settings) -> ClusterConfig | None:
-    """This node's cluster from the environment, checked against the settings (one line each,
-    before any download); ``None`` on a single machine."""
-    try:
-        config = ClusterConfig.from_env()
-    except ClusterError as exc:
-        raise StartupError(str(exc)) from None
-    if config is None:
-        return None
-    if not settings.use_mpi and not uses_ray(settings):
-        raise StartupError(
-            f"a cluster of {config.size} nodes runs each worker group as one mpirun across them: set "
-            f"option.rolling_batch=lmi-dist (vLLM across the nodes) or option.mpi_mode=true (your model.py)"
-        )
-    world = settings.pipeline_parallel_degree * (
-        settings.tensor_parallel_degree if isinstance(settings.tensor_parallel_degree, int) else 0
-    )
-    if world == 0 or world % config.size:
-        raise StartupError(
-            f"option.tensor_parallel_degree x option.pipeline_parallel_degree ({world or 'max'}) must be a number "
-            f"divisible by the cluster's {config.size} nodes: each node runs the same share of the ranks"
-        )
-    return config
-
-
-def withhold_secret(config: ClusterConfig | None) -> None:
-    """Keep the cluster's secret in this process alone: out of the environment that every process
-    it starts inherits (the frontend, ranks and handlers, Open MPI, pip), and, when it holds one,
-    out of ``/proc/PID/environ`` for this node's other processes (``proc.keep_private``)."""
-    for name in SECRET_VARIABLES:
-        os.environ.pop(name, None)
-    if config is not None:
-        proc.keep_private()
-
-
-def cluster_plan(settings: Settings, devices: list[str], config: ClusterConfig) -> list[GroupPlan]:
-    """One worker group across the nodes: ``tp x pp / nodes`` ranks on each, this node's devices
-    (each node uses its own visible devices, one per local rank)."""
-    tp = settings.tensor_parallel_degree
-    assert isinstance(tp, int), "cluster_config refuses tp=max"
-    per_node = tp * settings.pipeline_parallel_degree // config.size
-    if devices and per_node > len(devices):
-        raise StartupError(
-            f"each of the cluster's {config.size} nodes runs {per_node} ranks, but this one sees "
-            f"{len(devices)} accelerators ({','.join(devices)})"
-        )
-    return [GroupPlan(0, tuple(devices[:per_node]), tp, settings.pipeline_parallel_degree)]
-
-
-def cluster_share(plans: list[GroupPlan], config: ClusterConfig) -> list[GroupPlan]:
-    """The part of each group on one node, for splitting its cores between local ranks."""
-    return [GroupPlan(p.index, p.devices, p.world_size // config.size) for p in plans]
-
-
-def serve_worker_node(config: ClusterConfig, listener: socket.socket, prepare, stopping) -> int:
+def serve_worker_node(config: ClusterConfig, listener: socket.socket, prepare, stopping, engine=None) -> int:
     """``sagelmi serve`` on a worker node: ``/ping`` says so, ``prepare`` installs the
-    requirements and fetches the model as on the leader, then the node registers and runs what
-    the leader's ``mpirun`` starts here, until stopped."""
+    requirements and fetches the model as on the leader (returning where it is), then the node
+    registers and runs what the leader starts here (``mpirun``'s daemon; with ``engine``, which
+    makes a ``HeadlessNode`` from the model's location, the built-in engine's part), until stopped."""
     node = WorkerNode(config, listener, stopping).start()
     try:
         log.info("cluster worker node of %s: preparing the model, then registering", config.leader)
-        prepare()
+        location = prepare()
+        if engine is not None:
+            node.engine = engine(location)
         node.run()
     finally:
         node.stop()

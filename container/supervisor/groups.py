@@ -12,9 +12,10 @@ from pathlib import Path
 
 from container.core import proc
 from container.core.devices import GroupPlan
-from container.core.launch import GroupNote, WorkerLaunch, encode_launch, write_note
+from container.core.launch import EngineNodes, GroupNote, WorkerLaunch, encode_launch, write_note
 from container.core.logs import redacted_command
 from container.core.protocol import WorkerState
+from container.core.ray_cluster import uses_ray
 from container.core.settings import Settings
 from container.frontend.group_client import GroupClient
 from container.supervisor.cluster import Leader
@@ -91,6 +92,7 @@ class WorkerGroup:
                     ),
                     model_location=model_location,
                     tensor_parallel_degree=plan.tensor_parallel_degree,
+                    nodes=self._engine_nodes(),
                 )
             )
         )
@@ -105,12 +107,24 @@ class WorkerGroup:
         self.ready_at: float | None = None  # when this start became ready
         self.restart_at: float | None = None
 
+    def _engine_nodes(self) -> EngineNodes | None:
+        """The built-in engine's place across a cluster (rank 0 here): vLLM's own executor, whose
+        rendezvous this node holds; ``None`` on one machine, in MPI mode (mpirun spans the nodes) and
+        on Ray (vLLM places its workers on the cluster's Ray)."""
+        if self.cluster is None or self.mpirun is not None or uses_ray(self.settings):
+            return None
+        assert self.cluster.local_address, "the group starts once the worker nodes registered"
+        config = self.cluster.config
+        return EngineNodes(config.size, 0, self.cluster.local_address, config.engine_port)
+
     def _env(self) -> dict[str, str]:
         env = {**os.environ, **self.environment}
         if self.plan.cuda_visible_devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.plan.cuda_visible_devices
         if self.cluster is not None and self.cluster.local_address:
             env["MASTER_ADDR"] = self.cluster.local_address  # rank 0's node, as the others reach it
+            if self.mpirun is None:  # where the other nodes' vLLM workers reach this engine's message queue
+                env.setdefault("VLLM_HOST_IP", self.cluster.local_address)
         if self.cpu_binding is not None and "VLLM_CPU_OMP_THREADS_BIND" not in env:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_binding
         if self.omp_threads is not None and "OMP_NUM_THREADS" not in env:
@@ -153,7 +167,11 @@ class WorkerGroup:
         if self.cluster is not None:
             self.cluster_losses = self.cluster.losses
             self._waiting_for = ""
-            self.cluster.write_launch_keys(self.launch_keys_path)  # one-use keys for this start
+            nodes = self._engine_nodes()
+            if nodes is not None:
+                self.cluster.start_engines(self.incarnation, nodes)  # each worker node's part of vLLM
+            else:
+                self.cluster.write_launch_keys(self.launch_keys_path)  # one-use keys for this start
         env = self._env()
         command = self.command(env)
         # the model directory, as LMI runs handlers in it; none is needed when option.model_id names the model
@@ -202,7 +220,7 @@ class WorkerGroup:
             # A node went away: its ranks are gone, so the group cannot answer. End it now (its
             # in-flight requests fail at once) and start it again when every node is back.
             _kill_family(process)
-            self._died(now, process.pid, f"cluster: {self.cluster.describe_missing() or 'a worker node went away'}")
+            self._died(now, process.pid, f"cluster: {self.cluster.loss_reason()}")
             return
         if not self.ready and self._ready_incarnation() == self.incarnation:  # even if it died since
             self.ready = self.ever_ready = True
@@ -278,6 +296,8 @@ class WorkerGroup:
                 MAX_RESTART_DELAY,
                 CRASH_WINDOW,
             )
+        if self.cluster is not None and self.mpirun is None:
+            self.cluster.stop_engines()  # the other nodes' parts of this start: their peer is gone
         log.error("%s (pid %d) died: %s; restarting it%s", self.name, pid, reason, f" in {delay:g}s" if delay else "")
         write_note(self.note_path, GroupNote(last_exit=reason, crash_loop=self.crash_loop, restarts=self.crashes))
         self.ready = False
@@ -293,3 +313,5 @@ class WorkerGroup:
         if self.mpirun is not None:
             ranks = proc.descendants([self.process.pid])
         _terminate(self.process, STOP_TIMEOUT, graceful=ranks)
+        if self.cluster is not None and self.mpirun is None:
+            self.cluster.stop_engines()

@@ -62,7 +62,7 @@ from handlers.engines.prompts import check_prompt_count
 from handlers.engines.rolling_formatter import RollingBatchFormatter, takes_request_output
 from handlers.engines.sessions import EngineSessions
 from handlers.engines.vllm_adapters import ADAPTER_HEADER, Adapters
-from handlers.engines.vllm_args import build_engine_kwargs
+from handlers.engines.vllm_args import build_engine_kwargs, node_kwargs
 from handlers.engines.vllm_lmi import LmiFront
 from handlers.engines.vllm_observe import observe_generate
 from handlers.engines.vllm_openai import OpenAIFront, _openai_error
@@ -102,6 +102,8 @@ def engine_kwargs(context: WorkerContext, **overrides: Any) -> dict[str, Any]:
     kwargs = build_engine_kwargs(
         context.settings, launch.model_location, launch.tensor_parallel_degree, cpu=current_platform.is_cpu()
     )
+    if launch.nodes is not None:  # node 0 of vLLM's executor across a cluster (handlers.engines.vllm_node)
+        kwargs.update(node_kwargs(launch.nodes))
     return {**kwargs, **overrides}
 
 

@@ -23,6 +23,7 @@ from container.core.engine_args import (
     lmi_value,
 )
 from container.core.handler_choice import pooling_convert
+from container.core.launch import EngineNodes
 from container.core.served_names import served_names
 from container.core.settings import Settings
 
@@ -105,3 +106,15 @@ def _pooling_runner(settings: Settings, kwargs: dict[str, Any]) -> None:
         given = kwargs.setdefault(name, value)
         if given != value:
             log.warning("option.%s=%s overrides %s from option.task=%s", name, given, value, settings.task)
+
+
+def node_kwargs(nodes: EngineNodes) -> dict[str, Any]:
+    """The engine arguments of one node's part of vLLM across a cluster: its multiprocessing
+    executor over ``nnodes`` nodes, this node's rank, the leader's rendezvous."""
+    return {
+        "distributed_executor_backend": "mp",
+        "nnodes": nodes.nnodes,
+        "node_rank": nodes.node_rank,
+        "master_addr": nodes.master_addr,
+        "master_port": nodes.master_port,
+    }

@@ -223,7 +223,7 @@ def test_a_leader_whose_worker_never_comes_stops_after_the_timeout_naming_it():
     ({"SAGELMI_CLUSTER_SIZE": "2", "SAGELMI_LEADER_ADDR": "127.0.0.1", "SAGELMI_CLUSTER_SECRET": "x" * 31},
      "SAGELMI_CLUSTER_SECRET is too short (31 characters): use at least 32 random characters"),
     ({"SAGELMI_CLUSTER_SIZE": "2", "SAGELMI_LEADER_ADDR": "127.0.0.1", "SAGELMI_CLUSTER_SECRET": "x" * 32,
-      "OPTION_MPI_MODE": "false"}, "runs each worker group as one mpirun across them"),
+      "OPTION_MPI_MODE": "false"}, "or each worker group as one mpirun across them: serve without a model.py's handle"),
 ])
 def test_a_cluster_setting_that_cannot_work_stops_start_up_in_one_line(env, message):
     server = Server(EXAMPLE, env={"TENSOR_PARALLEL_DEGREE": "2", **env}).start(wait_ready=False)

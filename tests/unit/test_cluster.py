@@ -2,8 +2,8 @@
 (the cluster itself runs in tests/integration/test_cluster.py and tests/container/test_cluster.py)."""
 
 import socket
-from pathlib import Path
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -11,7 +11,7 @@ from container import supervisor
 from container.core.cluster import Channel, ClusterConfig, ClusterError
 from container.core.devices import GroupPlan
 from container.core.settings import resolve_settings
-from container.supervisor.cluster import cluster_config, cluster_plan
+from container.supervisor.cluster_setup import cluster_config, cluster_plan
 
 SECRET = "0123456789abcdef0123456789abcdef"  # 32 hex characters, the shortest allowed
 
@@ -146,10 +146,22 @@ def test_cluster_settings_are_checked_against_the_engine_settings(tmp_path, monk
     for name, value in {"SAGELMI_CLUSTER_SIZE": "2", "SAGELMI_LEADER_ADDR": "127.0.0.1",
                         "SAGELMI_CLUSTER_SECRET": SECRET}.items():
         monkeypatch.setenv(name, value)
-    with pytest.raises(supervisor.StartupError, match="runs each worker group as one mpirun across them"):
-        cluster_config(resolve_settings({"TENSOR_PARALLEL_DEGREE": "2"}, tmp_path))
     with pytest.raises(supervisor.StartupError, match=r"\(3\) must be a number divisible by the cluster's 2 nodes"):
         cluster_config(resolve_settings({"OPTION_MPI_MODE": "true", "TENSOR_PARALLEL_DEGREE": "3"}, tmp_path))
+    with pytest.raises(supervisor.StartupError, match=r"\(3\) must be a number divisible by the cluster's 2 nodes"):
+        cluster_config(resolve_settings({"TENSOR_PARALLEL_DEGREE": "3"}, tmp_path))  # the built-in engine too
+    with pytest.raises(supervisor.StartupError, match="option.distributed_executor_backend=uni: a cluster of 2 nodes "
+                                                      "runs the built-in engine on vLLM's multiprocessing executor"):
+        cluster_config(resolve_settings({"TENSOR_PARALLEL_DEGREE": "2", "OPTION_DISTRIBUTED_EXECUTOR_BACKEND": "uni"},
+                                        tmp_path))
+    # The built-in engine (no model.py) runs across the nodes on vLLM's own executor ...
+    config = cluster_config(resolve_settings({"TENSOR_PARALLEL_DEGREE": "2"}, tmp_path))
+    assert config is not None and config.engine_port == config.port + 1
+    # ... a model.py's handle needs MPI mode.
+    (tmp_path / "model.py").write_text("def handle(inputs):\n    return None\n")
+    with pytest.raises(supervisor.StartupError, match="or each worker group as one mpirun across them: serve without "
+                                                      "a model.py's handle"):
+        cluster_config(resolve_settings({"TENSOR_PARALLEL_DEGREE": "2"}, tmp_path))
     settings = resolve_settings({"OPTION_ROLLING_BATCH": "lmi-dist", "TENSOR_PARALLEL_DEGREE": "4"}, tmp_path)
     config = cluster_config(settings)
     assert cluster_plan(settings, ["0", "1", "2", "3"], config) == [GroupPlan(0, ("0", "1"), 4, 1)]
@@ -244,3 +256,44 @@ def test_the_leaderworkerset_manifest_of_the_docs_runs_one_image_with_one_enviro
         assert policy["kind"] == "NetworkPolicy" and policy["spec"]["podSelector"]["matchLabels"] == pods
         assert policy["spec"]["ingress"] == [{"ports": [{"port": 8080}]},
                                              {"from": [{"podSelector": {"matchLabels": pods}}]}]
+
+
+def test_the_engine_across_the_nodes_gets_each_node_its_place_and_a_node_s_ended_part_restarts_the_group():
+    """The leader tells each registered worker node its rank of vLLM's executor for one start of the
+    group; a node's report that its part ended counts as a loss for that start alone."""
+    from container.core.launch import EngineNodes
+    from container.supervisor.cluster import Leader, Node
+    from container.supervisor.engine_nodes import _parse_start
+
+    server, client = _pair(b"k" * 20, b"k" * 20)
+    leader = Leader(ClusterConfig(size=2, leader="127.0.0.1", secret=SECRET.encode()))
+    leader.nodes[1] = Node(1, "10.0.0.2", "w", client)
+    leader.start_engines(3, EngineNodes(2, 0, "10.0.0.1", 8890))
+    message = server.receive()
+    assert _parse_start(message) == (3, EngineNodes(2, 1, "10.0.0.1", 8890), "10.0.0.2")
+    leader.engine_exit(1, {"type": "engine-exit", "incarnation": 2, "reason": "old"})  # an earlier start's
+    assert leader.losses == 0
+    leader.engine_exit(1, {"type": "engine-exit", "incarnation": 3, "reason": "vLLM's node ended (exit code 1)"})
+    assert leader.losses == 1
+    assert leader.loss_reason() == "worker node 1: vLLM's node ended (exit code 1)"
+    leader.engine_exit(1, {"type": "engine-exit", "incarnation": 3, "reason": "again"})  # counted once
+    assert leader.losses == 1
+    leader.stop_engines()
+    assert server.receive() == {"type": "engine-stop"}
+    with pytest.raises(ValueError, match="master_addr is not an address"):
+        _parse_start({**message, "master_addr": "a b"})
+    with pytest.raises(ValueError, match="node_rank is not a number"):
+        _parse_start({**message, "node_rank": "1"})
+
+
+def test_a_taken_engine_rendezvous_port_stops_the_leader_in_one_line():
+    from container.supervisor.engine_nodes import check_engine_port
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        config = ClusterConfig(size=2, leader="127.0.0.1", secret=SECRET.encode(), port=port - 1,
+                               node_address="127.0.0.1")
+        with pytest.raises(supervisor.StartupError, match=f"rendezvous port {port} \\(SAGELMI_CLUSTER_PORT \\+ 1\\) "
+                                                          "cannot be bound on 127.0.0.1"):
+            check_engine_port(config)
+    check_engine_port(config)  # free again
