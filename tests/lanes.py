@@ -29,7 +29,9 @@ from tests import reliability
 from tests.server import REPO
 
 # The full run's lanes (make test) besides ``rest``, which runs every test they do not name. Each lane
-# that needs ``vllm_server`` (tests/conftest.py) starts its own; what lanes save is waiting in line.
+# that needs ``vllm_server`` (tests/conftest.py) starts its own. More lanes than these were slower on
+# two cores: vLLM's engines starting in five lanes at once, beside the image's build, took several
+# times as long each, and timed out.
 FULL = {
     # The modules around the shared servers (tests/conftest.py's vllm_server, tests/e2e/conftest.py's
     # lmi-dist and LoRA servers): each shared server starts once in the run.
@@ -51,26 +53,22 @@ FULL = {
     # builds in the background from the lane's start, modules with eager or small servers of their own.
     "image": [
         "tests/e2e/test_plan.py",
+        "tests/e2e/test_readme_run.py",
         "tests/e2e/test_vllm_cluster.py",
         "tests/e2e/test_vllm_lmi_custom_handlers.py",
         "tests/container",
     ],
-    # The e2e modules that start servers of their own, in two lanes.
+    # The e2e modules that start servers of their own.
     "e2e": [
         "tests/e2e/test_accelerate_engine.py",
         "tests/e2e/test_lmi_options.py",
         "tests/e2e/test_observability_vllm.py",
         "tests/e2e/test_pooling.py",
         "tests/e2e/test_priority.py",
-    ],
-    "e2e-b": [
-        "tests/e2e/test_readme_run.py",
         "tests/e2e/test_reasoning_and_templates.py",
         "tests/e2e/test_tool_calling.py",
         "tests/e2e/test_vision.py",
     ],
-    # SageMaker's inference toolkit: Hugging Face pipelines in every server (no engine)
-    "toolkit": ["tests/integration/test_inference_toolkit*.py"],
 }
 # make test-fast (--fast: the tests not marked slow) starts no engine, and its tests mostly wait
 # (model.py servers starting and stopping, timeouts, back-offs: one process keeps about half a core

@@ -43,7 +43,7 @@ def test_every_ignored_lmi_name_at_once_starts_and_serves(tiny_model, tmp_path):
     (model_dir / "serving.properties").write_text("".join(f"{k}={v}\n" for k, v in properties.items()))
 
     with Server(model_dir, env={**VLLM_CPU_ENV, **EXACT, **EAGER}, ready_timeout=ENGINE_READY_TIMEOUT) as server:
-        answer = server.invoke({"inputs": "one two", "parameters": {"max_new_tokens": 4}})
+        answer = server.invoke({"inputs": "one two", "parameters": {"max_new_tokens": 4}}, timeout=300)  # a loaded run
         assert answer.status_code == 200, answer.text
         assert "generated_text" in answer.json()
         environ = Path(f"/proc/{server.worker_pids()[0]}/environ").read_bytes().split(b"\0")
