@@ -138,12 +138,6 @@ class ServiceUnavailable(ServingError):
     message = "service unavailable"
 
 
-class GroupLost(ServiceUnavailable):
-    """The worker group's process went away with the request in flight. Where the group was
-    writing the body to the client itself, the client's connection is closed instead: the group
-    may have left part of an HTTP chunk on it, and nothing may follow that."""
-
-
 class QueueFull(ServiceUnavailable):
     """``job_queue_size`` requests are in flight already (counted on ``/metrics``)."""
 

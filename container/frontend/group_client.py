@@ -35,7 +35,7 @@ from typing import cast
 
 import msgspec
 
-from container.core.errors import GatewayTimeout, GroupLost, ServiceUnavailable
+from container.core.errors import GatewayTimeout, ServiceUnavailable
 from container.core.protocol import (
     METRICS_PATH,
     Attach,
@@ -402,5 +402,7 @@ class GroupClient:
                 self.on_lost(self.name, tags)
         for pending in orphans:
             pending.fail(
-                GroupLost(f"worker group {self.name} stopped while handling the request; it is being restarted, retry")
+                ServiceUnavailable(
+                    f"worker group {self.name} stopped while handling the request; it is being restarted, retry"
+                )
             )

@@ -31,7 +31,6 @@ from werkzeug.wsgi import get_content_length
 from container.core.errors import (
     ClientClosedRequest,
     GatewayTimeout,
-    GroupLost,
     QueueFull,
     ServingError,
     describe,
@@ -344,10 +343,6 @@ class Invocation:
                 if pending.direct and not self._group_stopped_writing():
                     # bytes of ours could land in the middle of its: close the connection instead
                     raise BrokenPipeError(errno.EPIPE, "the group did not stop writing the stream") from None
-            if isinstance(exc, GroupLost) and pending.direct:
-                # the group may have died in the middle of a chunk: close the connection instead
-                log.warning("stream ended with an error: %s", exc)
-                raise BrokenPipeError(errno.EPIPE, "the group went away while writing the stream") from None
             log.warning("stream ended with an error: %s", exc)
             try:
                 self.submitted.take_over()
