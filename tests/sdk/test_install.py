@@ -15,6 +15,7 @@ from tests.server import clean_env
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.timeout(1800)  # it waits for the environment the run builds in the background
 def test_the_sdk_extra_installs_without_vllm_or_torch(tmp_path):
     venv = sdk_venv(DEFAULT_MAJOR)
     assert sagemaker_version(venv).startswith(f"{DEFAULT_MAJOR}.")

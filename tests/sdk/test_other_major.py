@@ -23,6 +23,7 @@ MAJOR_TESTS = [
 ]
 
 
+@pytest.mark.timeout(1800)  # it waits for the environment the run builds in the background
 def test_the_tests_of_both_majors_pass_on_the_other_major():
     venv = sdk_venv(OTHER)
     version = sagemaker_version(venv)
