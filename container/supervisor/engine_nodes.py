@@ -17,7 +17,6 @@ A worker node's part lives exactly as long as one start of the leader's group: s
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import subprocess
 import sys
@@ -29,7 +28,7 @@ from container.core.cluster import ClusterConfig
 from container.core.devices import GroupPlan
 from container.core.launch import EngineNodes, HeadlessLaunch, encode_launch
 from container.core.settings import Settings
-from container.supervisor.processes import StartupError, _exit_text, _kill_family, _start
+from container.supervisor.processes import StartupError, _exit_text, _kill_family, _start, engine_env
 
 log = logging.getLogger("sagelmi.cluster")
 
@@ -114,11 +113,7 @@ class HeadlessNode:
             self.start(incarnation, nodes, address, report)
 
     def _env(self, address: str) -> dict[str, str]:
-        env = {**os.environ, **self.environment}
-        if self.plan.cuda_visible_devices is not None:
-            env["CUDA_VISIBLE_DEVICES"] = self.plan.cuda_visible_devices
-        if self.cpu_binding is not None and "VLLM_CPU_OMP_THREADS_BIND" not in env:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_binding
+        env = engine_env(self.environment, self.plan, self.cpu_binding)
         env.setdefault("VLLM_HOST_IP", address)  # where the leader's engine reaches this node's workers
         return env
 
@@ -157,8 +152,8 @@ class HeadlessNode:
         log.error("cluster: %s; telling the leader, which restarts its group", reason)
         try:  # first: the leader's engine may be waiting on this node's workers
             report({"type": "engine-exit", "incarnation": incarnation, "reason": reason})
-        except OSError:
-            pass  # the registration is gone: the leader learns it from there
+        except OSError as exc:  # the registration is gone: the leader learns of the loss from that
+            log.debug("cluster: could not tell the leader: %s", exc)
         _kill_family(process)  # its engine workers, adopted here
 
     def stop(self) -> None:

@@ -4,7 +4,6 @@ life: docs/architecture.md, "Worker groups and their state")."""
 from __future__ import annotations
 
 import logging
-import os
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ from container.supervisor.processes import (
     _kill_family,
     _start,
     _terminate,
+    engine_env,
     mpirun_command,
 )
 
@@ -118,15 +118,11 @@ class WorkerGroup:
         return EngineNodes(config.size, 0, self.cluster.local_address, config.engine_port)
 
     def _env(self) -> dict[str, str]:
-        env = {**os.environ, **self.environment}
-        if self.plan.cuda_visible_devices is not None:
-            env["CUDA_VISIBLE_DEVICES"] = self.plan.cuda_visible_devices
+        env = engine_env(self.environment, self.plan, self.cpu_binding)
         if self.cluster is not None and self.cluster.local_address:
             env["MASTER_ADDR"] = self.cluster.local_address  # rank 0's node, as the others reach it
             if self.mpirun is None:  # where the other nodes' vLLM workers reach this engine's message queue
                 env.setdefault("VLLM_HOST_IP", self.cluster.local_address)
-        if self.cpu_binding is not None and "VLLM_CPU_OMP_THREADS_BIND" not in env:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_binding
         if self.omp_threads is not None and "OMP_NUM_THREADS" not in env:
             # mpirun, unlike vLLM's own launcher, gives its CPU workers no OMP_NUM_THREADS. Without
             # it a new thread of a rank runs OpenMP at OpenMP's default (every core the unbound rank

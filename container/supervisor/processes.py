@@ -51,6 +51,18 @@ def _exit_text(code: int) -> str:
 _started: set[int] = set()
 
 
+def engine_env(environment: dict[str, str], plan: GroupPlan, cpu_binding: str | None) -> dict[str, str]:
+    """The environment of a process that runs a share of a group's engine on this node: this
+    process's own, what LMI options set (``environment``), the plan's devices, and on the CPU the
+    cores its engine workers bind to (``VLLM_CPU_OMP_THREADS_BIND``, unless the user set it)."""
+    env = {**os.environ, **environment}
+    if plan.cuda_visible_devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = plan.cuda_visible_devices
+    if cpu_binding is not None and "VLLM_CPU_OMP_THREADS_BIND" not in env:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding
+    return env
+
+
 def _start(command: list[str], **options) -> subprocess.Popen:
     """Start a child in its own process group, in this session (proc.NEW_PROCESS_GROUP)."""
     process = subprocess.Popen(command, **options, **proc.NEW_PROCESS_GROUP)
