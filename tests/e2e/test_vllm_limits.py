@@ -67,7 +67,7 @@ def test_a_huge_stop_list_does_not_stall_other_requests(vllm_server):
     thread.join(60)
     assert r.status_code == 200
     assert answers["abuse"].status_code == 400
-    assert elapsed < 3, f"a 4-token request took {elapsed:.1f}s next to a huge stop list"
+    assert elapsed < 6, f"a 4-token request took {elapsed:.1f}s next to a huge stop list"
     wait_idle(vllm_server, timeout=10)
     record("huge-stop-list", "400,000 stop strings next to a short request", {
         "abusive request (4 MB of stop strings)": f"{answers['abuse'].status_code}",
@@ -193,6 +193,7 @@ def test_too_many_prompts_are_400_at_once_while_the_server_keeps_serving(vllm_se
         r = vllm_server.invoke({"inputs": "Hello", "parameters": {"max_new_tokens": 8}})
         beside["answer"] = (r.status_code, time.monotonic() - started)
 
+    prompt_tokens = metric(vllm_server, "vllm:prompt_tokens_total")
     thread = threading.Thread(target=normal)
     thread.start()
     started = time.monotonic()
@@ -204,9 +205,13 @@ def test_too_many_prompts_are_400_at_once_while_the_server_keeps_serving(vllm_se
     field = "inputs" if "inputs" in body else "prompt"
     assert f"'{field}' holds 5000 prompts; a request may hold at most 1024" in message
     assert "max_prompts_per_request" in message
-    assert elapsed < 1, f"the 400 took {elapsed:.2f}s"
     assert beside["answer"][0] == 200
     assert metric(vllm_server, "sagelmi_engine_unfinished_requests") == 0
+    # refused before any prompt reached the engine: only the 8-token request's few prompt tokens were counted
+    # (the 5,000 prompts are about 1.5 million tokens); the time is a loose bound, a loaded CI machine takes 1-2 s
+    added = metric(vllm_server, "vllm:prompt_tokens_total") - prompt_tokens
+    assert added < 100, f"the engine counted {added:.0f} prompt tokens: the refused prompts reached it"
+    assert elapsed < 10, f"the 400 took {elapsed:.2f}s"
     record("too-many-prompts", "5,000 prompts in one request (a 6 MB body)", {
         f"{path} ({'LMI' if field == 'inputs' else 'OpenAI'}): answer": f"400 in {elapsed:.2f} s",
         f"{path} ({'LMI' if field == 'inputs' else 'OpenAI'}): an 8-token request beside it":
@@ -253,7 +258,8 @@ def test_a_multipart_body_is_415_and_does_not_stall_a_concurrent_stream(vllm_ser
     gaps = [b - a for a, b in zip(window, window[1:])]
     assert len(window) > 10, "the stream ended or stopped before the multipart bodies were answered"
     largest = max(gaps)
-    assert largest < 1, f"the stream's largest gap between tokens was {largest:.2f}s"
+    # a stalled loop stopped the stream for 20-55 s; a loaded 2-core machine alone leaves gaps of 1-2 s
+    assert largest < 8, f"the stream's largest gap between tokens was {largest:.2f}s"
     for path, answer in answers.items():
         assert answer.status_code == 415, answer.text[:500]
         error = answer.json()["error"]
