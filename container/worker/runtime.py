@@ -414,6 +414,10 @@ class Worker:
                 raise ServiceUnavailable("the model worker is not ready")
             else:
                 output = to_output(await self.calls.call(*self.inputs.of(message), seen))
+                if output.item_codes and output.code < 300 and output.stream_content is None:
+                    # a batching handler's answer to a request that came alone (a batch of one): its
+                    # item's error (Output.error(..., batch_index=0)) is the request's, as in a batch
+                    output = split_batch(output, 1)[0]
             await self.calls.send_output(conn, rid, output, cancelled, seen)
         except asyncio.CancelledError:
             cancelled.set()

@@ -170,6 +170,9 @@ def test_async_mode_stream_of_outputs(async_server):
 def test_dynamic_batching_gathers_requests_and_answers_each_client():
     with Server(MODEL_DIRS / "lmi_batching", env={"OPTION_PREDICT_TIMEOUT": "20"}) as server:
         server.invoke({"id": -1})  # warm up: a batch of one, sent unbatched as in LMI
+        # an item's error is its status whether the request came in a batch or alone (timing decides)
+        alone = server.invoke({"id": 9, "fail": True})
+        assert alone.status_code == 424 and alone.json()["error"] == "item 9 cannot be answered", alone.text
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             futures = [pool.submit(server.invoke, {"id": i, "fail": i == 5}) for i in range(8)]
             answers = [f.result() for f in futures]
