@@ -110,8 +110,11 @@ def test_custom_attributes_and_inference_id_reach_the_handler_and_come_back(serv
     assert props["device_id"] == "-1" and props["model_dir"] == str(MODEL_DIRS / "lmi_echo")
     assert r.headers["X-Amzn-SageMaker-Inference-Id"] == "req-12345"
     assert r.headers["X-Amzn-SageMaker-Custom-Attributes"] == "handler_says=hi"
-    log = server.log()
-    assert "frontend [req-12345]" in log
+    # the completion line is written once the answer has gone out: it may follow the client's read
+    deadline = time.monotonic() + 10
+    while "frontend [req-12345]" not in server.log():
+        assert time.monotonic() < deadline, server.log()[-2000:]
+        time.sleep(0.05)
 
 
 def test_request_id_is_generated_when_absent_and_is_on_worker_log_lines(server):
