@@ -22,7 +22,8 @@ HTTP headers, says where it goes (exactly once):
     frontend -> rank 0   Attach            on the descriptor channel, with the client's
                                            socket: rank 0 writes the body to it itself,
                                            sends an empty Chunk (``progress``) at most once
-                                           a second meanwhile,
+                                           a second meanwhile (at once when a send left part
+                                           of an HTTP chunk on the socket: ``torn``),
                                            and End / Fail once it has stopped writing;
                     or   Attach            on the socket, ``direct=False``: the body comes
                                            as Chunks
@@ -165,17 +166,21 @@ class Head(msgspec.Struct, tag="head", frozen=True, omit_defaults=True):
     with the ``Invoke``): the frontend writes nothing before the stream's ending ``End``."""
 
 
-class Chunk(msgspec.Struct, tag="chunk", frozen=True):
+class Chunk(msgspec.Struct, tag="chunk", frozen=True, omit_defaults=True):
     """Body bytes of request ``id``. Empty (``progress``): rank 0 is writing the body to the client
-    itself (at most once a second); the frontend's ``predict_timeout`` counts from the last one."""
+    itself (at most once a second, and at once when ``torn`` changes); the frontend's
+    ``predict_timeout`` counts from the last one. ``torn``: the client's socket took part of an
+    HTTP chunk and the rest waits in rank 0, so if rank 0 goes away nothing may follow on that
+    connection (the frontend closes it instead of ending the body with an error)."""
 
     id: str
     data: bytes
+    torn: bool = False
 
 
-def progress(id: str) -> Chunk:
+def progress(id: str, torn: bool = False) -> Chunk:
     """The empty ``Chunk`` that says rank 0 is still writing request ``id``'s body itself."""
-    return Chunk(id=id, data=b"")
+    return Chunk(id=id, data=b"", torn=torn)
 
 
 class End(msgspec.Struct, tag="end", frozen=True, omit_defaults=True):

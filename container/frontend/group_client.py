@@ -35,7 +35,7 @@ from typing import cast
 
 import msgspec
 
-from container.core.errors import GatewayTimeout, ServiceUnavailable
+from container.core.errors import GatewayTimeout, GroupLost, ServiceUnavailable
 from container.core.protocol import (
     METRICS_PATH,
     Attach,
@@ -401,7 +401,5 @@ class GroupClient:
                 self.on_lost(self.name, tags)
         for pending in orphans:
             pending.fail(
-                ServiceUnavailable(
-                    f"worker group {self.name} stopped while handling the request; it is being restarted, retry"
-                )
+                GroupLost(f"worker group {self.name} stopped while handling the request; it is being restarted, retry")
             )

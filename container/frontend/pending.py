@@ -68,6 +68,7 @@ class PendingRequest:
         self.end: End | None = None  # the answer's End (with the tokens the group counted)
         self.ending: End | None = None  # the group ends the body it writes itself (protocol: End.ending)
         self.direct = False  # the group writes the body to the client's socket itself (GroupClient.attach)
+        self.torn = False  # ... and the client's socket holds part of an HTTP chunk (protocol: Chunk.torn)
         self.handed_over = False  # the client's socket went to the group with the Invoke (GroupClient.submit)
         self.taken: Taken | None = None  # rank 0 read the request itself (GroupClient.hand_off) ...
         self.declined: Taken | None = None  # ... or left it to the frontend (not Taken.served)
@@ -86,8 +87,10 @@ class PendingRequest:
         # a Taken first, a Head, then chunks (empty: progress), an ending End, at most one other End or Fail
         for message in messages:
             if isinstance(message, Chunk):
-                if message.data:  # an empty one only counts as progress
+                if message.data:
                     data.append(message.data)
+                else:  # progress of a body the group writes itself
+                    self.torn = message.torn
             elif isinstance(message, Head):
                 head = message
             elif isinstance(message, End) and message.ending:

@@ -104,7 +104,7 @@ class Connection:
             await self.wait_writable()
 
     def queue(self, message: Message) -> None:
-        """Queue ``message`` (not a ``Chunk``) without waiting for the frontend to read."""
+        """Queue ``message`` (not a ``Chunk`` of body bytes: ``add_chunk``) without waiting for the frontend to read."""
         if not self._queue and not self._touched:
             self._due = monotonic() + COALESCE_SECONDS  # not loop.time(): uvloop's counts whole milliseconds
             self._call_soon(self._pass_soon)
@@ -195,7 +195,7 @@ class Connection:
         client's socket that came with the request (the ``Head`` says ``written``). The head
         leaves on the next pass, with the body's first pieces if they came by then, and after
         the ``Head`` (which ``send`` writes at once): the frontend always knows of it first."""
-        self._bodies[request_id] = body = DirectBody(request_id, self._loop)
+        self._bodies[request_id] = body = DirectBody(request_id, self._loop, self._torn)
         found = self._clients.pop(request_id, None)
         if found is None:
             return False
@@ -323,6 +323,13 @@ class Connection:
             self._queued = max(0, self._queued - len(data))
             self.writer.write(data)
 
+    def _torn(self, body: DirectBody) -> None:
+        """A body's socket holds part of an HTTP chunk (or whole frames again): the frontend hears of
+        a tear in this call, before anything else can happen to this process."""
+        self.queue(progress(body.id, body.torn))
+        if body.torn:
+            self._write_frames()
+
     def _flush(self) -> None:
         if self._touched:
             touched, self._touched = self._touched, []
@@ -330,7 +337,7 @@ class Connection:
             for body in touched:
                 body.write()
                 if body.progress_due(now):
-                    self._queue.append(encode(progress(body.id)))
+                    self._queue.append(encode(progress(body.id, body.torn)))
         self._write_frames()
         self._queued = 0
         self._added = False

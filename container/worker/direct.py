@@ -60,9 +60,15 @@ class DirectBody:
 
     WAITING, DIRECT, RELAY, CLOSED = "waiting", "direct", "relay", "closed"
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self, request_id: str, loop: asyncio.AbstractEventLoop, on_torn: Callable[[DirectBody], None] | None = None
+    ) -> None:
         self.id = request_id
         self.loop = loop
+        # Told, in the send's own call, when the client's socket first holds part of a frame (``torn``)
+        # and when it holds whole frames again: the frontend must know before this process can die.
+        self.on_torn = on_torn
+        self.torn = False
         self.state = self.WAITING
         self.parts: list[bytes] = []  # body pieces not yet written
         self.pending = 0  # their bytes
@@ -143,6 +149,7 @@ class DirectBody:
             return
         if taken < len(frame):
             self.backlog = frame[taken:]
+            self._set_torn(True)  # taken may be 0: said all the same, the next send may tear it
             if not self._polling:
                 self._polling = True
                 self.loop.add_writer(self.sock.fileno(), self._writable)
@@ -158,8 +165,15 @@ class DirectBody:
             return
         self.backlog = self.backlog[taken:]
         if not self.backlog:
+            self._set_torn(False)
             self._stop_polling()
             self._notify()
+
+    def _set_torn(self, torn: bool) -> None:
+        if torn != self.torn:
+            self.torn = torn
+            if self.on_torn is not None:
+                self.on_torn(self)
 
     def _lose(self) -> None:
         self.gone = True

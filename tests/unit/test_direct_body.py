@@ -10,7 +10,7 @@ import socket
 import pytest
 import uvloop
 
-from container.core.protocol import Attach, End, FrameBuffer, Head, ResponseHead, progress, send_with_fd
+from container.core.protocol import Attach, Chunk, End, FrameBuffer, Head, ResponseHead, progress, send_with_fd
 from container.worker import direct
 from container.worker.connection import Connection
 from container.worker.direct import ClientGone, DescriptorChannel
@@ -122,7 +122,8 @@ def test_a_whole_answer_tells_the_frontend_first_then_ends_the_chunked_body_itse
         await passes()
         first = sides.to_client()
         conn.add_chunk("r", b"two")
-        sent = await conn.finish_stream("r", lambda whole: End(id="r", completion_tokens=2, body_bytes=whole, ending=True))
+        sent = await conn.finish_stream(
+            "r", lambda whole: End(id="r", completion_tokens=2, body_bytes=whole, ending=True))
         last = sides.to_client()
         await conn.send(End(id="r", completion_tokens=2, body_bytes=sent))
         await passes()
@@ -283,6 +284,30 @@ def test_a_long_body_written_directly_tells_the_frontend_it_is_alive(monkeypatch
         return sides.to_frontend()
 
     assert progress("r") in run(scenario)
+
+
+def test_a_send_that_leaves_part_of_a_chunk_on_the_socket_tells_the_frontend_before_anything_else():
+    """If rank 0 dies while the client's socket holds part of an HTTP chunk, nothing may follow it
+    there: the frontend learns of the tear in the pass that made it (protocol: Chunk.torn), and
+    that the socket holds whole chunks again once the client took the rest."""
+
+    async def scenario(sides: Sides):
+        conn = sides.conn
+        conn.expect_stream("r")
+        conn.attach(Attach(id="r", direct=True), os.dup(sides.server.fileno()))
+        conn.add_chunk("r", b"x" * (8 << 20))  # more than the socket's buffers take at once
+        await passes()
+        torn = [m for m in sides.to_frontend() if isinstance(m, Chunk)]
+        received = b""
+        while len(received) < (8 << 20):
+            received += sides.to_client()
+            await asyncio.sleep(0.001)
+        await passes()
+        return torn, [m for m in sides.to_frontend() if isinstance(m, Chunk)]
+
+    torn, whole = run(scenario)
+    assert torn == [progress("r", torn=True)]
+    assert whole == [progress("r", torn=False)]
 
 
 def test_the_descriptor_channel_hands_the_socket_to_the_waiting_answer_and_closes_unwanted_ones(tmp_path):
