@@ -153,7 +153,7 @@ def parse_head(head: bytes) -> list[tuple[bytes, bytes]] | None:
 def may_be_read(data: bytes) -> bool | Partial:
     """Whether the start of a connection's next request (``data``, peeked) is one rank 0's
     ``read_request`` takes; ``Partial`` while the request line, the head or the body are not all
-    there yet. gthread's main loop hands such a connection to rank 0 unread (``Handoff``)."""
+    there yet. gthread's main loop hands such a connection to rank 0 unread (an ``Attach`` with ``max_body``)."""
     request = read_request(data, PEEK_BYTES)
     return request if isinstance(request, Partial) else request is not None
 

@@ -21,7 +21,9 @@ HTTP headers, says where it goes (exactly once):
 
     frontend -> rank 0   Attach            on the descriptor channel, with the client's
                                            socket: rank 0 writes the body to it itself,
-                                           sends Progress at most once a second meanwhile,
+                                           sends an empty Chunk (``progress``) at most once
+                                           a second meanwhile (at once when a send left part
+                                           of an HTTP chunk on the socket: ``torn``),
                                            and End / Fail once it has stopped writing;
                     or   Attach            on the socket, ``direct=False``: the body comes
                                            as Chunks
@@ -30,10 +32,10 @@ A body rank 0 writes to an HTTP/1.1 client itself ends in one of two ways. Where
 client's socket takes the rest at once, rank 0 says so first, then writes the rest with
 the chunked body's end, then lets go of the socket:
 
-    rank 0 -> frontend   Ending            the answer is whole (its tokens, its body bytes):
-                                           the frontend ends the request on its side (its
-                                           completion line) and writes nothing more to the
-                                           client, not even the chunked body's end
+    rank 0 -> frontend   End               ``ending``: the answer is whole (its tokens, its body
+                                           bytes): the frontend ends the request on its side
+                                           (its completion line) and writes nothing more to
+                                           the client, not even the chunked body's end
     rank 0 -> frontend   End               rank 0 has written it all and let go of the socket
                                            (only then may anything else go to the client)
 
@@ -63,19 +65,21 @@ A connection whose next request, all there, looks like such a request can go to 
 anything of it is read, so that the frontend does no more than a look at it before rank 0 has
 it:
 
-    frontend -> rank 0   Handoff           on the descriptor channel, with the client's socket,
-                                           unread, and the frontend's part of the HTTP head
-    rank 0 -> frontend   Taken             rank 0 read the request (its bytes come back: the
-                                           frontend's fallback reads them again) and serves it
-                                           as an Invoke with ``client``: Head, Chunk ... as above
-                    or   Declined          rank 0 read nothing (or gives back what it read):
-                                           the frontend serves the request itself
+    frontend -> rank 0   Attach            ``max_body`` (a hand-off): on the descriptor
+                                           channel, with the client's socket, unread, and the
+                                           frontend's part of the HTTP head
+    rank 0 -> frontend   Taken             ``served``: rank 0 read the request (its bytes come
+                                           back: the frontend's fallback reads them again) and
+                                           serves it as an Invoke with ``client``: Head, Chunk
+                                           ... as above; not ``served``: rank 0 read nothing (or
+                                           gives back what it read), the frontend serves the
+                                           request itself
 
 rank 0 answers on the frontend's connection to it (the one from the process at the channel's
 other end).
 
 The descriptor channel is a second Unix socket beside rank 0's (``fd_channel_path``), of
-``SOCK_SEQPACKET`` messages, each an ``Attach`` or ``Handoff`` payload with one file descriptor
+``SOCK_SEQPACKET`` messages, each an ``Attach`` payload with one file descriptor
 (``SCM_RIGHTS``; ``send_with_fd`` / ``receive_with_fd``).
 
 An ``Invoke`` for ``METRICS_PATH`` is answered by rank 0 itself (Head, Chunk,
@@ -87,8 +91,8 @@ LoRA adapters (the frontend's registry is the source of truth; it sends every
 registration to every group, and all of them again first thing on every new
 connection, so a restarted group gets them before any request):
 
-    frontend -> rank 0   RegisterAdapter   serve adapter ``name`` from the local ``path``
-    frontend -> rank 0   UnregisterAdapter stop serving it
+    frontend -> rank 0   SetAdapter        serve adapter ``name`` from the local ``path``,
+                                           or, without a path, stop serving it
     rank 0 -> frontend   End / Fail        done, or why not (with the message's id)
 
 Between the ranks of an MPI group (rank 0 is the leader, the others follow):
@@ -97,7 +101,8 @@ Between the ranks of an MPI group (rank 0 is the leader, the others follow):
     leader -> follower   Broadcast         bytes a built-in handler sends to its peers
     follower -> leader   Status            the follower's own health (loading, ready, failed)
     leader -> follower   Invoke(METRICS_PATH)   asks for the follower's metrics ...
-    follower -> leader   RankMetrics            ... which rank 0 serves labelled by rank
+    follower -> leader   Chunk                  ... its Prometheus text, which rank 0 serves
+                                                labelled by rank
 """
 
 from __future__ import annotations
@@ -158,30 +163,36 @@ class Head(msgspec.Struct, tag="head", frozen=True, omit_defaults=True):
     call began, for the frontend's queue-wait metric; 0: not a handler call."""
     written: bool = False
     """Rank 0 writes this stream's HTTP head and body to the client itself (the socket came
-    with the ``Invoke``): the frontend writes nothing before the stream's ``Ending`` or end."""
+    with the ``Invoke``): the frontend writes nothing before the stream's ending ``End``."""
 
 
-class Chunk(msgspec.Struct, tag="chunk", frozen=True):
+class Chunk(msgspec.Struct, tag="chunk", frozen=True, omit_defaults=True):
+    """Body bytes of request ``id``. Empty (``progress``): rank 0 is writing the body to the client
+    itself (at most once a second, and at once when ``torn`` changes); the frontend's
+    ``predict_timeout`` counts from the last one. ``torn``: the client's socket took part of an
+    HTTP chunk and the rest waits in rank 0, so if rank 0 goes away nothing may follow on that
+    connection (the frontend closes it instead of ending the body with an error)."""
+
     id: str
     data: bytes
+    torn: bool = False
+
+
+def progress(id: str, torn: bool = False) -> Chunk:
+    """The empty ``Chunk`` that says rank 0 is still writing request ``id``'s body itself."""
+    return Chunk(id=id, data=b"", torn=torn)
 
 
 class End(msgspec.Struct, tag="end", frozen=True, omit_defaults=True):
+    """The answer is complete. ``ending``: a body rank 0 writes to the client itself is whole and
+    its last bytes, with the chunked body's end, go to the client now; a plain End follows once
+    rank 0 has let go of the socket (module docstring)."""
+
     id: str
     prompt_tokens: int | None = None  # what the engine counted, when it did (the frontend logs them)
     completion_tokens: int | None = None
-    body_bytes: int = 0  # body bytes rank 0 wrote to the client itself (an Attach with the socket)
-
-
-class Ending(msgspec.Struct, tag="ending", frozen=True, omit_defaults=True):
-    """A body rank 0 writes to the client is whole and its last bytes, with the chunked
-    body's end, go to the client now; the End that follows says rank 0 has let go of the
-    socket (module docstring)."""
-
-    id: str
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-    body_bytes: int = 0  # the whole body's bytes (the End after it adds none)
+    body_bytes: int = 0  # body bytes rank 0 wrote to the client itself (an ending End: all of them)
+    ending: bool = False
 
 
 class ResponseHead(msgspec.Struct, frozen=True):
@@ -207,45 +218,27 @@ class Attach(msgspec.Struct, tag="attach", frozen=True, omit_defaults=True):
     direct: bool = False
     chunked: bool = True
     head: ResponseHead | None = None
+    max_body: int = 0
+    """Not 0: a hand-off. The client's connection, whose next request the frontend has not read:
+    rank 0 reads it, if it is a request it may read (``container.core.ingress``: ``read_request``
+    with ``max_body``) and all there, and answers ``Taken``, ``served`` or not. ``head`` is then
+    the frontend's part of a streamed answer's HTTP head, to which rank 0 adds the request id."""
 
 
-class Handoff(msgspec.Struct, tag="handoff", frozen=True):
-    """A client's connection whose next request the frontend has not read, handed to rank 0 with
-    its socket: rank 0 reads it, if it is a request it may read (``container.core.ingress``:
-    ``read_request`` with ``max_body``) and all there, and answers ``Taken`` or ``Declined``.
-    ``head``: the frontend's part of a streamed answer's HTTP head, to which rank 0 adds the
-    request id."""
-
-    id: str
-    head: ResponseHead
-    max_body: int
-
-
-class Taken(msgspec.Struct, tag="taken", frozen=True):
-    """Rank 0 read request ``id`` from the socket of a ``Handoff``: its id (the client's, else a
-    new one), route and bytes as the client sent them, and whether the connection closes after
-    the answer; it serves it as an ``Invoke`` with ``client``."""
+class Taken(msgspec.Struct, tag="taken", frozen=True, omit_defaults=True):
+    """Rank 0's answer to a hand-off (``Attach.max_body``). ``served``: it read request ``id`` from the socket and
+    serves it as an ``Invoke`` with ``client``; ``raw`` is the request's bytes as the client sent
+    them, ``request_id`` its id (the client's, else a new one), ``path`` its route, ``close``
+    whether the connection closes after the answer. Not ``served`` (declined): the frontend reads
+    the request, after ``raw``, what rank 0 read of it (nothing, unless the socket gave less than
+    it had shown)."""
 
     id: str
-    request_id: str
-    path: str
-    raw: bytes
-    close: bool
-
-
-class Declined(msgspec.Struct, tag="declined", frozen=True):
-    """Rank 0 does not serve the request of a ``Handoff``: the frontend reads it (after ``raw``,
-    what rank 0 read of it: nothing, unless the socket gave less than it had shown)."""
-
-    id: str
+    served: bool
     raw: bytes = b""
-
-
-class Progress(msgspec.Struct, tag="progress", frozen=True):
-    """Rank 0 is writing request ``id``'s body to the client itself (at most once a second):
-    the frontend's ``predict_timeout`` counts from the last one."""
-
-    id: str
+    request_id: str = ""
+    path: str = ""
+    close: bool = False
 
 
 class Fail(msgspec.Struct, tag="fail", frozen=True, omit_defaults=True):
@@ -282,25 +275,13 @@ class Broadcast(msgspec.Struct, tag="broadcast", frozen=True):
     data: bytes
 
 
-class RankMetrics(msgspec.Struct, tag="rank_metrics", frozen=True):
-    """A follower's Prometheus text, answering rank 0's metrics ``Invoke``."""
-
-    id: str
-    text: str
-
-
-class RegisterAdapter(msgspec.Struct, tag="register_adapter", frozen=True):
-    """Serve the LoRA adapter in the local directory ``path`` as ``name``
-    (validated by the frontend; the engine loads it and may still refuse it)."""
+class SetAdapter(msgspec.Struct, tag="set_adapter", frozen=True, omit_defaults=True):
+    """Serve the LoRA adapter in the local directory ``path`` as ``name`` (validated by the
+    frontend; the engine loads it and may still refuse it); without ``path``, stop serving it."""
 
     id: str
     name: str
-    path: str
-
-
-class UnregisterAdapter(msgspec.Struct, tag="unregister_adapter", frozen=True):
-    id: str
-    name: str
+    path: str | None = None
 
 
 Message = Union[  # noqa: UP007 (a runtime alias msgspec decodes with; kept in one form)
@@ -310,18 +291,12 @@ Message = Union[  # noqa: UP007 (a runtime alias msgspec decodes with; kept in o
     Head,
     Chunk,
     End,
-    Ending,
     Attach,
-    Handoff,
     Taken,
-    Declined,
-    Progress,
     Fail,
     Status,
     Broadcast,
-    RankMetrics,
-    RegisterAdapter,
-    UnregisterAdapter,
+    SetAdapter,
 ]
 
 
@@ -394,7 +369,7 @@ def fd_channel_path(socket_path: str) -> str:
     return socket_path + FD_CHANNEL_SUFFIX
 
 
-def send_with_fd(sock: socket.socket, message: Attach | Handoff, fd: int) -> None:
+def send_with_fd(sock: socket.socket, message: Attach, fd: int) -> None:
     """Send ``message`` and a duplicate of ``fd`` as one descriptor-channel message."""
     sock.sendmsg([_encoder.encode(message)], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
 

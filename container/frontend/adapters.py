@@ -2,7 +2,7 @@
 serves. It lives in the frontend process, which outlives worker groups.
 
 - At start it registers every ``<model dir>/adapters/<name>/`` it finds.
-- ``register`` checks the source (``check_source``), sends ``RegisterAdapter``
+- ``register`` checks the source (``check_source``), sends ``SetAdapter``
   to every connected group and waits for each to load it; one refusal undoes
   the registration everywhere and is the client's error.
 - An ``s3://`` source is listed first: a key that would land outside the download
@@ -30,7 +30,7 @@ from pathlib import Path
 
 from container.core.errors import Conflict, InputError, NotFound, PayloadTooLarge, ServingError
 from container.core.launch import ModelInfo
-from container.core.protocol import Message, RegisterAdapter, UnregisterAdapter
+from container.core.protocol import Message, SetAdapter
 from container.frontend.group_client import GroupClient
 from container.frontend.pending import WorkerFailed
 
@@ -143,7 +143,7 @@ class AdapterRegistry:
     def replay(self) -> list[Message]:
         """What a new connection to a group starts with: every registration."""
         return [
-            RegisterAdapter(id=f"adapter-{uuid.uuid4().hex}", name=a.name, path=a.path)
+            SetAdapter(id=f"adapter-{uuid.uuid4().hex}", name=a.name, path=a.path)
             for a in list(self._adapters.values())
         ]
 
@@ -212,11 +212,11 @@ class AdapterRegistry:
         try:
             for group in self.groups:
                 group.send_adapter(
-                    RegisterAdapter(id=f"adapter-{uuid.uuid4().hex}", name=name, path=adapter.path), self.timeout
+                    SetAdapter(id=f"adapter-{uuid.uuid4().hex}", name=name, path=adapter.path), self.timeout
                 )
         except ServingError as exc:
             del self._adapters[name]
-            self._send_all(UnregisterAdapter, name)
+            self._unload_everywhere(name)
             if isinstance(exc, WorkerFailed) and exc.status < 500:
                 raise InputError(f"adapter {name!r} was refused: {exc.detail}") from None
             raise
@@ -225,15 +225,15 @@ class AdapterRegistry:
         with self._lock:
             adapter = self.get(name)
             del self._adapters[name]
-            self._send_all(UnregisterAdapter, name)
+            self._unload_everywhere(name)
         if adapter.downloaded:  # the groups let it go: its files are no longer read
             shutil.rmtree(adapter.downloaded, ignore_errors=True)
         log.info("adapter %s unregistered", name)
 
-    def _send_all(self, kind, name: str) -> None:
+    def _unload_everywhere(self, name: str) -> None:
         for group in self.groups:
             try:
-                group.send_adapter(kind(id=f"adapter-{uuid.uuid4().hex}", name=name), self.timeout)
+                group.send_adapter(SetAdapter(id=f"adapter-{uuid.uuid4().hex}", name=name), self.timeout)
             except ServingError as exc:
                 log.warning("worker group %s: unregistering adapter %s: %s", group.name, name, exc)
 

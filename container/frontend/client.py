@@ -116,7 +116,7 @@ def head_written_by_group(environ: dict) -> None:
 
 
 def body_ended_by_group(environ: dict) -> None:
-    """The group wrote the chunked body's end itself (``Ending``): gunicorn's response writes
+    """The group wrote the chunked body's end itself (an ending ``End``): gunicorn's response writes
     nothing more and keeps the connection (its close writes the last chunk of a chunked
     response, and keeps the connection only with a length or chunked)."""
     response = environ.get(WSGI_RESPONSE)

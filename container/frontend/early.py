@@ -3,10 +3,10 @@ followed by no request thread (``container.worker.handoff`` reads them on rank 0
 
 For a connection whose next request may be read early (its first bytes: ``may_be_read``), the
 main loop admits it, picks the group and hands it the client's socket with nothing read
-(``GroupClient.hand_off``). No thread is woken for it. Rank 0 answers ``Taken`` (it read the
-request and serves it, writing the HTTP head and the body itself) or ``Declined`` (it read
+(``GroupClient.hand_off``). No thread is woken for it. Rank 0 answers ``Taken``: ``served`` (it read the
+request and serves it, writing the HTTP head and the body itself) or not (it read
 nothing: the connection goes to a request thread as any other). When the group says the answer
-went out whole (``Ending``, then ``End``), the reader thread of the group's connection writes
+went out whole (an ending ``End``, then the last), the reader thread of the group's connection writes
 the completion line, releases the admission and gives the connection back to the main loop
 (kept alive, or closed).
 

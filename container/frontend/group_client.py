@@ -35,27 +35,23 @@ from typing import cast
 
 import msgspec
 
-from container.core.errors import GatewayTimeout, ServiceUnavailable
+from container.core.errors import GatewayTimeout, GroupLost, ServiceUnavailable
 from container.core.protocol import (
     METRICS_PATH,
     Attach,
     Cancel,
     Chunk,
-    Declined,
     End,
-    Ending,
     Fail,
     FrameBuffer,
-    Handoff,
     Head,
     Invoke,
     Message,
     ProtocolError,
-    RegisterAdapter,
     ResponseHead,
+    SetAdapter,
     Status,
     Taken,
-    UnregisterAdapter,
     WorkerState,
     encode,
     fd_channel_path,
@@ -145,14 +141,14 @@ class GroupClient:
         return pending
 
     def hand_off(self, client: socket.socket, head: ResponseHead, max_body: int, watcher: Callable) -> PendingRequest:
-        """Hand a client's connection to the group with its next request unread (``Handoff``):
+        """Hand a client's connection to the group with its next request unread (an ``Attach`` with ``max_body``):
         rank 0 reads the request and answers ``Taken`` (then as for an ``Invoke`` with ``client``)
-        or ``Declined`` (``watcher`` is the pending request's from the start). Raises
+        or declines it (``watcher`` is the pending request's from the start). Raises
         ``ServiceUnavailable`` if the group is not ready or its descriptor channel did not take it."""
         pending = PendingRequest(uuid.uuid4().hex)
         pending.watcher = watcher
         self._register(pending, require_ready=True)
-        self._hand_over_with(pending, Handoff(id=pending.id, head=head, max_body=max_body), client, required=True)
+        self._hand_over_with(pending, Attach(id=pending.id, head=head, max_body=max_body), client, required=True)
         return pending
 
     def _register(self, pending: PendingRequest, require_ready: bool) -> socket.socket:
@@ -164,9 +160,7 @@ class GroupClient:
             self._pending[pending.id] = pending
             return self._sock
 
-    def _hand_over_with(
-        self, pending: PendingRequest, message: Attach | Handoff, client: socket.socket, required: bool
-    ) -> bool:
+    def _hand_over_with(self, pending: PendingRequest, message: Attach, client: socket.socket, required: bool) -> bool:
         """``_hand_over`` for ``pending``'s request (``pending.handed_over`` says it went); with
         ``required``, a hand-over that cannot be done forgets the request and raises
         ``ServiceUnavailable``."""
@@ -188,7 +182,7 @@ class GroupClient:
         finally:
             self._pending.pop(request_id, None)
 
-    def send_adapter(self, message: RegisterAdapter | UnregisterAdapter, timeout: float) -> bool:
+    def send_adapter(self, message: SetAdapter, timeout: float) -> bool:
         """Send an adapter message and wait for the group's answer; raise its error
         (``WorkerFailed``). False when the group is not connected: it gets the
         registry when it connects."""
@@ -237,7 +231,7 @@ class GroupClient:
         if sock is not None:  # no connection: the request fails with it
             self._send(sock, encode(Attach(id=pending.id)))
 
-    def _hand_over(self, message: Attach | Handoff, client: socket.socket) -> bool:
+    def _hand_over(self, message: Attach, client: socket.socket) -> bool:
         """Send ``message`` with ``client``'s descriptor on the descriptor channel (connected on
         first use after each connect); False when it cannot be done."""
         with self._channel_lock:
@@ -372,14 +366,19 @@ class GroupClient:
                     self._set_state(message.state, message.detail)
                     self.last_words = message.detail if message.state is WorkerState.DOWN else ""
                 else:  # rank 0 answers with these (its InvokeBatch and Broadcast go to the other ranks)
-                    answer = cast("Head | Chunk | Ending | End | Fail | Taken | Declined", message)
+                    answer = cast("Head | Chunk | End | Fail | Taken", message)
                     batches.setdefault(answer.id, []).append(answer)
             for request_id, messages in batches.items():
                 pending = self._pending.get(request_id)
                 if pending is None:
                     continue  # cancelled or timed out: the answer is no longer wanted
                 pending.deliver(messages)
-                if isinstance(messages[-1], (End, Fail, Declined)):
+                last = messages[-1]
+                if (
+                    (isinstance(last, End) and not last.ending)
+                    or isinstance(last, Fail)
+                    or (isinstance(last, Taken) and not last.served)
+                ):
                     self._pending.pop(request_id, None)
         if frames.pending_bytes:
             raise ProtocolError("connection closed in the middle of a frame")
@@ -402,7 +401,5 @@ class GroupClient:
                 self.on_lost(self.name, tags)
         for pending in orphans:
             pending.fail(
-                ServiceUnavailable(
-                    f"worker group {self.name} stopped while handling the request; it is being restarted, retry"
-                )
+                GroupLost(f"worker group {self.name} stopped while handling the request; it is being restarted, retry")
             )

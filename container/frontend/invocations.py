@@ -31,6 +31,7 @@ from werkzeug.wsgi import get_content_length
 from container.core.errors import (
     ClientClosedRequest,
     GatewayTimeout,
+    GroupLost,
     QueueFull,
     ServingError,
     describe,
@@ -176,7 +177,7 @@ class Invocation:
             self.group.cancel(self.wire_id, confirm)
 
     def _group_stopped_writing(self) -> bool:
-        """After cancelling a body the group wrote to the client itself, or after its ``Ending``:
+        """After cancelling a body the group wrote to the client itself, or after its ending ``End``:
         whether it said it stopped (nothing else may be written to the client before)."""
         stopped = self.submitted.wait_done_for(STOP_CONFIRM_TIMEOUT)
         if self.group is not None:
@@ -295,7 +296,7 @@ class Invocation:
         return b"".join(parts)
 
     def _let_go(self) -> None:
-        """After a stream whose group ended the body itself (``Ending``), once the completion
+        """After a stream whose group ended the body itself (an ending ``End``), once the completion
         line is written: wait until the group has let go of the client's socket (its ``End``)
         before gunicorn may write to it again (the answer to a request the client sent
         before this one's end, on a kept-alive connection). A group that does not say so in
@@ -344,6 +345,9 @@ class Invocation:
                     # bytes of ours could land in the middle of its: close the connection instead
                     raise BrokenPipeError(errno.EPIPE, "the group did not stop writing the stream") from None
             log.warning("stream ended with an error: %s", exc)
+            if isinstance(exc, GroupLost) and pending.direct and pending.torn:
+                # the client's socket holds part of a chunk the group was writing: close the connection
+                raise BrokenPipeError(errno.EPIPE, "the group went away in the middle of an HTTP chunk") from None
             try:
                 self.submitted.take_over()
             except ClientClosedRequest:

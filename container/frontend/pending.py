@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from container.core.errors import ClientClosedRequest, GatewayTimeout, ServingError
-from container.core.protocol import Chunk, Declined, End, Ending, Fail, Head, Progress, Taken
+from container.core.protocol import Chunk, End, Fail, Head, Taken
 
 
 class WorkerFailed(ServingError):
@@ -66,14 +66,15 @@ class PendingRequest:
         self.progress = 0  # batches delivered: a stream written by the reader still shows it is alive
         self.body_bytes = 0  # body bytes received, whoever writes them to the client
         self.end: End | None = None  # the answer's End (with the tokens the group counted)
-        self.ending: Ending | None = None  # the group ends the body it writes itself (protocol: Ending)
+        self.ending: End | None = None  # the group ends the body it writes itself (protocol: End.ending)
         self.direct = False  # the group writes the body to the client's socket itself (GroupClient.attach)
+        self.torn = False  # ... and the client's socket holds part of an HTTP chunk (protocol: Chunk.torn)
         self.handed_over = False  # the client's socket went to the group with the Invoke (GroupClient.submit)
         self.taken: Taken | None = None  # rank 0 read the request itself (GroupClient.hand_off) ...
-        self.declined: Declined | None = None  # ... or left it to the frontend
+        self.declined: Taken | None = None  # ... or left it to the frontend (not Taken.served)
         self.head_at = 0.0  # when a Head the group wrote itself came (Head.written): the time to the first byte
         self.progress_at = time.monotonic()  # when the group last said something of this request
-        # Called (by the reader thread, outside the lock) when a Taken or Declined, a Head the group did
+        # Called (by the reader thread, outside the lock) when a Taken (served or not), a Head the group did
         # not write, the End or an error comes: a request nobody waits on (container.frontend.early)
         # learns of it so
         self.watcher: Callable[[PendingRequest], None] | None = None
@@ -83,19 +84,24 @@ class PendingRequest:
         """Take a batch of this request's messages; wake its thread once, and
         only if it has something to do."""
         head, data, ending, last, told = None, [], None, None, False
-        # a Taken or Declined first, a Head, then chunks or Progress, an Ending, at most one End or Fail
+        # a Taken first, a Head, then chunks (empty: progress), an ending End, at most one other End or Fail
         for message in messages:
             if isinstance(message, Chunk):
-                data.append(message.data)
+                if message.data:
+                    data.append(message.data)
+                else:  # progress of a body the group writes itself
+                    self.torn = message.torn
             elif isinstance(message, Head):
                 head = message
-            elif isinstance(message, Ending):
+            elif isinstance(message, End) and message.ending:
                 ending = message
             elif isinstance(message, Taken):
-                self.taken, told = message, True
-            elif isinstance(message, Declined):
-                self.declined, told = message, True
-            elif not isinstance(message, Progress):  # a Progress only counts as progress
+                told = True
+                if message.served:
+                    self.taken = message
+                else:
+                    self.declined = message
+            else:
                 last = message
         with self._cond:
             self.progress += 1
@@ -160,14 +166,14 @@ class PendingRequest:
 
     @property
     def tokens(self) -> tuple[int | None, int | None] | None:
-        """(prompt, completion) tokens as the group counted them (its ``Ending``, else its ``End``)."""
+        """(prompt, completion) tokens as the group counted them (its ending ``End``, else its last)."""
         last = self.ending or self.end
         return None if last is None else (last.prompt_tokens, last.completion_tokens)
 
     @property
     def clean_end(self) -> bool:
         """The group wrote the whole answer to the client itself, head to the chunked body's end,
-        and let go of the client's socket (``direct``, an ``Ending``, then the ``End``)."""
+        and let go of the client's socket (``direct``, an ending ``End``, then the last)."""
         return self.direct and self._finished and self._error is None and self.ending is not None
 
     @property

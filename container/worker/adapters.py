@@ -20,7 +20,7 @@ import logging
 from typing import Any
 
 from container.core.errors import InputError, describe
-from container.core.protocol import End, Fail, RegisterAdapter, UnregisterAdapter
+from container.core.protocol import End, Fail, SetAdapter
 
 log = logging.getLogger("sagelmi.worker.adapters")
 
@@ -33,9 +33,9 @@ class AdapterTable:
         self.engine: Any = None  # the built-in engine (handlers.api.engine.Engine), if one serves
         self.origin = "handler"
 
-    def receive(self, conn: Any, message: RegisterAdapter | UnregisterAdapter) -> None:
+    def receive(self, conn: Any, message: SetAdapter) -> None:
         """Record ``message`` and, once the handler is loaded, apply it (in a task)."""
-        if isinstance(message, RegisterAdapter):
+        if message.path is not None:
             self.paths[message.name] = message.path
         else:
             self.paths.pop(message.name, None)
@@ -44,7 +44,7 @@ class AdapterTable:
             return
         self.loop.create_task(self._apply(conn, message))
 
-    async def _apply(self, conn: Any, message: RegisterAdapter | UnregisterAdapter) -> None:
+    async def _apply(self, conn: Any, message: SetAdapter) -> None:
         try:
             await self._call(message)
         except Exception as exc:
@@ -54,10 +54,10 @@ class AdapterTable:
             return
         await _send(conn, End(id=message.id))
 
-    async def _call(self, message: RegisterAdapter | UnregisterAdapter) -> None:
+    async def _call(self, message: SetAdapter) -> None:
         if self.engine is None or not self.engine.serves_adapters:
             raise InputError(f"the handler {self.origin} does not serve LoRA adapters")
-        if isinstance(message, RegisterAdapter):
+        if message.path is not None:
             await self.engine.add_adapter(message.name, message.path)
             log.info("adapter %s registered", message.name)
         else:

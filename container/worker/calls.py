@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
 from container.core.ingress import HOP_BY_HOP
-from container.core.protocol import Chunk, End, Ending, Head
+from container.core.protocol import Chunk, End, Head
 from container.worker.connection import Connection, DroppedAnswers
 from container.worker.observe import Observation
 from container.worker.requests import chunk_of
@@ -188,8 +188,8 @@ class Calls:
                 raise
             prompt, completion = _tokens(seen)
 
-            def ending(whole: int) -> Ending:
-                return Ending(id=rid, prompt_tokens=prompt, completion_tokens=completion, body_bytes=whole)
+            def ending(whole: int) -> End:
+                return End(id=rid, prompt_tokens=prompt, completion_tokens=completion, body_bytes=whole, ending=True)
 
             body_bytes = await conn.finish_stream(rid, ending)
         else:

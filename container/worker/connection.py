@@ -15,15 +15,14 @@ from container.core.protocol import (
     Attach,
     Chunk,
     End,
-    Ending,
     Fail,
     Head,
     Message,
-    Progress,
     ProtocolError,
     decode,
     encode,
     frame_length,
+    progress,
 )
 from container.worker.direct import WRITE_HIGH_WATER, DescriptorChannel, DirectBody, peer_pid
 
@@ -51,9 +50,6 @@ class PeerGone(Exception):
     error of the handler's: a handler's own ``OSError`` is a 424 like any other)."""
 
 
-_STREAM_ENDS = (End, Ending)  # what ends a stream's body written here: the frontend gets it at once
-
-
 class Connection:
     """One connection from the frontend (or the supervisor) to rank 0.
 
@@ -71,7 +67,7 @@ class Connection:
     (``expect_stream``) waits for the frontend's ``Attach``; with the client's socket it is
     written there on the same passes (``container.worker.direct``). Where the client's socket
     came with the request (``claim_client``), the head goes there too, on the next pass, and
-    no ``Attach`` is waited for (``Head.written``). Its ``Ending`` and ``End``
+    no ``Attach`` is waited for (``Head.written``). Its ending ``End`` and the last
     leave at once too (``finish_stream``): the frontend's work for the request (the
     response's end, the completion line) is then done sooner, before the client's next
     request rather than during it. A whole answer's ``End`` waits for the quiet pass."""
@@ -108,7 +104,7 @@ class Connection:
             await self.wait_writable()
 
     def queue(self, message: Message) -> None:
-        """Queue ``message`` (not a ``Chunk``) without waiting for the frontend to read."""
+        """Queue ``message`` (not a ``Chunk`` of body bytes: ``add_chunk``) without waiting for the frontend to read."""
         if not self._queue and not self._touched:
             self._due = monotonic() + COALESCE_SECONDS  # not loop.time(): uvloop's counts whole milliseconds
             self._call_soon(self._pass_soon)
@@ -119,7 +115,7 @@ class Connection:
         frame = encode(message)
         self._queue.append(frame)
         self._queued += len(frame)
-        if (type(message) is Head and message.stream) or (type(message) in _STREAM_ENDS and request_id in self._bodies):
+        if (type(message) is Head and message.stream) or (type(message) is End and request_id in self._bodies):
             # a stream's head or end, at once: on the head the frontend sends the headers and hands
             # the client's socket over while the handler goes on (vLLM's add_request, the prefill);
             # on the end it ends the client's response (a body's record stays until drop_stream)
@@ -199,7 +195,7 @@ class Connection:
         client's socket that came with the request (the ``Head`` says ``written``). The head
         leaves on the next pass, with the body's first pieces if they came by then, and after
         the ``Head`` (which ``send`` writes at once): the frontend always knows of it first."""
-        self._bodies[request_id] = body = DirectBody(request_id, self._loop)
+        self._bodies[request_id] = body = DirectBody(request_id, self._loop, self._torn)
         found = self._clients.pop(request_id, None)
         if found is None:
             return False
@@ -231,7 +227,7 @@ class Connection:
             self._touch(body)
         return True
 
-    async def finish_stream(self, request_id: str, ending: Callable[[int], Ending] | None = None) -> int:
+    async def finish_stream(self, request_id: str, ending: Callable[[int], End] | None = None) -> int:
         """Once the frontend said where the body goes, write the rest of it, wait until the
         client took it and let go of its socket: the body bytes written to the client here
         (0 when relayed). The record stays for ``direct_bytes`` until ``drop_stream``.
@@ -239,7 +235,7 @@ class Connection:
         With ``ending`` (the answer is whole), where the rest goes out at once
         (``DirectBody.ends_at_once``), the frontend gets ``ending(the body's bytes)`` first
         and rank 0 writes the rest with the chunked body's end itself (``write(last=True)``);
-        0 is returned then (the ``Ending`` counted the bytes). The frontend's work at the end
+        0 is returned then (the ending ``End`` counted the bytes). The frontend's work at the end
         of a request (its completion line) then runs while the last bytes go out, not after
         them: the client has them before the frontend learns of them."""
         body = self._bodies.get(request_id)
@@ -248,7 +244,7 @@ class Connection:
         await body.until_attached()
         if self._bodies.get(request_id) is not body:
             return 0  # relayed meanwhile
-        told = False  # the Ending counted the bytes
+        told = False  # the ending End counted the bytes
         if ending is not None and body.ends_at_once():
             await self.send(ending(body.sent + body.pending))  # written at once (send)
             body.write(last=True)
@@ -327,6 +323,13 @@ class Connection:
             self._queued = max(0, self._queued - len(data))
             self.writer.write(data)
 
+    def _torn(self, body: DirectBody) -> None:
+        """A body's socket holds part of an HTTP chunk (or whole frames again): the frontend hears of
+        a tear in this call, before anything else can happen to this process."""
+        self.queue(progress(body.id, body.torn))
+        if body.torn:
+            self._write_frames()
+
     def _flush(self) -> None:
         if self._touched:
             touched, self._touched = self._touched, []
@@ -334,7 +337,7 @@ class Connection:
             for body in touched:
                 body.write()
                 if body.progress_due(now):
-                    self._queue.append(encode(Progress(id=body.id)))
+                    self._queue.append(encode(progress(body.id, body.torn)))
         self._write_frames()
         self._queued = 0
         self._added = False
@@ -376,7 +379,7 @@ class DroppedAnswers:
     def expect_stream(self, request_id: str, code: int = 200, headers: Mapping[str, str] | None = None) -> bool:
         return False
 
-    async def finish_stream(self, request_id: str, ending: Callable[[int], Ending] | None = None) -> int:
+    async def finish_stream(self, request_id: str, ending: Callable[[int], End] | None = None) -> int:
         return 0
 
     def direct_bytes(self, request_id: str) -> int:

@@ -26,12 +26,12 @@ from typing import Protocol
 
 from container.core.errors import ClientClosedRequest
 from container.core.ingress import END_OF_CHUNKS, chunk
-from container.core.protocol import Attach, Handoff, ProtocolError, fd_channel_path, receive_with_fd
+from container.core.protocol import Attach, ProtocolError, fd_channel_path, receive_with_fd
 
 log = logging.getLogger("sagelmi.worker")
 
 WRITE_HIGH_WATER = 1 << 16  # bytes not yet taken by the client before the stream waits (vLLM merges deltas)
-PROGRESS_INTERVAL = 1.0  # seconds between two Progress messages of a body written directly
+PROGRESS_INTERVAL = 1.0  # seconds between two progress messages (empty Chunks) of a body written directly
 UNCLAIMED_TIMEOUT = 60.0  # seconds a socket handed over before its Invoke waits for it (then closed)
 
 _CREDENTIALS = struct.Struct("3i")  # SO_PEERCRED's pid, uid, gid
@@ -60,9 +60,15 @@ class DirectBody:
 
     WAITING, DIRECT, RELAY, CLOSED = "waiting", "direct", "relay", "closed"
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self, request_id: str, loop: asyncio.AbstractEventLoop, on_torn: Callable[[DirectBody], None] | None = None
+    ) -> None:
         self.id = request_id
         self.loop = loop
+        # Told, in the send's own call, when the client's socket first holds part of a frame (``torn``)
+        # and when it holds whole frames again: the frontend must know before this process can die.
+        self.on_torn = on_torn
+        self.torn = False
         self.state = self.WAITING
         self.parts: list[bytes] = []  # body pieces not yet written
         self.pending = 0  # their bytes
@@ -143,6 +149,7 @@ class DirectBody:
             return
         if taken < len(frame):
             self.backlog = frame[taken:]
+            self._set_torn(True)  # taken may be 0: said all the same, the next send may tear it
             if not self._polling:
                 self._polling = True
                 self.loop.add_writer(self.sock.fileno(), self._writable)
@@ -158,8 +165,15 @@ class DirectBody:
             return
         self.backlog = self.backlog[taken:]
         if not self.backlog:
+            self._set_torn(False)
             self._stop_polling()
             self._notify()
+
+    def _set_torn(self, torn: bool) -> None:
+        if torn != self.torn:
+            self.torn = torn
+            if self.on_torn is not None:
+                self.on_torn(self)
 
     def _lose(self) -> None:
         self.gone = True
@@ -218,7 +232,7 @@ class DescriptorChannel:
     ``socket_path``: the frontend hands over clients' sockets there). Each message is an
     ``Attach`` with the client's socket: for the one of ``connections`` whose answer waits for
     it (``Connection.attach``; with none, the descriptor is closed), or, with a ``head``, for a
-    request whose ``Invoke`` comes next (``claim``); or a ``Handoff``: a connection whose request
+    request whose ``Invoke`` comes next (``claim``); or a hand-off (``max_body``): a connection whose request
     rank 0 reads itself (``on_handoff``, told the process that sent it)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, socket_path: str, connections: Collection[Attachable]) -> None:
@@ -231,7 +245,7 @@ class DescriptorChannel:
         self.sock.listen(16)
         self.sock.setblocking(False)
         self.peers: dict[socket.socket, int] = {}  # -> the process at its other end
-        self.on_handoff: Callable[[Handoff, int, int], None] | None = None
+        self.on_handoff: Callable[[Attach, int, int], None] | None = None
         self.unclaimed: dict[str, tuple[Attach, int, float]] = {}  # request id -> a socket before its Invoke
         loop.add_reader(self.sock.fileno(), self._accept)
 
@@ -272,10 +286,10 @@ class DescriptorChannel:
             message, fd = received
             if fd is None:
                 log.warning("ignoring a descriptor-channel message without a descriptor")
-            elif isinstance(message, Attach) and message.head is not None:
-                self._keep(message, fd)
-            elif isinstance(message, Handoff) and self.on_handoff is not None:
+            elif isinstance(message, Attach) and message.max_body and self.on_handoff is not None:
                 self.on_handoff(message, fd, self.peers.get(peer, 0))
+            elif isinstance(message, Attach) and message.head is not None and not message.max_body:
+                self._keep(message, fd)
             elif not isinstance(message, Attach) or not any(c.attach(message, fd) for c in list(self.connections)):
                 os.close(fd)  # the answer has ended or was cancelled meanwhile: the frontend writes
 

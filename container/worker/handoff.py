@@ -1,5 +1,5 @@
 """Requests rank 0 reads itself: the frontend hands it a client's connection unread
-(``Handoff``, on the descriptor channel) when its next request, all there, looks like a
+(an ``Attach`` with ``max_body``, on the descriptor channel) when its next request, all there, looks like a
 streamed completion, chat or LMI request (``container.core.ingress.may_be_read``).
 
 Rank 0 looks at what the client sent without reading it (``MSG_PEEK``) and takes only what
@@ -7,7 +7,7 @@ Rank 0 looks at what the client sent without reading it (``MSG_PEEK``) and takes
 It then reads the request off the socket, tells the frontend (``Taken``, with the bytes: a
 request thread that takes the request over reads them again), and serves it as an ``Invoke``
 whose client's socket came with it: its HTTP head and body are written here. Anything else is
-``Declined`` with nothing read, and the frontend serves it as any other request.
+a ``Taken`` not ``served``, with nothing read, and the frontend serves it as any other request.
 
 Why: the frontend's reading of the request, before its group has it, would be on the path to
 the first token.
@@ -22,7 +22,7 @@ import uuid
 from collections.abc import Callable, Collection
 
 from container.core.ingress import INFERENCE_ID, PEEK_BYTES, ReadRequest, read_request, request_properties
-from container.core.protocol import Attach, Declined, Handoff, Invoke, ResponseHead, Taken
+from container.core.protocol import Attach, Invoke, ResponseHead, Taken
 from container.worker.connection import Connection
 
 log = logging.getLogger("sagelmi.worker")
@@ -31,7 +31,7 @@ TAKEN_LATEST = 0.25  # seconds a Taken waits for other frames to leave with, at 
 
 
 class Handoffs:
-    """Rank 0's side of ``Handoff``: ``receive`` is the descriptor channel's ``on_handoff``;
+    """Rank 0's side of a hand-off: ``receive`` is the descriptor channel's ``on_handoff``;
     ``start`` serves a request read here (the worker's dispatch of an ``Invoke``), while the
     group is ``ready``."""
 
@@ -45,7 +45,7 @@ class Handoffs:
         self.start = start
         self.ready = ready
 
-    def receive(self, message: Handoff, fd: int, pid: int) -> None:
+    def receive(self, message: Attach, fd: int, pid: int) -> None:
         """A connection handed over by the process ``pid``: answered on that process's
         connection to rank 0; with none, the descriptor is closed unread (the frontend's
         connection dropped: it serves the request again itself)."""
@@ -59,16 +59,15 @@ class Handoffs:
             read = self._read(sock, message.max_body)
         except OSError:  # the client's connection broke: the frontend finds it so
             read = None
-        if not isinstance(read, tuple):
+        given = message.head  # a hand-off always comes with one
+        if not isinstance(read, tuple) or given is None:
             sock.close()
-            conn.queue(Declined(id=message.id, raw=read or b""))
+            conn.queue(Taken(id=message.id, served=False, raw=read if isinstance(read, bytes) else b""))
             return
         raw, request = read
         request_id = request.header(INFERENCE_ID) or uuid.uuid4().hex
-        close = message.head.close or request.close
-        head = ResponseHead(
-            message.head.version, message.head.server, close, {**message.head.headers, INFERENCE_ID: request_id}
-        )
+        close = given.close or request.close
+        head = ResponseHead(given.version, given.server, close, {**given.headers, INFERENCE_ID: request_id})
         invoke = Invoke(
             id=message.id,
             properties=request_properties(request.headers, request_id),
@@ -77,7 +76,7 @@ class Handoffs:
         )
         # With the request's Head (or anything written sooner): the frontend is not woken for it
         # during the engine's first step; it needs it only for what follows the Head
-        taken = Taken(id=message.id, request_id=request_id, path=request.path, raw=raw, close=close)
+        taken = Taken(id=message.id, served=True, request_id=request_id, path=request.path, raw=raw, close=close)
         conn.queue_quietly(taken, TAKEN_LATEST)
         conn.give_client(Attach(id=message.id, direct=True, chunked=True, head=head), sock.detach())
         self.start(conn, invoke)

@@ -44,11 +44,11 @@ from container.core.cluster import HANDSHAKE_TIMEOUT, Channel, ClusterError
 from container.core.protocol import (
     METRICS_PATH,
     Broadcast,
+    Chunk,
     FrameBuffer,
     Invoke,
     Message,
     ProtocolError,
-    RankMetrics,
     Status,
     WorkerState,
     encode,
@@ -246,10 +246,10 @@ class Leader:
         if isinstance(message, Status):
             self.states[rank] = message
             self.on_change()
-        elif isinstance(message, RankMetrics):
+        elif isinstance(message, Chunk):  # a follower's metrics (protocol: its Prometheus text)
             with self._metrics_cond:
                 if message.id in self._metrics:
-                    self._metrics[message.id][rank] = message.text
+                    self._metrics[message.id][rank] = message.data.decode()
                     self._metrics_cond.notify_all()
         else:
             log.warning("ignoring %s from rank %d", type(message).__name__, rank)
@@ -317,7 +317,7 @@ class Follower:
         self._send(status)
 
     def send_metrics(self, request_id: str, text: str) -> None:
-        self._send(RankMetrics(id=request_id, text=text))
+        self._send(Chunk(id=request_id, data=text.encode()))
 
     def _send(self, message: Message) -> None:
         assert self._peer is not None, "connect() first"

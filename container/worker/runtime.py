@@ -53,9 +53,8 @@ from container.core.protocol import (
     InvokeBatch,
     Message,
     ProtocolError,
-    RegisterAdapter,
+    SetAdapter,
     Status,
-    UnregisterAdapter,
     WorkerState,
 )
 from container.worker.adapters import AdapterTable
@@ -358,7 +357,7 @@ class Worker:
             self._start_request(conn, message)
         elif isinstance(message, Attach) and isinstance(conn, Connection):  # the body goes to the frontend
             conn.attach(message, None)
-        elif isinstance(message, (RegisterAdapter, UnregisterAdapter)):
+        elif isinstance(message, SetAdapter):
             self.adapters.receive(conn, message)
         elif isinstance(message, InvokeBatch):  # another rank: the batch rank 0 formed
             self._start_batch([(conn, item) for item in message.items])

@@ -15,12 +15,15 @@ from tests.server import MODEL_DIRS, RawStream, Server
 
 @pytest.fixture(scope="module")
 def server():
-    with Server(MODEL_DIRS / "lmi_echo", env={
-        "SERVING_JOB_QUEUE_SIZE": "4",
-        "OPTION_PREDICT_TIMEOUT": "3",
-        "OPTION_SYNC_HANDLER_THREADS": "8",
-        "OPTION_CUSTOM_FLAG": "on",
-    }) as s:
+    with Server(
+        MODEL_DIRS / "lmi_echo",
+        env={
+            "SERVING_JOB_QUEUE_SIZE": "4",
+            "OPTION_PREDICT_TIMEOUT": "3",
+            "OPTION_SYNC_HANDLER_THREADS": "8",
+            "OPTION_CUSTOM_FLAG": "on",
+        },
+    ) as s:
         yield s
 
 
@@ -41,17 +44,19 @@ def test_handler_exception_is_424_with_its_message_and_no_traceback(server):
     assert "Traceback" not in r.text and "/model_dirs/" not in r.text
 
 
-
 def test_a_handlers_key_error_names_its_type_and_the_missing_key(server):
     """lmi_echo reads data["gate"] when "lines" is given: without it, a KeyError in the handler."""
-    detail = ("KeyError: 'gate' is missing (the handler looked up a key that is not there: a field the request "
-              "does not have?)")
+    detail = (
+        "KeyError: 'gate' is missing (the handler looked up a key that is not there: a field the request "
+        "does not have?)"
+    )
     r = server.invoke({"lines": ["a"]})
     assert r.status_code == 424
     assert r.json() == {"code": 424, "message": "invoke handler failure", "error": detail}
     r = requests.post(server.url("/v1/chat/completions"), json={"lines": ["a"]}, timeout=10)
     assert r.status_code == 424
     assert r.json()["error"]["message"] == detail and "Traceback" not in r.text
+
 
 def test_a_handlers_own_oserror_is_424_at_once(server, tmp_path):
     missing = tmp_path / "no-such-file.txt"
@@ -81,8 +86,9 @@ def test_output_error_is_relayed(server):
 
 
 def test_malformed_json_is_400(server):
-    r = requests.post(server.url("/invocations"), data=b'{"inputs": ', timeout=10,
-                      headers={"Content-Type": "application/json"})
+    r = requests.post(
+        server.url("/invocations"), data=b'{"inputs": ', timeout=10, headers={"Content-Type": "application/json"}
+    )
     assert r.status_code == 400
     assert r.json()["code"] == 400
     assert "not valid JSON" in r.json()["error"]
@@ -97,9 +103,13 @@ def test_8_mib_body_is_413_and_the_server_stays_healthy(server):
 
 
 def test_custom_attributes_and_inference_id_reach_the_handler_and_come_back(server):
-    r = server.invoke({"attributes": "handler_says=hi"}, headers={
-        "X-Amzn-SageMaker-Custom-Attributes": "trace_id=abc; accept_eula=true",
-        "X-Amzn-SageMaker-Inference-Id": "req-12345"})
+    r = server.invoke(
+        {"attributes": "handler_says=hi"},
+        headers={
+            "X-Amzn-SageMaker-Custom-Attributes": "trace_id=abc; accept_eula=true",
+            "X-Amzn-SageMaker-Inference-Id": "req-12345",
+        },
+    )
     assert r.status_code == 200
     props = r.json()["properties"]
     assert props["trace_id"] == "abc" and props["accept_eula"] == "true"
@@ -156,8 +166,9 @@ def test_a_priority_without_the_priority_scheduling_policy_is_a_400_naming_the_o
         r = server.invoke({"inputs": "x"}, headers=headers)
         assert r.status_code == 400, r.text
         assert "option.scheduling_policy=priority" in r.json()["error"]
-    r = requests.post(server.url("/v1/chat/completions"), json={"messages": []}, headers={"X-Priority": "2"},
-                      timeout=10)
+    r = requests.post(
+        server.url("/v1/chat/completions"), json={"messages": []}, headers={"X-Priority": "2"}, timeout=10
+    )
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("X-Priority=2: "), r.text
     assert server.invoke({"inputs": "x"}, headers={"X-Priority": "0"}).status_code == 200
 
@@ -244,7 +255,7 @@ def test_a_plain_generator_stops_when_its_client_goes_away(server, tmp_path):
 def test_a_stream_that_keeps_sending_outlives_predict_timeout(server, tmp_path):
     """predict_timeout (3 s here) bounds the wait for each piece, not the stream:
     a stream the worker writes straight to the client is no less alive for not
-    passing through the frontend (its Progress messages say so)."""
+    passing through the frontend (its progress messages, empty Chunks, say so)."""
     stream = RawStream(server.port, "/invocations", {"lines_forever": str(tmp_path / "marker")})
     try:
         lines = stream.read_lines(100)  # one line every 50 ms: 5 s
@@ -306,7 +317,7 @@ def _read_responses(sock, count: int) -> list[tuple[int, dict[str, str], bytes]]
         if headers.get("transfer-encoding") == "chunked":
             while size := int(line(), 16):
                 need(size + 2)
-                body, buffer = body + buffer[:size], buffer[size + 2:]
+                body, buffer = body + buffer[:size], buffer[size + 2 :]
             assert line() == b""  # no trailers
         else:
             need(int(headers["content-length"]))
@@ -317,7 +328,7 @@ def _read_responses(sock, count: int) -> list[tuple[int, dict[str, str], bytes]]
 
 
 def test_a_streamed_answer_ends_once_and_the_kept_alive_connection_serves_the_next_requests(server, tmp_path):
-    """The worker ends the chunked body it writes itself (protocol: Ending) and the frontend
+    """The worker ends the chunked body it writes itself (protocol: an ending End) and the frontend
     writes nothing after it: requests one after the other, and requests sent before the
     previous answer ended (pipelined), all get whole answers on one connection, each
     chunked body ended once (a second end would be read here as garbage before the next
@@ -327,8 +338,10 @@ def test_a_streamed_answer_ends_once_and_the_kept_alive_connection_serves_the_ne
     gate = tmp_path / "gate"
     gate.write_text("open")
     payload = json.dumps({"lines": ["a", "b", "c"], "gate": str(gate)}).encode()
-    post = (b"POST /invocations HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+    post = (
+        b"POST /invocations HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload)
+    )
     ping = b"GET /ping HTTP/1.1\r\nHost: test\r\n\r\n"
     expected = b"".join(json.dumps({"outputs": f"{x}\n"}).encode() + b"\n" for x in "abc")
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
@@ -348,8 +361,10 @@ def _raw_exchange(port: int, payload: dict, inference_id: str, version: str = "1
     import socket
 
     body = json.dumps(payload).encode()
-    request = (f"POST /invocations HTTP/{version}\r\nHost: test\r\nContent-Type: application/json\r\n"
-               f"X-Amzn-SageMaker-Inference-Id: {inference_id}\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    request = (
+        f"POST /invocations HTTP/{version}\r\nHost: test\r\nContent-Type: application/json\r\n"
+        f"X-Amzn-SageMaker-Inference-Id: {inference_id}\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
     got = b""
     with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
         sock.sendall(request + body)
@@ -370,10 +385,10 @@ def _content(body: bytes, chunked: bool) -> bytes:
     while True:
         size, _, body = body.partition(b"\r\n")
         length = int(size, 16)
-        assert body[length:length + 2] == b"\r\n", "a chunk longer or shorter than its size"
+        assert body[length : length + 2] == b"\r\n", "a chunk longer or shorter than its size"
         if length == 0:
             return content
-        content, body = content + body[:length], body[length + 2:]
+        content, body = content + body[:length], body[length + 2 :]
 
 
 def _without_date(head: bytes) -> list[bytes]:
@@ -411,13 +426,15 @@ def test_the_clients_socket_goes_with_a_request_that_asks_for_a_stream_and_back_
     import socket
 
     payload = json.dumps({"sleep": 1.0, "stream": asks_stream}).encode()
-    request = (b"POST /invocations HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
-               b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+    request = (
+        b"POST /invocations HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload)
+    )
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
         sock.sendall(request)
         time.sleep(0.5)  # the handler sleeps for a second
         held = _worker_holds(server, sock.getsockname())
-        (status, headers, body), = _read_responses(sock, 1)
+        ((status, headers, body),) = _read_responses(sock, 1)
         let_go = not _worker_holds(server, sock.getsockname())
     assert (status, json.loads(body)["echo"]["sleep"]) == (200, 1.0)
     assert headers["content-length"] == str(len(body))
@@ -429,8 +446,12 @@ def test_a_stream_whose_head_the_worker_wrote_logs_its_first_byte_then_not_at_it
     """The frontend takes a head the worker wrote itself when it has time (at the latest at the
     stream's end); the completion line still says when the status line went out."""
     gate = tmp_path / "gate"
-    stream = RawStream(server.port, "/invocations", {"lines": ["a", "b"], "gate": str(gate), "stream": True},
-                       headers={"X-Amzn-SageMaker-Inference-Id": "first-byte-check"})
+    stream = RawStream(
+        server.port,
+        "/invocations",
+        {"lines": ["a", "b"], "gate": str(gate), "stream": True},
+        headers={"X-Amzn-SageMaker-Inference-Id": "first-byte-check"},
+    )
     try:
         assert len(stream.read_lines(1)) == 1
         time.sleep(1.0)
@@ -457,15 +478,18 @@ def test_a_stream_request_that_times_out_before_its_head_is_still_a_504(server):
 def _post(payload: dict, inference_id: str = "") -> bytes:
     body = json.dumps(payload).encode()
     named = f"X-Amzn-SageMaker-Inference-Id: {inference_id}\r\n" if inference_id else ""
-    return (f"POST /invocations HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n{named}"
-            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    return (
+        f"POST /invocations HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n{named}"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
 
 
 def _completion_line(server, inference_id: str, timeout: float = 10) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        lines = [line for line in server.log().splitlines()
-                 if f"[{inference_id}]" in line and "POST /invocations ->" in line]
+        lines = [
+            line for line in server.log().splitlines() if f"[{inference_id}]" in line and "POST /invocations ->" in line
+        ]
         if lines:
             return lines[-1]
         time.sleep(0.05)
@@ -542,7 +566,8 @@ def test_a_request_taken_early_times_out_or_loses_its_client_as_any_other(server
 
 
 def test_a_connection_handed_to_the_worker_unread_is_served_by_the_frontend_when_the_worker_declines_it(
-        server, tmp_path):
+    server, tmp_path
+):
     """gthread's main loop hands a connection whose request looks like a streamed one to rank 0
     unread (container/worker/handoff.py). What rank 0 does not read (a header repeated, a stream
     asked for in a header only) it gives back with nothing read, and a body slower than the main
@@ -558,7 +583,8 @@ def test_a_connection_handed_to_the_worker_unread_is_served_by_the_frontend_when
     expected = b"".join(json.dumps({"outputs": f"{x}\n"}).encode() + b"\n" for x in "ab")
     repeated = _post(payload, "declined-repeated").replace(b"Host: test\r\n", b"Accept: a\r\nAccept: b\r\n")
     in_a_header = _post({"lines": ["a", "b"], "gate": str(gate)}, "declined-header").replace(
-        b"Host: test", b'X-Note: "stream": true')
+        b"Host: test", b'X-Note: "stream": true'
+    )
     slow = _post(payload, "declined-slow")
     head_end = slow.index(b"\r\n\r\n") + 4
     before = metric(server, "sagelmi_requests_read_early_total")

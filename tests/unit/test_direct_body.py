@@ -10,7 +10,7 @@ import socket
 import pytest
 import uvloop
 
-from container.core.protocol import Attach, End, Ending, FrameBuffer, Head, Progress, ResponseHead, send_with_fd
+from container.core.protocol import Attach, Chunk, End, FrameBuffer, Head, ResponseHead, progress, send_with_fd
 from container.worker import direct
 from container.worker.connection import Connection
 from container.worker.direct import ClientGone, DescriptorChannel
@@ -111,7 +111,7 @@ def test_the_body_waits_for_the_attach_then_goes_to_the_client_as_http_chunks_an
 
 def test_a_whole_answer_tells_the_frontend_first_then_ends_the_chunked_body_itself():
     """With an ``ending`` (the answer is whole) and the client keeping up, the frontend gets the
-    Ending (the body's bytes, the tokens) at once and rank 0 writes the rest with the chunked
+    an ending End (the body's bytes, the tokens) at once and rank 0 writes the rest with the chunked
     body's end in one write; the End after it counts no bytes again. The frontend's end of the
     request then runs while the last bytes go out (issue 31)."""
 
@@ -122,7 +122,8 @@ def test_a_whole_answer_tells_the_frontend_first_then_ends_the_chunked_body_itse
         await passes()
         first = sides.to_client()
         conn.add_chunk("r", b"two")
-        sent = await conn.finish_stream("r", lambda whole: Ending(id="r", completion_tokens=2, body_bytes=whole))
+        sent = await conn.finish_stream(
+            "r", lambda whole: End(id="r", completion_tokens=2, body_bytes=whole, ending=True))
         last = sides.to_client()
         await conn.send(End(id="r", completion_tokens=2, body_bytes=sent))
         await passes()
@@ -134,7 +135,7 @@ def test_a_whole_answer_tells_the_frontend_first_then_ends_the_chunked_body_itse
     assert sent == 0
     assert frontend == [
         Head(id="r", code=200, headers={}, stream=True),
-        Ending(id="r", completion_tokens=2, body_bytes=len(b"one two")),
+        End(id="r", completion_tokens=2, body_bytes=len(b"one two"), ending=True),
         End(id="r", completion_tokens=2, body_bytes=0),
     ]
 
@@ -282,7 +283,31 @@ def test_a_long_body_written_directly_tells_the_frontend_it_is_alive(monkeypatch
         await passes()
         return sides.to_frontend()
 
-    assert Progress(id="r") in run(scenario)
+    assert progress("r") in run(scenario)
+
+
+def test_a_send_that_leaves_part_of_a_chunk_on_the_socket_tells_the_frontend_before_anything_else():
+    """If rank 0 dies while the client's socket holds part of an HTTP chunk, nothing may follow it
+    there: the frontend learns of the tear in the pass that made it (protocol: Chunk.torn), and
+    that the socket holds whole chunks again once the client took the rest."""
+
+    async def scenario(sides: Sides):
+        conn = sides.conn
+        conn.expect_stream("r")
+        conn.attach(Attach(id="r", direct=True), os.dup(sides.server.fileno()))
+        conn.add_chunk("r", b"x" * (8 << 20))  # more than the socket's buffers take at once
+        await passes()
+        torn = [m for m in sides.to_frontend() if isinstance(m, Chunk)]
+        received = b""
+        while len(received) < (8 << 20):
+            received += sides.to_client()
+            await asyncio.sleep(0.001)
+        await passes()
+        return torn, [m for m in sides.to_frontend() if isinstance(m, Chunk)]
+
+    torn, whole = run(scenario)
+    assert torn == [progress("r", torn=True)]
+    assert whole == [progress("r", torn=False)]
 
 
 def test_the_descriptor_channel_hands_the_socket_to_the_waiting_answer_and_closes_unwanted_ones(tmp_path):
@@ -340,7 +365,7 @@ def test_a_socket_that_came_with_the_invoke_gets_the_head_and_body_written_by_th
         await passes()
         first = sides.to_client()
         conn.add_chunk("r", b"data: two\n\n")
-        await conn.finish_stream("r", lambda whole: Ending(id="r", body_bytes=whole))
+        await conn.finish_stream("r", lambda whole: End(id="r", body_bytes=whole, ending=True))
         await conn.send(End(id="r"))
         await passes()
         conn.drop_stream("r")
@@ -367,7 +392,7 @@ def test_a_socket_that_came_with_the_invoke_gets_the_head_and_body_written_by_th
     ]
     assert body == chunked(b"data: one\n\n")  # the head and the first piece in one write
     assert rest == chunked(b"data: two\n\n") + b"0\r\n\r\n"
-    assert frontend == [Ending(id="r", body_bytes=22), End(id="r")]
+    assert frontend == [End(id="r", body_bytes=22, ending=True), End(id="r")]
     assert ended, "the worker kept a copy of the client's socket"
 
 
@@ -377,14 +402,14 @@ def test_an_http_1_0_client_gets_a_head_saying_close_and_the_raw_body(tmp_path):
         channel, frontend = await handed_over(sides, tmp_path, chunked_body=False, head=head)
         assert sides.conn.expect_stream("r", 200, {"content-type": "application/jsonlines"})
         sides.conn.add_chunk("r", b'{"a": 1}\n')
-        sent = await sides.conn.finish_stream("r", lambda whole: Ending(id="r", body_bytes=whole))
+        sent = await sides.conn.finish_stream("r", lambda whole: End(id="r", body_bytes=whole, ending=True))
         sides.conn.drop_stream("r")
         frontend.close()
         channel.close()
         return sent, sides.to_client()
 
     sent, got = run(scenario)
-    assert sent == 9  # no Ending: the frontend closes the connection after the End
+    assert sent == 9  # no ending End: the frontend closes the connection after the End
     head, _, body = got.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.0 200 OK\r\n") and b"\r\nConnection: close" in head
     assert b"Transfer-Encoding" not in head and body == b'{"a": 1}\n'

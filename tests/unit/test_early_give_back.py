@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from container.core.errors import ServiceUnavailable
-from container.core.protocol import Declined, Taken
+from container.core.protocol import Taken
 from container.frontend.early import EarlyRequest, EarlyRequests
 from container.frontend.pending import PendingRequest
 
@@ -49,7 +49,7 @@ def handed():
 
 def test_a_declined_request_is_served_by_the_server_after_what_rank_0_read(handed):
     early_requests, early, pending, client, server = handed
-    pending.deliver([Declined(id="w1", raw=b"PO")])
+    pending.deliver([Taken(id="w1", served=False, raw=b"PO")])
     early_requests._heard(early, pending)
     assert server.done == [("requeue", b"PO")] and server.released == 1
     assert early_requests.adopt(early.conn.sock) is None  # no request thread follows it as rank 0's
@@ -69,7 +69,7 @@ def test_a_group_gone_before_it_read_the_request_gives_the_connection_back_or_cl
 
 def test_a_request_rank_0_read_and_then_failed_goes_to_a_thread_with_its_bytes(handed):
     early_requests, early, pending, client, server = handed
-    pending.deliver([Taken(id="w1", request_id="r", path="/invocations", raw=REQUEST, close=False)])
+    pending.deliver([Taken(id="w1", served=True, request_id="r", path="/invocations", raw=REQUEST, close=False)])
     early_requests._heard(early, pending)
     assert (early.request_id, early.path, early.raw) == ("r", "/invocations", REQUEST)
     assert pending.tag == (early.print_, "r", "/invocations") and early.print_

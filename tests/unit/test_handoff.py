@@ -9,7 +9,7 @@ import socket
 
 import uvloop
 
-from container.core.protocol import Declined, FrameBuffer, Handoff, Head, Invoke, ResponseHead, Taken
+from container.core.protocol import Attach, FrameBuffer, Head, Invoke, ResponseHead, Taken
 from container.worker import handoff
 from container.worker.connection import Connection
 from container.worker.handoff import Handoffs
@@ -44,7 +44,7 @@ def run(scenario, ready: bool = True):
 
         def hand(pid: int = os.getpid()) -> None:
             head = ResponseHead("HTTP/1.1", "gunicorn", False, {"X-Sagelmi-Group": "0"})
-            handoffs.receive(Handoff(id="w1", head=head, max_body=1 << 20), os.dup(server.fileno()), pid)
+            handoffs.receive(Attach(id="w1", head=head, max_body=1 << 20), os.dup(server.fileno()), pid)
 
         async def frames(wait: float = 0.01) -> list:
             await asyncio.sleep(wait)  # the connection's coalescing pass
@@ -81,7 +81,7 @@ def test_a_whole_streamed_request_is_read_and_started_with_its_clients_socket():
         assert await frames() == []  # not alone: the frontend is not woken for it during the first step
         head = Head(id="w1", code=200, headers={}, stream=True, written=True)
         conn.queue(head)
-        taken = Taken(id="w1", request_id="rid-1", path="/invocations", raw=request(), close=False)
+        taken = Taken(id="w1", served=True, request_id="rid-1", path="/invocations", raw=request(), close=False)
         assert await frames() == [taken, head]
         ((on, invoke),) = started
         assert on is conn and (invoke.id, invoke.path, invoke.body) == ("w1", "/invocations", BODY)
@@ -100,7 +100,7 @@ def test_what_rank_0_may_not_read_is_declined_with_nothing_read():
         client.sendall(data)
         await asyncio.sleep(0.05)
         hand()
-        assert await frames() == [Declined(id="w1")]
+        assert await frames() == [Taken(id="w1", served=False)]
         assert started == [] and waiting(server) == data
 
     run(scenario)
@@ -114,7 +114,7 @@ def test_a_request_not_all_there_is_declined_with_nothing_read():
         client.sendall(data[:-5])
         await asyncio.sleep(0.05)
         hand()
-        assert await frames() == [Declined(id="w1")]
+        assert await frames() == [Taken(id="w1", served=False)]
         assert started == [] and waiting(server) == data[:-5]
 
     run(scenario)
@@ -138,7 +138,7 @@ def test_a_group_not_ready_declines_and_an_unknown_process_gets_nothing():
         client.sendall(request())
         await asyncio.sleep(0.05)
         hand()
-        assert await frames() == [Declined(id="w1")]
+        assert await frames() == [Taken(id="w1", served=False)]
         hand(pid=1)  # not the process of any connection to rank 0: closed unread
         assert await frames() == []
         assert started == [] and waiting(server) == request()

@@ -1,13 +1,15 @@
 import json
 import socket
 import threading
+import typing
 
 import msgspec
 import pytest
 
 from container.core.launch import WorkerLaunch, decode_worker_launch, encode_launch
-from container.core.protocol import (FRAME_HEADER, Broadcast, Cancel, Chunk, End, Fail, FrameBuffer, Head, Invoke,
-                                ProtocolError, Status, WorkerState, decode, encode)
+from container.core.protocol import (FRAME_HEADER, Attach, Broadcast, Cancel, Chunk, End, Fail, FrameBuffer, Head,
+                                Invoke, InvokeBatch, Message, ProtocolError, ResponseHead, SetAdapter, Status, Taken,
+                                WorkerState, decode, encode, progress)
 from container.core.settings import Settings
 
 MESSAGES = [
@@ -19,7 +21,24 @@ MESSAGES = [
     Fail(id="r1", code=424, message="invoke handler failure", error="boom"),
     Status(state=WorkerState.READY, detail="", incarnation=3, rank=1),
     Broadcast(data=b"\x01step"),
+    InvokeBatch(items=[Invoke(id="r2", properties={}, body=b"{}")]),
+    Attach(id="r1", direct=True),
+    Attach(id="r3", head=ResponseHead("HTTP/1.1", "sagelmi", False, {"x-group": "0"}), max_body=1 << 20),
+    Taken(id="r3", served=True, raw=b"POST / HTTP/1.1\r\n\r\n", request_id="abc", path="/invocations"),
+    Taken(id="r3", served=False),
+    End(id="r1", completion_tokens=3, body_bytes=9, ending=True),
+    progress("r1"),
+    SetAdapter(id="a1", name="fr", path="/tmp/fr"),
+    SetAdapter(id="a2", name="fr"),
 ]
+
+
+def test_the_wire_has_at_most_twelve_kinds_and_each_is_exercised_here():
+    """One struct per kind of conversation: a variant is a field (End.ending, Taken.served, an
+    Attach's max_body, an empty Chunk), not another kind."""
+    kinds = set(typing.get_args(Message))
+    assert len(kinds) <= 12, sorted(kind.__name__ for kind in kinds)
+    assert kinds == {type(message) for message in MESSAGES}
 
 
 @pytest.mark.parametrize("message", MESSAGES, ids=lambda m: type(m).__name__)

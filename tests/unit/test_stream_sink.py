@@ -11,7 +11,7 @@ from gunicorn.http import wsgi
 from gunicorn.http.parser import RequestParser
 
 from container.core.errors import ClientClosedRequest
-from container.core.protocol import Chunk, End, Ending, Fail, Head
+from container.core.protocol import Chunk, End, Fail, Head
 from container.frontend import invocations
 from container.frontend.client import ClientSink, body_ended_by_group
 from container.frontend.pending import PendingRequest
@@ -169,7 +169,7 @@ def test_after_take_over_the_reader_leaves_every_chunk_to_the_request_thread():
 
 
 def test_a_body_the_group_ends_itself_gets_no_second_end_and_keeps_the_connection(monkeypatch):
-    """On the group's Ending the relay ends (the group writes the rest and the chunked body's
+    """On the group's ending End the relay ends (the group writes the rest and the chunked body's
     end to the client): gunicorn's response then writes nothing more and keeps the connection,
     once the group's End says it let go of the socket; without that End in time the
     connection is closed instead (nothing of the next answer may land before the group's
@@ -182,7 +182,7 @@ def test_a_body_the_group_ends_itself_gets_no_second_end_and_keeps_the_connectio
         headers = read_until(client, b"\r\n\r\n")
         pending = PendingRequest("r1")
         head = Head(id="r1", code=200, headers={}, stream=True)
-        pending.deliver([head, Ending(id="r1", completion_tokens=3, body_bytes=9)])
+        pending.deliver([head, End(id="r1", completion_tokens=3, body_bytes=9, ending=True)])
         assert pending.next_data(0) is None and not pending.done  # the relay ends; the request is not over
         assert pending.body_bytes == 9 and pending.ending.completion_tokens == 3
         invocation = invocations.Invocation(None, None, environ, {}, "r1")  # type: ignore[arg-type]

@@ -7,7 +7,8 @@ the lines from a plain generator, waiting for the file at `gate` before the
 last; {"lines_forever": path} streams until the client goes away, then writes
 "closed" to path; {"open": path} reads a file (a missing one raises
 FileNotFoundError), {"lines_then_open": [...], "path": path} streams the lines,
-then reads the file.
+then reads the file; {"big_lines": {"count": n, "size": bytes, "every": s, "sse": bool}} streams
+n lines of that size, one every s seconds (server-sent events with "sse").
 """
 
 import logging
@@ -51,6 +52,13 @@ def _lines_then_open(lines, path):
         yield f.read()
 
 
+def _big_lines(count, size, every, sse):
+    for n in range(count):
+        text = f"{n:08d}" + "x" * max(size - 8, 0)
+        yield f"data: {{\"line\": \"{text}\"}}\n\n" if sse else text
+        time.sleep(every)
+
+
 def handle(inputs: Input):
     global model
     if model is None:
@@ -62,6 +70,12 @@ def handle(inputs: Input):
     data = inputs.get_as_json()
     if "lines" in data:
         return Output().add_stream_content(_lines(data["lines"], data["gate"]))
+    if "big_lines" in data:
+        spec = data["big_lines"]
+        lines = _big_lines(spec["count"], spec["size"], spec["every"], spec.get("sse", False))
+        if spec.get("sse"):
+            return Output().add_property("content-type", "text/event-stream").add_stream_content(lines, None)
+        return Output().add_stream_content(lines)
     if "lines_forever" in data:
         return Output().add_stream_content(_forever(data["lines_forever"]))
     if "lines_then_open" in data:
