@@ -138,12 +138,6 @@ class ServiceUnavailable(ServingError):
     message = "service unavailable"
 
 
-class GroupLost(ServiceUnavailable):
-    """The worker group's process went away with the request in flight. Where it was writing the
-    body to the client itself and the client's socket holds part of an HTTP chunk, the connection
-    is closed instead of answered: nothing may follow that part."""
-
-
 class QueueFull(ServiceUnavailable):
     """``job_queue_size`` requests are in flight already (counted on ``/metrics``)."""
 

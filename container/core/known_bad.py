@@ -35,12 +35,12 @@ def _flag(settings: Settings, name: str) -> bool:
     return settings.passthrough_options().get(name, "").strip().lower() in ("true", "1", "yes")
 
 
-def _uncompiled(settings: Settings) -> str | None:
-    """The option that makes vLLM run the model without compiling it, as the user wrote it, if one
-    does: ``option.enforce_eager=true``, or ``option.compilation_config`` with mode (or the older
-    level) 0, as a JSON object or the bare number."""
+def _uncompiled(settings: Settings) -> tuple[str, str] | None:
+    """The option that makes vLLM run the model without compiling it and its value as the user wrote
+    it, if one does: ``option.enforce_eager=true``, or ``option.compilation_config`` with mode (or the
+    older level) 0, as a JSON object or the bare number."""
     if _flag(settings, "enforce_eager"):
-        return "option.enforce_eager=true"
+        return "option.enforce_eager", "true"
     given = settings.passthrough_options().get("compilation_config", "").strip()
     try:
         config = json.loads(given) if given else None
@@ -51,8 +51,16 @@ def _uncompiled(settings: Settings) -> str | None:
     else:
         mode = config
     if mode in (0, "0") or (isinstance(mode, str) and mode.strip().upper() == "NONE"):
-        return f"option.compilation_config={given}"
+        return "option.compilation_config", given
     return None
+
+
+def _pipeline_uncompiled(settings: Settings, name: str, value: str) -> str:
+    return (
+        f"option.pipeline_parallel_degree={settings.pipeline_parallel_degree} with {name}={value} cannot work on "
+        f"vLLM's CPU build: its second pipeline stage fails the first request (no intermediate tensors without "
+        f"a compiled model) and the group would restart at every request; drop {name}"
+    )
 
 
 RULES = (
@@ -61,12 +69,7 @@ RULES = (
         ("0.32.0",),
         # vLLM in Python mode and lmi-dist's ranks alike (each rank's model runner is vLLM's)
         lambda s: s.pipeline_parallel_degree > 1 and s.builtin_engine != "disable" and _uncompiled(s) is not None,
-        lambda s: (
-            f"option.pipeline_parallel_degree={s.pipeline_parallel_degree} with {_uncompiled(s)} cannot "
-            f"work on vLLM's CPU build: its second pipeline stage fails the first request (no intermediate "
-            f"tensors without a compiled model) and the group would restart at every request; drop "
-            f"{str(_uncompiled(s)).split('=', 1)[0]}"
-        ),
+        lambda s: _pipeline_uncompiled(s, *(_uncompiled(s) or ("", ""))),
     ),
     Rule(
         "vllm-cpu",

@@ -300,6 +300,16 @@ Message = Union[  # noqa: UP007 (a runtime alias msgspec decodes with; kept in o
 ]
 
 
+def is_last(message: Message) -> bool:
+    """Whether ``message`` is the last rank 0 sends of its request: a plain ``End``, a ``Fail``,
+    or a ``Taken`` not ``served``."""
+    if isinstance(message, End):
+        return not message.ending
+    if isinstance(message, Taken):
+        return not message.served
+    return isinstance(message, Fail)
+
+
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 

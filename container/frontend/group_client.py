@@ -35,7 +35,7 @@ from typing import cast
 
 import msgspec
 
-from container.core.errors import GatewayTimeout, GroupLost, ServiceUnavailable
+from container.core.errors import GatewayTimeout, ServiceUnavailable
 from container.core.protocol import (
     METRICS_PATH,
     Attach,
@@ -55,6 +55,7 @@ from container.core.protocol import (
     WorkerState,
     encode,
     fd_channel_path,
+    is_last,
     send_with_fd,
 )
 from container.frontend.pending import PendingRequest, Sink, WorkerFailed
@@ -373,12 +374,7 @@ class GroupClient:
                 if pending is None:
                     continue  # cancelled or timed out: the answer is no longer wanted
                 pending.deliver(messages)
-                last = messages[-1]
-                if (
-                    (isinstance(last, End) and not last.ending)
-                    or isinstance(last, Fail)
-                    or (isinstance(last, Taken) and not last.served)
-                ):
+                if is_last(messages[-1]):
                     self._pending.pop(request_id, None)
         if frames.pending_bytes:
             raise ProtocolError("connection closed in the middle of a frame")
@@ -401,5 +397,7 @@ class GroupClient:
                 self.on_lost(self.name, tags)
         for pending in orphans:
             pending.fail(
-                GroupLost(f"worker group {self.name} stopped while handling the request; it is being restarted, retry")
+                ServiceUnavailable(
+                    f"worker group {self.name} stopped while handling the request; it is being restarted, retry"
+                )
             )

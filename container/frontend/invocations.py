@@ -31,7 +31,6 @@ from werkzeug.wsgi import get_content_length
 from container.core.errors import (
     ClientClosedRequest,
     GatewayTimeout,
-    GroupLost,
     QueueFull,
     ServingError,
     describe,
@@ -345,8 +344,9 @@ class Invocation:
                     # bytes of ours could land in the middle of its: close the connection instead
                     raise BrokenPipeError(errno.EPIPE, "the group did not stop writing the stream") from None
             log.warning("stream ended with an error: %s", exc)
-            if isinstance(exc, GroupLost) and pending.direct and pending.torn:
-                # the client's socket holds part of a chunk the group was writing: close the connection
+            if pending.direct and pending.torn:
+                # the client's socket holds part of a chunk the group wrote (it went away, or gave up
+                # the rest): nothing may follow that part, so the connection is closed
                 raise BrokenPipeError(errno.EPIPE, "the group went away in the middle of an HTTP chunk") from None
             try:
                 self.submitted.take_over()

@@ -60,15 +60,12 @@ class DirectBody:
 
     WAITING, DIRECT, RELAY, CLOSED = "waiting", "direct", "relay", "closed"
 
-    def __init__(
-        self, request_id: str, loop: asyncio.AbstractEventLoop, on_torn: Callable[[DirectBody], None] | None = None
-    ) -> None:
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, on_torn: Callable[[DirectBody], None]) -> None:
         self.id = request_id
         self.loop = loop
-        # Told, in the send's own call, when the client's socket first holds part of a frame (``torn``)
-        # and when it holds whole frames again: the frontend must know before this process can die.
+        # Told, in the send's own call, when ``torn`` turns true and when it turns false again: the
+        # frontend must know before this process can die.
         self.on_torn = on_torn
-        self.torn = False
         self.state = self.WAITING
         self.parts: list[bytes] = []  # body pieces not yet written
         self.pending = 0  # their bytes
@@ -149,7 +146,7 @@ class DirectBody:
             return
         if taken < len(frame):
             self.backlog = frame[taken:]
-            self._set_torn(True)  # taken may be 0: said all the same, the next send may tear it
+            self.on_torn(self)
             if not self._polling:
                 self._polling = True
                 self.loop.add_writer(self.sock.fileno(), self._writable)
@@ -165,15 +162,15 @@ class DirectBody:
             return
         self.backlog = self.backlog[taken:]
         if not self.backlog:
-            self._set_torn(False)
+            self.on_torn(self)
             self._stop_polling()
             self._notify()
 
-    def _set_torn(self, torn: bool) -> None:
-        if torn != self.torn:
-            self.torn = torn
-            if self.on_torn is not None:
-                self.on_torn(self)
+    @property
+    def torn(self) -> bool:
+        """Whether the client's socket may hold part of a frame: a send left some of it waiting here
+        (counted from the first send that did not take everything, even one that took nothing)."""
+        return bool(self.backlog)
 
     def _lose(self) -> None:
         self.gone = True

@@ -152,7 +152,7 @@ def test_an_http_1_0_body_or_one_the_client_has_not_taken_yet_ends_without_an_en
         conn.add_chunk("r", b"raw tail")
         endings: list[int] = []
         sent = await conn.finish_stream("r", lambda whole: endings.append(whole))  # type: ignore[arg-type,return-value]
-        waiting = direct.DirectBody("s", asyncio.get_running_loop())
+        waiting = direct.DirectBody("s", asyncio.get_running_loop(), lambda body: None)
         waiting.open(os.dup(sides.server.fileno()), chunked=True)
         fresh = waiting.ends_at_once()
         waiting.backlog = b"not taken yet"
