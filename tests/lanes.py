@@ -32,9 +32,8 @@ from tests.server import REPO
 # keeps both cores busy all along: its time is its CPU (the closing block's "CPU by module" lines say
 # where it goes) shared by two cores. Each lane that needs ``vllm_server`` (tests/conftest.py) starts
 # its own. Two lanes that start engines (each engine process uses both cores) and ``rest``, whose tests
-# mostly wait, keep the cores full; more lanes only added contention: with four, a CI run used 74
-# CPU-minutes and took 46 minutes where three had used 52 and taken 33 (with fewer tests); with six, a
-# run here at load 25-35 timed out.
+# mostly wait, keep the cores full; more lanes only add contention, and CPU with it (docs/testing.md has
+# the measured runs).
 FULL = {
     # The users of the shared servers (tests/conftest.py's vllm_server, tests/e2e/conftest.py's lmi-dist
     # and LoRA servers): each shared server starts once in the run.
