@@ -225,11 +225,11 @@ def test_a_download_does_not_hold_the_registry(registry, s3, monkeypatch):
         slow = run("slow", "slow", "s3://adapters/slow")
         assert gate.held.wait(30), "the slow adapter's download never started"
         fast = run("fast", "fast", "s3://adapters/fast")
-        fast.join(10)
+        fast.join(60)  # (the slow download is held until the end: a registration behind it never ends)
         assert "fast" in outcome, "a registration waited for another one's download"
         assert [a.name for a in registry.list()] == ["fast"]
         taken = run("again", "slow", "s3://adapters/fast")
-        taken.join(10)
+        taken.join(60)
         assert isinstance(outcome.get("again"), Conflict)  # the name is taken while its files download
     finally:
         gate.close()

@@ -11,9 +11,14 @@ import requests
 from tests.server import MODEL_DIRS, RawStream, Server
 
 
+# Long enough that a cancellation the frontend notices at once comes well before it, on a loaded
+# machine too; a cancellation only the timeout caused comes after it.
+PREDICT_TIMEOUT = 8
+
+
 @pytest.fixture(scope="module")
 def server():
-    with Server(MODEL_DIRS / "async_worker", env={"OPTION_PREDICT_TIMEOUT": "2"}) as s:
+    with Server(MODEL_DIRS / "async_worker", env={"OPTION_PREDICT_TIMEOUT": str(PREDICT_TIMEOUT)}) as s:
         yield s
 
 
@@ -52,8 +57,8 @@ def test_timeout_cancels_the_handlers_work(server, tmp_path):
     started = time.monotonic()
     r = server.invoke({"sleep": 30, "marker": str(marker)})
     assert r.status_code == 504
-    assert time.monotonic() - started < 4
-    assert _wait_for_file(marker, 2) == "cancelled"
+    assert PREDICT_TIMEOUT <= time.monotonic() - started < PREDICT_TIMEOUT + 10  # not the sleep's 30 s
+    assert _wait_for_file(marker, 10) == "cancelled"
 
 
 def test_client_disconnect_cancels_the_stream_in_the_worker(server, tmp_path):
@@ -61,8 +66,8 @@ def test_client_disconnect_cancels_the_stream_in_the_worker(server, tmp_path):
     stream = RawStream(server.port, "/invocations", {"stream_forever": str(marker)})
     assert len(stream.read_lines(3)) == 3
     stream.close()  # the frontend notices at its next write and cancels
-    assert _wait_for_file(marker, 1) == "cancelled"
-    ping = requests.get(server.url("/ping"), timeout=2).json()
+    assert _wait_for_file(marker, 10) == "cancelled"
+    ping = requests.get(server.url("/ping"), timeout=10).json()
     assert ping["workers"][0]["in_flight"] == 0
 
 
@@ -73,17 +78,18 @@ def test_concurrent_requests_run_at_once_on_one_worker(server, tmp_path):
         results = list(pool.map(lambda _: server.invoke({"sleep": 1, "marker": str(tmp_path / uuid.uuid4().hex)}),
                                 range(8)))
     assert [r.status_code for r in results] == [200] * 8
-    assert time.monotonic() - started < 3  # 8 one-second sleeps overlapped
+    assert time.monotonic() - started < 6  # 8 one-second sleeps overlapped (one after another: 8 s)
 
 
 def test_a_client_that_leaves_before_its_answer_cancels_the_work(server, tmp_path):
     marker = tmp_path / "marker"
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    sent = time.monotonic()
     conn.request("POST", "/invocations", body=json.dumps({"sleep": 30, "marker": str(marker)}),
                  headers={"Content-Type": "application/json"})
     server.wait_until(lambda r: r.json()["workers"][0]["in_flight"] == 1, timeout=5)
     conn.sock.close()  # gone without waiting for the answer (no stream to fail writing to)
-    left = time.monotonic()
-    assert _wait_for_file(marker, 2) == "cancelled"
-    assert time.monotonic() - left < 1.2  # noticed at once, not at predict_timeout (2 s after the request)
-    server.wait_until(lambda r: r.json()["workers"][0]["in_flight"] == 0, timeout=2)
+    assert _wait_for_file(marker, PREDICT_TIMEOUT) == "cancelled"
+    # noticed when the client left, not at predict_timeout after the request
+    assert time.monotonic() - sent < PREDICT_TIMEOUT
+    server.wait_until(lambda r: r.json()["workers"][0]["in_flight"] == 0, timeout=10)
