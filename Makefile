@@ -15,7 +15,7 @@ STAMP := $(VENV)/.sagelmi-installed
 TORCH := torch==2.13.0+cpu
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: install run lint test test-fast reliability-report bench image
+.PHONY: install run lint test test-fast reliability-report bench image image-build-started
 
 install: $(STAMP)
 
@@ -60,11 +60,15 @@ lint: install
 	$(BIN)/mypy
 	$(call PHASE,ended)
 
-# The suite as two pytest processes at once (tests/lanes.py): engine starts keep one core busy each.
-test: lint
+# The suite as three pytest processes at once (tests/lanes.py). The container tests' image (docs/image.md's
+# command) is built in the background from the start, with the system's Python, beside the install.
+test: image-build-started lint
 	$(call PHASE,started)
-	$(BIN)/python -m tests.lanes
+	SAGELMI_IMAGE_BUILD=$$(test -f build/image-build.json && echo $(CURDIR)/build/image-build.json) $(BIN)/python -m tests.lanes
 	$(call PHASE,ended)
+
+image-build-started:
+	$(PYTHON) -m tests.container.image_build start
 
 test-fast: lint
 	$(call PHASE,started)

@@ -24,20 +24,25 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 from tests import reliability
+from tests.container import image_build
 from tests.server import REPO
 
 # The full run's lanes (make test) besides ``rest``, which runs every test they do not name. A full run
 # keeps both cores busy all along: its time is its CPU (the closing block's "CPU by module" lines say
-# where it goes) shared by two cores. Each lane that needs ``vllm_server`` (tests/conftest.py) starts
-# its own. Two lanes that start engines (each engine process uses both cores) and ``rest``, whose tests
-# mostly wait, keep the cores full; more lanes only add contention, and CPU with it (docs/testing.md has
-# the measured runs).
+# where it goes) shared by two cores. A lane that needs ``vllm_server`` (tests/conftest.py) would start
+# its own: only ``engines`` does. Two lanes that start engines (each engine process uses both cores) and
+# ``rest``, whose tests mostly wait, keep the cores full; more lanes only add contention, and CPU with
+# it (docs/testing.md has the measured runs).
 FULL = {
     # The users of the shared servers (tests/conftest.py's vllm_server, tests/e2e/conftest.py's lmi-dist
-    # and LoRA servers): each shared server starts once in the run.
+    # and LoRA servers): each shared server starts once in the run. The two-container cluster compares
+    # its answers with vllm_server's; container tests run last in a lane (tests/conftest.py), once the
+    # image is built (tests/container/image_build.py).
     "engines": [
+        "tests/container/test_cluster.py",
         "tests/e2e/test_bench.py",
         "tests/e2e/test_fuzz.py",
         "tests/e2e/test_load.py",
@@ -54,8 +59,7 @@ FULL = {
         "tests/e2e/test_vllm_openai.py",
         "tests/e2e/test_vllm_sessions.py",
     ],
-    # The e2e modules that start servers of their own, make run's, and last the image's tests: the image
-    # builds in the background from the lane's start (tests/container/conftest.py).
+    # The e2e modules that start servers of their own, make run's, and last the image's other tests.
     "e2e": [
         "tests/e2e/test_accelerate_engine.py",
         "tests/e2e/test_lmi_options.py",
@@ -66,7 +70,8 @@ FULL = {
         "tests/e2e/test_reasoning_and_templates.py",
         "tests/e2e/test_tool_calling.py",
         "tests/e2e/test_vision.py",
-        "tests/container",
+        "tests/container/test_image.py",
+        "tests/container/test_ray_cluster.py",
     ],
 }
 # make test-fast (--fast: the tests not marked slow) starts no engine, and its tests mostly wait
@@ -131,6 +136,9 @@ def main(args: list[str]) -> int:
     reliability.start_run()  # once for all lanes; they add their figures to the same page
     (REPO / "build" / "engine-servers.tsv").unlink(missing_ok=True)  # every lane lists its engine servers in it
     (REPO / "build" / "module-cpu.tsv").unlink(missing_ok=True)  # and the CPU of its test modules
+    if "--fast" not in args and not os.environ.get(image_build.ENV) and shutil.which("podman"):
+        image_build.start()  # two lanes run container tests: one build for both (make test starts it earlier)
+        os.environ[image_build.ENV] = str(image_build.RECORD)
     started = time.monotonic()
     running: dict[str, tuple[subprocess.Popen, list[str], threading.Thread, str]] = {}
     ended: dict[str, float] = {}
@@ -159,6 +167,9 @@ def main(args: list[str]) -> int:
         cpu[name] = usage.ru_utime + usage.ru_stime
         thread.join()
         shutil.rmtree(tmp, ignore_errors=True)
+    named = os.environ.get(image_build.ENV)
+    if named and Path(named).exists():  # make's build, if no lane waited for it to the end
+        image_build.stop(image_build.read(named))
     print("\n==================== every lane ====================")
     print(f"{sum(cpu.values()) / 60:.1f} CPU-minutes (user+sys) in all lanes, {time.monotonic() - started:.0f} s")
     for name, (_, lines, _, _) in sorted(running.items(), key=lambda item: codes[item[0]] != 0):  # failures last

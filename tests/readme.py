@@ -1,4 +1,7 @@
-"""What the README and the pages under docs/ tell users to run, read from them."""
+"""What the README and the pages under docs/ tell users to run, read from them.
+
+Only the standard library at import: ``make test`` reads the image's build command with the system's
+Python, before the venv is installed (tests/container/image_build.py)."""
 
 import os
 import re
@@ -7,8 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.server import REPO, clean_env
-
+REPO = Path(__file__).resolve().parent.parent
 README = (REPO / "README.md").read_text()
 
 
@@ -64,6 +66,8 @@ def on_port(command: str, port: int) -> str:
 
 
 def run_shell(command: str, port: int, timeout: float = 60) -> subprocess.CompletedProcess:
+    from tests.server import clean_env
+
     env = clean_env({"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})
     return subprocess.run(on_port(command, port), shell=True, capture_output=True, text=True, cwd=REPO,
                           env=env, timeout=timeout)

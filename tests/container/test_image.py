@@ -27,8 +27,8 @@ from tests.container.conftest import (
     STOP_WITHIN,
     logs,
     podman,
-    readme_command,
 )
+from tests.container.image_build import readme_command
 from tests.readme import run_shell, section, shell_commands
 from tests.server import MODEL_DIRS, REPO, free_port
 
