@@ -14,7 +14,7 @@ import pytest
 import requests
 
 from container.core.artifacts import download_dir
-from tests.e2e.conftest import ENGINE_READY_TIMEOUT, EXACT, LORA, VLLM_CPU_ENV, make_adapter
+from tests.e2e.conftest import EAGER, ENGINE_READY_TIMEOUT, EXACT, LORA, VLLM_CPU_ENV, make_adapter
 from tests.server import Server
 
 pytestmark = pytest.mark.slow
@@ -216,8 +216,9 @@ def test_an_s3_adapter_registered_again_serves_its_changed_objects_and_unregiste
 
 @pytest.mark.mpi
 def test_lmi_dist_serves_adapters_on_both_ranks(server, model):
-    """lmi-dist (vLLM split over two MPI ranks) answers an adapter as the one-process engine does."""
-    env = {**VLLM_CPU_ENV, **EXACT, **LORA, "OPTION_ROLLING_BATCH": "lmi-dist", "TENSOR_PARALLEL_DEGREE": "2"}
+    """lmi-dist (vLLM split over two MPI ranks) answers an adapter as the one-process engine does (eager:
+    the compiled LoRA model is the shared server's)."""
+    env = {**VLLM_CPU_ENV, **EXACT, **EAGER, **LORA, "OPTION_ROLLING_BATCH": "lmi-dist", "TENSOR_PARALLEL_DEGREE": "2"}
     expected = {name: generate(server, name) for name in ("a1", None)}
     with Server(model, env=env, ready_timeout=ENGINE_READY_TIMEOUT) as sharded:
         assert {name: generate(sharded, name) for name in ("a1", None)} == expected

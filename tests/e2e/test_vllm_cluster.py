@@ -8,11 +8,13 @@ tensor parallel 2, one rank on each node, each on a core of its own. One cluster
 import concurrent.futures
 import json
 import os
+import random
 import secrets
 import shutil
 import signal
 import socket
 import time
+from pathlib import Path
 
 import openai
 import pytest
@@ -20,7 +22,7 @@ import requests
 
 from container.core.proc import parents
 from tests.e2e.conftest import EAGER, ENGINE_READY_TIMEOUT, EXACT, VLLM_CPU_ENV
-from tests.server import RawStream, Server, free_port, processes
+from tests.server import RawStream, Server, processes
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare (util-linux)")]
@@ -45,11 +47,15 @@ def _worker(model, secret: str, cluster_port: int) -> Server:
 
 
 def _free_pair() -> int:
-    """A free port whose next one is free too: the cluster port, and the engine's rendezvous."""
+    """A free port whose next one is free too: the cluster port, and the engine's rendezvous, which
+    vLLM binds a minute later. Below the kernel's range of ephemeral ports: there, another lane's
+    outgoing connection could take it meanwhile (EADDRINUSE, seen on a loaded run)."""
+    low, _ = (int(n) for n in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    rng = random.Random()
     while True:
-        port = free_port()
+        port = rng.randrange(max(low - 12000, 1024), low - 1)
         try:
-            with socket.create_server(("127.0.0.1", port + 1)):
+            with socket.create_server(("0.0.0.0", port)), socket.create_server(("0.0.0.0", port + 1)):
                 return port
         except OSError:
             continue
