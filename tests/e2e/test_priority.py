@@ -16,7 +16,10 @@ from tests.server import RawStream, Server, metric, wait_idle
 
 pytestmark = pytest.mark.slow
 
-TOKENS = 48  # each queued request's answer: a few engine steps, so that no two end together
+# Each queued request's answer: enough engine steps that, with one request in the engine at a time, one
+# ends a second or more after the one before: the client threads that note each end, on a loaded machine,
+# do not swap two that ended a few steps apart (48 tokens did, once).
+TOKENS = 400
 
 
 @pytest.fixture(scope="module")
