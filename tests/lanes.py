@@ -132,6 +132,26 @@ def _summary(lines: list[str]) -> list[str]:
     return measured + lines[-1:]
 
 
+def kept_caches() -> str:
+    """What earlier runs on this machine left for this one (whether a CI machine keeps its home between
+    runs decides what caching can save there): vLLM's offline answers, the SDK's environments, vLLM's
+    compiled models."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    places = {
+        "offline vLLM answers": Path(os.environ.get("SAGELMI_TEST_CACHE", Path.home() / ".cache" / "sagelmi-tests"))
+        / "vllm-references",
+        "SDK environments": cache / "sagelmi" / "sdk-venvs",
+        "vLLM compiled models": Path.home() / ".cache" / "vllm" / "torch_compile_cache" / "torch_aot_compile",
+    }
+    found = []
+    for name, place in places.items():
+        entries = [e for e in place.iterdir() if not e.name.endswith((".lock", ".tmp"))] if place.is_dir() else []
+        oldest = min((e.stat().st_mtime for e in entries), default=None)
+        since = f", the oldest from {time.strftime('%Y-%m-%d %H:%M', time.gmtime(oldest))} UTC" if oldest else ""
+        found.append(f"{name} {len(entries)}{since}")
+    return "caches kept from earlier runs: " + "; ".join(found)
+
+
 def main(args: list[str]) -> int:
     reliability.start_run()  # once for all lanes; they add their figures to the same page
     (REPO / "build" / "engine-servers.tsv").unlink(missing_ok=True)  # every lane lists its engine servers in it
@@ -139,6 +159,8 @@ def main(args: list[str]) -> int:
     if "--fast" not in args and not os.environ.get(image_build.ENV) and shutil.which("podman"):
         image_build.start()  # two lanes run container tests: one build for both (make test starts it earlier)
         os.environ[image_build.ENV] = str(image_build.RECORD)
+    caches = kept_caches()
+    print(caches, flush=True)
     started = time.monotonic()
     running: dict[str, tuple[subprocess.Popen, list[str], threading.Thread, str]] = {}
     ended: dict[str, float] = {}
@@ -172,6 +194,7 @@ def main(args: list[str]) -> int:
         image_build.stop(image_build.read(named))
     print("\n==================== every lane ====================")
     print(f"{sum(cpu.values()) / 60:.1f} CPU-minutes (user+sys) in all lanes, {time.monotonic() - started:.0f} s")
+    print(caches)
     for name, (_, lines, _, _) in sorted(running.items(), key=lambda item: codes[item[0]] != 0):  # failures last
         print(f"lane {name}: exit {codes[name]} after {ended.get(name, time.monotonic()) - started:.0f} s, "
               f"{cpu[name] / 60:.1f} CPU-minutes")

@@ -42,3 +42,21 @@ def test_only_the_engines_lane_starts_the_shared_vllm_server():
     ignored = {m for m in rest if m.suffix == ".py"}
     slow_users = [m for m in (REPO / "tests").rglob("test_*.py") if m not in ignored and _asks_for(m, "vllm_server")]
     assert slow_users == [], "modules in lane rest that ask for vllm_server"
+
+
+def test_the_caches_line_counts_what_earlier_runs_left(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.delenv("SAGELMI_TEST_CACHE", raising=False)
+    assert lanes.kept_caches() == ("caches kept from earlier runs: offline vLLM answers 0; SDK environments 0; "
+                                   "vLLM compiled models 0")
+    venvs = tmp_path / ".cache" / "sagelmi" / "sdk-venvs"
+    (venvs / "sagemaker3-abc").mkdir(parents=True)
+    (venvs / "sagemaker3-abc.lock").touch()  # not an environment
+    references = tmp_path / ".cache" / "sagelmi-tests" / "vllm-references"
+    references.mkdir(parents=True)
+    (references / "a.json").touch()
+    (references / "b.json").touch()
+    line = lanes.kept_caches()
+    assert "offline vLLM answers 2, the oldest from " in line and "SDK environments 1, the oldest from " in line
+    assert line.endswith("vLLM compiled models 0")
