@@ -39,9 +39,14 @@ LOG = REPO / "build" / "image-build.log"
 ENV = "SAGELMI_IMAGE_BUILD"  # names the record of a build the run's tests are to wait for
 
 
+def readme_commands() -> list[str]:
+    """docs/image.md's commands ("Test the image locally"), which the container tests run."""
+    return shell_commands(section("Test the image locally"))
+
+
 def readme_command(start: str) -> str:
-    """docs/image.md's command ("Test the image locally") that is ``start`` or starts with it (there must be one)."""
-    commands = shell_commands(section("Test the image locally"))
+    """docs/image.md's command that is ``start`` or starts with it (there must be one)."""
+    commands = readme_commands()
     found = [c for c in commands if c == start] or [c for c in commands if c.startswith(start)]
     assert len(found) == 1, (start, commands)
     return found[0]

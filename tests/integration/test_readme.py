@@ -43,7 +43,7 @@ def test_every_readme_command_is_covered():
     """Every command of the README and of the pages under docs/ is run by a test (or by CI), or is
     one of the deploy steps that cannot run here; every Python snippet is run by a test."""
     from tests.container.test_cluster import COMMANDS as CLUSTER_COMMANDS
-    from tests.container.conftest import README_COMMANDS as IMAGE_COMMANDS
+    from tests.container.image_build import readme_commands
     from tests.integration.test_plan_cli import README_COMMANDS as PLAN_COMMANDS
     from tests.e2e.conftest import LMI_DIST_README as LMI_DIST_TRY_OUT
     from tests.e2e.test_readme_run import OPENAI_SNIPPET
@@ -59,7 +59,7 @@ def test_every_readme_command_is_covered():
 
     covered = {
         *LMI_DIST_TRY_OUT,  # tests/e2e/conftest.py (lmi_dist_server)
-        *IMAGE_COMMANDS,  # tests/container/test_image.py (docs/image.md)
+        *readme_commands(),  # tests/container/test_image.py (docs/image.md)
         *CLUSTER_COMMANDS,  # tests/container/test_cluster.py
         *PLAN_COMMANDS,  # tests/integration/test_plan_cli.py
         *TENSOR_PARALLEL_EXAMPLE,  # tests/mpi/test_mpi_mode.py
