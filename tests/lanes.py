@@ -79,8 +79,9 @@ FULL = {
 # busy), so it runs in four lanes: three take the integration modules (one the MPI tests too), the
 # fourth the rest.
 FAST = {
-    "int-a+mpi": ["tests/integration/test_[a-h]*.py", "tests/integration/test_lifecycle.py", "tests/mpi"],
-    "toolkit": ["tests/integration/test_inference_toolkit*.py"],  # Hugging Face pipelines in every server
+    "int-a": ["tests/integration/test_[a-h]*.py", "tests/integration/test_lifecycle.py"],
+    # Hugging Face pipelines in every server; and the MPI tests (this lane ended about 100 s before int-a)
+    "toolkit+mpi": ["tests/integration/test_inference_toolkit*.py", "tests/mpi"],
     "int-j": ["tests/integration/test_[j-z]*.py"],
 }
 LANE_VARIABLE = "SAGELMI_TEST_LANE"  # set in each lane's environment (tests/conftest.py reads it)
