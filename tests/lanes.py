@@ -137,11 +137,12 @@ def kept_caches() -> str:
     """What earlier runs on this machine left for this one (whether a CI machine keeps its home between
     runs decides what caching can save there): vLLM's offline answers, the SDK's environments, vLLM's
     compiled models."""
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    from tests.references import cache_dir
+    from tests.sdk.venvs import venvs_root
+
     places = {
-        "offline vLLM answers": Path(os.environ.get("SAGELMI_TEST_CACHE", Path.home() / ".cache" / "sagelmi-tests"))
-        / "vllm-references",
-        "SDK environments": cache / "sagelmi" / "sdk-venvs",
+        "offline vLLM answers": cache_dir(),
+        "SDK environments": venvs_root(),
         "vLLM compiled models": Path.home() / ".cache" / "vllm" / "torch_compile_cache" / "torch_aot_compile",
     }
     found = []

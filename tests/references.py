@@ -24,7 +24,13 @@ from pathlib import Path
 from tests.e2e.conftest import VLLM_CPU_ENV
 from tests.server import REPO, clean_env
 
-CACHE = Path(os.environ.get("SAGELMI_TEST_CACHE", Path.home() / ".cache" / "sagelmi-tests")) / "vllm-references"
+
+def cache_dir() -> Path:
+    """Where the answers are kept (``SAGELMI_TEST_CACHE`` moves it)."""
+    return Path(os.environ.get("SAGELMI_TEST_CACHE", Path.home() / ".cache" / "sagelmi-tests")) / "vllm-references"
+
+
+CACHE = cache_dir()
 _MODEL_FILES = ("*.json", "*.safetensors", "*.jinja", "*.model", "*.txt")
 
 

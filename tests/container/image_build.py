@@ -14,6 +14,7 @@ and its output to ``build/image-build.log``.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shlex
@@ -31,7 +32,8 @@ BASE_IMAGE = "localhost/sagelmi-base:bookworm"
 BUILD_VARIABLES = {
     "CONTAINER": " ".join(PODMAN),
     "BASE_IMAGE": BASE_IMAGE,
-    "IMAGE_BUILD_FLAGS": "--pull=never --network=host -v /opt/wheels:/opt/wheels:ro --build-arg PIP_FIND_LINKS=/opt/wheels",
+    "IMAGE_BUILD_FLAGS": "--pull=never --network=host -v /opt/wheels:/opt/wheels:ro "
+                         "--build-arg PIP_FIND_LINKS=/opt/wheels",
 }
 RECORD = REPO / "build" / "image-build.json"
 STATUS = REPO / "build" / "image-build.rc"
@@ -39,9 +41,10 @@ LOG = REPO / "build" / "image-build.log"
 ENV = "SAGELMI_IMAGE_BUILD"  # names the record of a build the run's tests are to wait for
 
 
-def readme_commands() -> list[str]:
-    """docs/image.md's commands ("Test the image locally"), which the container tests run."""
-    return shell_commands(section("Test the image locally"))
+@functools.cache
+def readme_commands() -> tuple[str, ...]:
+    """docs/image.md's commands ("Test the image locally"), which the container tests run (read once)."""
+    return tuple(shell_commands(section("Test the image locally")))
 
 
 def readme_command(start: str) -> str:

@@ -42,10 +42,15 @@ def _requirements(major: int) -> tuple[str, ...]:
     return (*pin, *TOOLS)
 
 
+def venvs_root() -> Path:
+    """Where the environments are kept."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sagelmi" / "sdk-venvs"
+
+
 def sdk_venv(major: int) -> Path:
     """A virtual environment made by ``pip install '<checkout>[sdk]'`` (with ``sagemaker`` held to
     ``major`` when it is not pip's own pick) and the test tools; its directory."""
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sagelmi" / "sdk-venvs"
+    root = venvs_root()
     root.mkdir(parents=True, exist_ok=True)
     digest = hashlib.sha256((REPO / "pyproject.toml").read_bytes())
     digest.update(" ".join(_requirements(major)).encode() + sys.version.encode())
