@@ -1,14 +1,13 @@
 import os
 import subprocess
-import sys
 from collections import defaultdict
 
 import pytest
 
-from tests import reliability
+from tests import models, reliability
 from tests.e2e.conftest import EAGER, ENGINE_READY_TIMEOUT, EXACT, HUB_TOKEN, TINY_CONTEXT, VLLM_CPU_ENV
 from tests.lanes import LANE_VARIABLE
-from tests.server import MODEL_DIRS, REPO, SHARED, Server, clean_env, shared
+from tests.server import MODEL_DIRS, REPO, SHARED, Server, shared
 
 _TREE_AT_START: str | None = None
 _TIER_SECONDS: dict[str, float] = defaultdict(float)
@@ -122,7 +121,7 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("engine servers")
         compiled = sum(s.compiles() for s in engines)
         terminalreporter.write_line(f"engine servers: {len(engines)} started, {waited:.0f} s until ready in all; vLLM "
-                                    f"compiled the model {compiled} times (not from its cache); "
+                                    f"compiled the model {compiled} times; "
                                     f"each is listed in {ENGINE_LIST.relative_to(REPO)}")
         ENGINE_LIST.parent.mkdir(exist_ok=True)
         with ENGINE_LIST.open("a") as listing:
@@ -166,12 +165,10 @@ MODULE_CPU_LIST = REPO / "build" / "module-cpu.tsv"  # lane, CPU seconds, test m
 
 
 @pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("tiny-model")
+def tiny_model():
+    """The tiny model, kept between runs (tests/models.py); a test that changes its files copies it first."""
     # A long context, so that a request can run for seconds: the tiny model decodes thousands of tokens a second.
-    subprocess.run([sys.executable, "-m", "container", "tiny-model", str(directory), "--max-model-len",
-                    str(TINY_CONTEXT)], check=True, cwd=REPO, env=clean_env(), capture_output=True, timeout=300)
-    return directory
+    return models.tiny_model("tiny-model", "--max-model-len", str(TINY_CONTEXT))
 
 
 @pytest.fixture(scope="session")

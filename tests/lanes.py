@@ -135,13 +135,15 @@ def _summary(lines: list[str]) -> list[str]:
 
 def kept_caches() -> str:
     """What earlier runs on this machine left for this one (whether a CI machine keeps its home between
-    runs decides what caching can save there): vLLM's offline answers, the SDK's environments, vLLM's
-    compiled models."""
+    runs decides what caching can save there): vLLM's offline answers, the tiny models, the SDK's
+    environments, vLLM's compiled models."""
+    from tests.models import models_root
     from tests.references import cache_dir
     from tests.sdk.venvs import venvs_root
 
     places = {
         "offline vLLM answers": cache_dir(),
+        "tiny models": models_root(),
         "SDK environments": venvs_root(),
         "vLLM compiled models": Path.home() / ".cache" / "vllm" / "torch_compile_cache" / "torch_aot_compile",
     }

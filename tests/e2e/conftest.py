@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from tests import models
 from tests.readme import run_shell, section, serve_settings, shell_commands
 from tests.server import REPO, Server, clean_env, shared
 
@@ -35,13 +36,10 @@ ENGINE_READY_TIMEOUT = 480
 
 
 @pytest.fixture(scope="session")
-def tiny_think_model(tmp_path_factory):
-    """The tiny model with the special tokens vLLM's reasoning and tool parsers look for."""
-    directory = tmp_path_factory.mktemp("tiny-think-model")
-    tokens = [f"--special-token={t}" for t in ("<think>", "</think>", "<tool_call>", "</tool_call>")]
-    subprocess.run([sys.executable, "-m", "container", "tiny-model", str(directory), *tokens], check=True, cwd=REPO,
-                   env=clean_env(), capture_output=True, timeout=300)
-    return directory
+def tiny_think_model():
+    """The tiny model with the special tokens vLLM's reasoning and tool parsers look for (kept: tests/models.py)."""
+    return models.tiny_model("tiny-think-model",
+                             *(f"--special-token={t}" for t in ("<think>", "</think>", "<tool_call>", "</tool_call>")))
 
 
 # The lmi-dist try-out (docs/large_models.md): write the tiny model, serve it split over two ranks.
@@ -74,13 +72,15 @@ def make_adapter(base, directory, seed: int, rank: int = 8):
 
 @pytest.fixture(scope="session")
 def lora_model(tiny_model, tmp_path_factory):
-    """The tiny model with adapter a1 under adapters/ (found at start-up) and more beside it."""
-    directory = tmp_path_factory.mktemp("lora-model") / "tiny"
-    shutil.copytree(tiny_model, directory)
-    make_adapter(directory, directory / "adapters" / "a1", seed=1)
-    make_adapter(directory, directory / "extra" / "a2", seed=2)
-    make_adapter(directory, directory / "extra" / "wide", seed=3, rank=16)
-    return directory
+    """The tiny model with adapter a1 under adapters/ (found at start-up) and more beside it, written anew
+    each run at a path that stays the same (the LoRA server serves it compiled: tests/models.py)."""
+    with models.stable_folder("lora-model", tmp_path_factory.mktemp("lora-model")) as folder:
+        directory = folder / "tiny"
+        shutil.copytree(tiny_model, directory)
+        make_adapter(directory, directory / "adapters" / "a1", seed=1)
+        make_adapter(directory, directory / "extra" / "a2", seed=2)
+        make_adapter(directory, directory / "extra" / "wide", seed=3, rank=16)
+        yield directory
 
 
 LORA = {"OPTION_ENABLE_LORA": "true", "OPTION_MAX_LORA_RANK": "8", "OPTION_MAX_LORAS": "2",

@@ -5,22 +5,18 @@ to transformers called directly (greedy), streaming, dynamic batching, 4xx for b
 import concurrent.futures
 import json
 import re
-import subprocess
-import sys
 
 import pytest
 import requests
 
-from tests.server import REPO, Server, clean_env
+from tests import models
+from tests.server import Server
 
 pytestmark = pytest.mark.slow  # three servers and transformers in this process
 
 
 def _write(tmp_path_factory, arch):
-    directory = tmp_path_factory.mktemp(f"tiny-{arch}")
-    subprocess.run([sys.executable, "-m", "container", "tiny-model", str(directory), "--arch", arch],
-                   check=True, cwd=REPO, env=clean_env(), capture_output=True, timeout=300)
-    return directory
+    return models.tiny_model(f"tiny-{arch}", "--arch", arch)
 
 
 @pytest.fixture(scope="module")
@@ -146,10 +142,11 @@ def test_embeddings_are_one_normalised_vector_per_input(bert):
                                         ("feature-extraction", "hello world")])
 def test_pipeline_tasks_answer_as_the_transformers_pipeline(tmp_path_factory, task, text):
     """In-process (no server): the engine's answer for the encoder tasks is the pipeline's."""
-    from transformers import AutoTokenizer, pipeline
     import transformers
-    from handlers.engines.accelerate import PIPELINE_TASKS, AccelerateEngine, _plain
+    from transformers import AutoTokenizer, pipeline
+
     from handlers.api import Input
+    from handlers.engines.accelerate import PIPELINE_TASKS, AccelerateEngine, _plain
     from handlers.engines.lmi_schema import Formatter
     directory = str(_bert_dir(tmp_path_factory))
     model = getattr(transformers, PIPELINE_TASKS[task]).from_pretrained(directory).eval()
@@ -165,6 +162,7 @@ def test_pipeline_tasks_answer_as_the_transformers_pipeline(tmp_path_factory, ta
 def test_too_many_inputs_are_400_naming_the_setting(tmp_path_factory):
     """In-process: a list of inputs was one model call over all of them, however many."""
     from transformers import AutoModel, AutoTokenizer
+
     from container.core.errors import InputError
     from handlers.api import Input
     from handlers.engines.accelerate import AccelerateEngine

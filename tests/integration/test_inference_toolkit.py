@@ -4,17 +4,13 @@ sends here; two go through the sagemaker SDK's own Predictor and runtime client)
 examples (tests/model_dirs/sm_*/code/inference.py name their source); sm_defaults is sagelmi's own,
 for the default input/predict/output functions."""
 
-import atexit
 import importlib.util
 import io
 import json
 import math
 import os
 import shutil
-import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,22 +18,13 @@ import pytest
 os.environ.setdefault("SAGEMAKER_SUPPRESS_V2_WARNING", "1")  # the sagemaker SDK v2 warns at import otherwise
 import requests
 
-from tests.server import MODEL_DIRS, REPO, Server, clean_env
-
-
-_TINY: dict[str, Path] = {}  # architecture -> the tiny model written for it in this run
+from tests import models
+from tests.server import MODEL_DIRS, Server
 
 
 def _tiny(directory, arch):
-    """A tiny ``arch`` model in ``directory``: written once a run (a process importing torch and
-    transformers), copied for each test."""
-    if arch not in _TINY:
-        written = Path(tempfile.mkdtemp(prefix=f"tiny-{arch}-"))
-        atexit.register(shutil.rmtree, written, True)
-        subprocess.run([sys.executable, "-m", "container", "tiny-model", str(written), "--arch", arch], check=True,
-                       cwd=REPO, env=clean_env(), capture_output=True, timeout=300)
-        _TINY[arch] = written
-    shutil.copytree(_TINY[arch], directory)
+    """A tiny ``arch`` model in ``directory``: a copy of the one kept between runs (tests/models.py)."""
+    shutil.copytree(models.tiny_model(f"tiny-{arch}", "--arch", arch), directory)
     return directory
 
 

@@ -3,18 +3,17 @@ model, started by LocalEndpoint in process mode from a SagelmiModel, one server
 for the module. Its real streams (LMI JSON lines, OpenAI server-sent events) are
 cut into PayloadParts at every byte; the predictors get answers."""
 
-import subprocess
-import sys
 
 import boto3
 import pytest
+
 from sagemaker_sdk import SagelmiModel, SagelmiPredictor
 from sagemaker_sdk.local import LocalEndpoint
 from sagemaker_sdk.sdk_major import LocalSession
 from sagemaker_sdk.streaming import stream_texts
+from tests import models
 from tests.sdk.conftest import REGION
 from tests.sdk.streams import assert_every_cut_gives, capture, json_lines, sse_events
-from tests.server import REPO, clean_env
 
 pytestmark = pytest.mark.slow
 
@@ -23,11 +22,8 @@ VLLM_CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("tiny-model")
-    subprocess.run([sys.executable, "-m", "container", "tiny-model", str(directory)], check=True, cwd=REPO,
-                   env=clean_env(), capture_output=True, timeout=300)
-    return directory
+def tiny_model():
+    return models.tiny_model("tiny-model-1024")  # tiny-model's default context (kept: tests/models.py)
 
 
 @pytest.fixture(scope="module")

@@ -48,8 +48,8 @@ def test_the_caches_line_counts_what_earlier_runs_left(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     monkeypatch.delenv("SAGELMI_TEST_CACHE", raising=False)
-    assert lanes.kept_caches() == ("caches kept from earlier runs: offline vLLM answers 0; SDK environments 0; "
-                                   "vLLM compiled models 0")
+    assert lanes.kept_caches() == ("caches kept from earlier runs: offline vLLM answers 0; tiny models 0; "
+                                   "SDK environments 0; vLLM compiled models 0")
     venvs = tmp_path / ".cache" / "sagelmi" / "sdk-venvs"
     (venvs / "sagemaker3-abc").mkdir(parents=True)
     (venvs / "sagemaker3-abc.lock").touch()  # not an environment
@@ -57,6 +57,9 @@ def test_the_caches_line_counts_what_earlier_runs_left(tmp_path, monkeypatch):
     references.mkdir(parents=True)
     (references / "a.json").touch()
     (references / "b.json").touch()
+    (tmp_path / ".cache" / "sagelmi-tests" / "models" / "tiny-model-abc").mkdir(parents=True)
+    (tmp_path / ".cache" / "sagelmi-tests" / "models" / "tiny-model-abc.lock").touch()  # not a model
     line = lanes.kept_caches()
     assert "offline vLLM answers 2, the oldest from " in line and "SDK environments 1, the oldest from " in line
+    assert "tiny models 1, the oldest from " in line
     assert line.endswith("vLLM compiled models 0")
