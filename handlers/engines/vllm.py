@@ -62,7 +62,7 @@ from handlers.engines.prompts import check_prompt_count
 from handlers.engines.rolling_formatter import RollingBatchFormatter, takes_request_output
 from handlers.engines.sessions import EngineSessions
 from handlers.engines.vllm_adapters import ADAPTER_HEADER, Adapters
-from handlers.engines.vllm_args import build_engine_kwargs, node_kwargs
+from handlers.engines.vllm_args import build_engine_kwargs, node_kwargs, usage_context
 from handlers.engines.vllm_lmi import LmiFront
 from handlers.engines.vllm_observe import observe_generate
 from handlers.engines.vllm_openai import OpenAIFront, _openai_error
@@ -149,7 +149,9 @@ class VllmEngine(Engine):
         vllm_media.install(context.settings, kwargs)
         started = time.monotonic()
         # Building the engine blocks for tens of seconds: keep the worker's loop free meanwhile.
-        engine = await asyncio.to_thread(AsyncLLM.from_engine_args, AsyncEngineArgs(**kwargs))
+        engine = await asyncio.to_thread(
+            AsyncLLM.from_engine_args, AsyncEngineArgs(**kwargs), usage_context=usage_context()
+        )
         log.info("vLLM engine ready in %.1fs", time.monotonic() - started)
         return cls(engine, context, kwargs, formatters)
 

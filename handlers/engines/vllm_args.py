@@ -108,6 +108,17 @@ def _pooling_runner(settings: Settings, kwargs: dict[str, Any]) -> None:
             log.warning("option.%s=%s overrides %s from option.task=%s", name, given, value, settings.task)
 
 
+def usage_context() -> Any:
+    """The usage context the built-in engine's configuration is made with, on the leader
+    (``AsyncLLM.from_engine_args``) and on every worker node (``vllm_node``). vLLM derives defaults
+    from it (on the CPU, max_num_batched_tokens 2048 for ENGINE_CONTEXT, 4096 for
+    OPENAI_API_SERVER), and nodes with other defaults warm up with collectives of other sizes (gloo:
+    "Received data size doesn't match expected size")."""
+    from vllm.usage.usage_lib import UsageContext
+
+    return UsageContext.ENGINE_CONTEXT
+
+
 def node_kwargs(nodes: EngineNodes) -> dict[str, Any]:
     """The engine arguments of one node's part of vLLM across a cluster: its multiprocessing
     executor over ``nnodes`` nodes, this node's rank, the leader's rendezvous."""

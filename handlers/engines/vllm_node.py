@@ -27,15 +27,14 @@ def engine_config(launch: HeadlessLaunch):
     """vLLM's configuration of this node's part, from the same settings as the leader's engine."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.platforms import current_platform
-    from vllm.usage.usage_lib import UsageContext
 
-    from handlers.engines.vllm_args import build_engine_kwargs, node_kwargs
+    from handlers.engines.vllm_args import build_engine_kwargs, node_kwargs, usage_context
 
     kwargs = build_engine_kwargs(
         launch.settings, launch.model_location, launch.tensor_parallel_degree, cpu=current_platform.is_cpu()
     )
     kwargs.update(node_kwargs(launch.nodes))
-    return AsyncEngineArgs(**kwargs).create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER, headless=True)
+    return AsyncEngineArgs(**kwargs).create_engine_config(usage_context=usage_context(), headless=True)
 
 
 def main(argv: list[str] | None = None) -> int:
