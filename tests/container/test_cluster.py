@@ -1,9 +1,11 @@
 """Two containers of the image as a 2-node cluster on one podman network: the README's commands
 ("Running on several machines"), run as this machine runs containers (podman, runc, limits).
 
-lmi-dist with tensor parallel 2 puts one rank in each container; its greedy tokens must be the
-single-process engine's (``vllm_server``, float32). Then the failures: a worker container killed
-under load, a container with a wrong secret, and a model.py in MPI mode across the containers.
+The built-in engine with tensor parallel 2 puts one rank in each container (vLLM's headless node in
+the worker container); its greedy tokens must be the single-process engine's (``vllm_server``,
+float32). Then the failures: a container with a wrong secret, a worker container killed under load.
+Then the same two containers with lmi-dist (its second rank started through sagelmi's launch
+service), and a model.py in MPI mode across them.
 """
 
 from __future__ import annotations
@@ -47,14 +49,10 @@ def readme(start: str) -> str:
     return found
 
 
-def node_command(role: str, model_dir, port: int | None, extra: dict[str, str],
-                 drop: tuple[str, ...] = ()) -> list[str]:
+def node_command(role: str, model_dir, port: int | None, extra: dict[str, str]) -> list[str]:
     """The README's ``docker run`` of ``role`` (leader or worker) as podman runs it here, with the
-    test's model directory and port, without the ``drop`` variables and with ``extra`` ones."""
+    test's model directory and port, and with ``extra`` variables."""
     words = shlex.split(readme(f"docker run -d --name sagelmi-{role} "))
-    for name in drop:
-        at = words.index(next(w for w in words if w.startswith(f"{name}=")))
-        del words[at - 1:at + 1]
     words[:1] = PODMAN
     words[len(PODMAN) + 1:len(PODMAN) + 1] = RUN_LIMITS
     words = [w.replace("/tmp/tiny-model:", f"{model_dir}:") for w in words]
@@ -101,21 +99,23 @@ for pid in filter(str.isdigit, os.listdir("/proc")):
         line = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\\0", b" ").decode()
     except OSError:
         continue
-    if int(pid) != os.getpid() and any(w in line for w in ("container.worker", "prted", "prterun", "supervisor.rsh")):
+    if int(pid) != os.getpid() and any(w in line for w in ("container.worker", "prted", "prterun", "supervisor.rsh",
+                                                           "vllm_node", "VLLM::")):
         found[pid] = line
 print(json.dumps(found))
 """
 
 
 def worker_processes(name: str) -> dict[int, str]:
-    """pid -> command line of the container's model workers, mpirun, Open MPI's daemons, the rsh agents."""
+    """pid -> command line of the container's model workers, mpirun, Open MPI's daemons, the rsh agents,
+    vLLM's headless node and its processes."""
     result = podman("exec", name, "python", "-c", _PROCESSES)
     return {int(pid): line for pid, line in json.loads(result.stdout).items()}
 
 
 @pytest.fixture(scope="module")
 def cluster(image, tiny_model):
-    """The README's two-node lmi-dist cluster, on the tiny model, in float32."""
+    """The README's two-node cluster (the built-in engine, tensor parallel 2), on the tiny model, in float32."""
     made = run_shell(readme("export SAGELMI_CLUSTER_SECRET=") + ' && printf %s "$SAGELMI_CLUSTER_SECRET"', 0)
     secret = made.stdout
     assert made.returncode == 0 and len(secret) == 64, made.stderr
@@ -129,7 +129,7 @@ def cluster(image, tiny_model):
         start(node_command("worker", tiny_model, None, EXACT), secret)
         start(node_command("leader", tiny_model, port, EXACT), secret)
         wait_status(port, lambda r: r.status_code == 200, READY)
-        print(f"2-node lmi-dist cluster ready in {time.monotonic() - started:.0f} s")
+        print(f"2-node cluster ready in {time.monotonic() - started:.0f} s")
         yield {"port": port, "secret": secret, "model": tiny_model, "url": f"http://127.0.0.1:{port}"}
     finally:
         remove("sagelmi-leader", "sagelmi-worker", "sagelmi-intruder")
@@ -171,8 +171,9 @@ def test_the_readme_curl_is_answered_by_ranks_in_both_containers(cluster):
     assert answer.returncode == 0 and json.loads(answer.stdout)["generated_text"], answer.stdout
     leader, worker = worker_processes("sagelmi-leader"), worker_processes("sagelmi-worker")
     assert any("container.worker" in c for c in leader.values()), leader
-    assert any("container.worker" in c for c in worker.values()), worker  # rank 1 runs in the worker container
-    assert any("prted" in c for c in worker.values())  # started through sagelmi's launch service, not ssh
+    assert any("vllm_node" in c for c in worker.values()), worker  # vLLM's node 1 runs in the worker container
+    assert any("VLLM::" in c for c in worker.values()), worker  # and its rank
+    assert not any("prted" in c or "prterun" in c for c in {**leader, **worker}.values())  # no MPI
     ping = requests.get(f"http://127.0.0.1:{cluster['port']}/ping", timeout=5)
     assert ping.status_code == 200
 
@@ -227,7 +228,7 @@ def _stream_until_cut(url: str, tokens: int) -> tuple[float, dict | None]:
 
 def test_killing_the_worker_container_ends_in_flight_requests_and_a_new_one_restores_the_cluster(
         cluster, vllm_server):
-    """Last of the lmi-dist cluster: it replaces the worker container."""
+    """Last of the built-in engine's cluster: it replaces the worker container."""
     old = set(worker_processes("sagelmi-leader"))
     assert old
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
@@ -255,6 +256,31 @@ def test_killing_the_worker_container_ends_in_flight_requests_and_a_new_one_rest
 
 
 @pytest.fixture
+def lmi_dist_cluster(image, tiny_model):
+    """The README's two containers with lmi-dist instead (they replace the built-in engine's)."""
+    secret = secrets.token_hex(16)
+    remove("sagelmi-leader", "sagelmi-worker")
+    if podman("network", "exists", NETWORK, check=False).returncode != 0:  # the module's cluster made it
+        podman("network", "create", NETWORK)
+    port = free_port()
+    lmi_dist = {**EXACT, "OPTION_ROLLING_BATCH": "lmi-dist"}
+    try:
+        start(node_command("worker", tiny_model, None, lmi_dist), secret)
+        start(node_command("leader", tiny_model, port, lmi_dist), secret)
+        wait_status(port, lambda r: r.status_code == 200, READY)
+        yield {"port": port, "url": f"http://127.0.0.1:{port}"}
+    finally:
+        remove("sagelmi-leader", "sagelmi-worker")
+
+
+def test_lmi_dist_across_two_containers_gives_the_single_process_greedy_tokens(lmi_dist_cluster, vllm_server):
+    worker = worker_processes("sagelmi-worker")
+    assert any("container.worker" in c for c in worker.values()), worker  # rank 1 runs in the worker container
+    assert any("prted" in c for c in worker.values())  # started through sagelmi's launch service, not ssh
+    _exact(lmi_dist_cluster, vllm_server)
+
+
+@pytest.fixture
 def mpi_cluster(image):
     """The tensor-parallel example (a model.py in MPI mode) across two containers."""
     secret = secrets.token_hex(16)
@@ -262,11 +288,11 @@ def mpi_cluster(image):
     podman("network", "rm", "--force", NETWORK, check=False)
     podman("network", "create", NETWORK)
     port = free_port()
-    mpi, drop = {"OPTION_MPI_MODE": "true"}, ("OPTION_ROLLING_BATCH",)
+    mpi = {"OPTION_MPI_MODE": "true"}
     example = REPO / "examples" / "tensor_parallel"
     try:
-        start(node_command("worker", example, None, mpi, drop), secret)
-        start(node_command("leader", example, port, mpi, drop), secret)
+        start(node_command("worker", example, None, mpi), secret)
+        start(node_command("leader", example, port, mpi), secret)
         wait_status(port, lambda r: r.status_code == 200, 300)
         yield f"http://127.0.0.1:{port}"
     finally:
