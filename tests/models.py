@@ -1,7 +1,8 @@
 """The tiny models the tests serve (``python -m container tiny-model``), written once per machine and kept.
 
-vLLM keys a compiled model (``~/.cache/vllm/torch_compile_cache``) by the model's path among its
-settings, so a model written into each run's temporary folder is compiled again in every run. What
+vLLM keys its compile cache (``~/.cache/vllm/torch_compile_cache``: the compiled model, which vLLM 0.32's
+CPU build cannot load back, and inductor's cache, which makes a compile faster) by the model's path among
+its settings, so a model written into each run's temporary folder never finds it. What
 ``tiny-model`` writes depends only on its arguments, the code that writes it and the versions of
 torch, transformers and tokenizers (its weights come from a fixed seed): a model is kept under that
 key in ``~/.cache/sagelmi-tests/models`` (``SAGELMI_TEST_CACHE`` moves it, as it does the offline
@@ -25,7 +26,7 @@ from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
 
-from tests.server import REPO, clean_env
+from tests.server import REPO, clean_env, tests_cache_root
 
 WRITER = REPO / "container" / "tools" / "tiny_model.py"
 DONE = "sagelmi-tiny-model.json"  # the last file tiny-model writes
@@ -33,7 +34,7 @@ DONE = "sagelmi-tiny-model.json"  # the last file tiny-model writes
 
 def models_root() -> Path:
     """Where the models are kept (``SAGELMI_TEST_CACHE`` moves it)."""
-    return Path(os.environ.get("SAGELMI_TEST_CACHE", Path.home() / ".cache" / "sagelmi-tests")) / "models"
+    return tests_cache_root() / "models"
 
 
 def _key(args: tuple[str, ...]) -> str:
@@ -65,7 +66,7 @@ def tiny_model(name: str, *args: str) -> Path:
 @contextlib.contextmanager
 def stable_folder(name: str, fallback: Path) -> Iterator[Path]:
     """An empty folder at a path that stays the same from run to run (``<models_root>/<name>``), for a
-    model the tests build from a kept one and then change (vLLM then finds its compiled model by the
+    model the tests build from a kept one and then change (vLLM then finds its compile cache by the
     path). It is this session's while the block runs; when another session holds it (two runs on one
     machine at once), ``fallback`` instead."""
     root = models_root()

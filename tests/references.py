@@ -22,12 +22,12 @@ from importlib import metadata
 from pathlib import Path
 
 from tests.e2e.conftest import VLLM_CPU_ENV
-from tests.server import REPO, clean_env
+from tests.server import REPO, clean_env, tests_cache_root
 
 
 def cache_dir() -> Path:
     """Where the answers are kept (``SAGELMI_TEST_CACHE`` moves it)."""
-    return Path(os.environ.get("SAGELMI_TEST_CACHE", Path.home() / ".cache" / "sagelmi-tests")) / "vllm-references"
+    return tests_cache_root() / "vllm-references"
 
 
 CACHE = cache_dir()

@@ -77,6 +77,12 @@ def installed_venv() -> Path:
     return venv
 
 
+def tests_cache_root() -> Path:
+    """Where tests keep what later runs on this machine reuse (offline answers, tiny models), outside the
+    checkout: ``~/.cache/sagelmi-tests``, or ``SAGELMI_TEST_CACHE``."""
+    return Path(os.environ.get("SAGELMI_TEST_CACHE", Path.home() / ".cache" / "sagelmi-tests"))
+
+
 def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(_SETTING_PREFIXES) and k not in _SETTING_NAMES}

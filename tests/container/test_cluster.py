@@ -11,6 +11,7 @@ service), and a model.py in MPI mode across them.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import ipaddress
 import json
 import os
@@ -20,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import openai
 import pytest
@@ -113,27 +115,35 @@ def worker_processes(name: str) -> dict[int, str]:
     return {int(pid): line for pid, line in json.loads(result.stdout).items()}
 
 
+@contextlib.contextmanager
+def two_containers(model_dir, extra: dict[str, str], secret: str, ready: float) -> Iterator[int]:
+    """The README's worker and leader containers (with ``extra`` variables) on a new network, in place of
+    any left before: the leader's port, once its /ping says 200."""
+    remove("sagelmi-leader", "sagelmi-worker", "sagelmi-intruder")
+    podman("network", "rm", "--force", NETWORK, check=False)
+    podman("network", "create", NETWORK)
+    port = free_port()
+    try:
+        start(node_command("worker", model_dir, None, extra), secret)
+        start(node_command("leader", model_dir, port, extra), secret)
+        wait_status(port, lambda r: r.status_code == 200, ready)
+        yield port
+    finally:
+        remove("sagelmi-leader", "sagelmi-worker", "sagelmi-intruder")
+        podman("network", "rm", "--force", NETWORK, check=False)
+
+
 @pytest.fixture(scope="module")
 def cluster(image, tiny_model):
     """The README's two-node cluster (the built-in engine, tensor parallel 2), on the tiny model, in float32."""
     made = run_shell(readme("export SAGELMI_CLUSTER_SECRET=") + ' && printf %s "$SAGELMI_CLUSTER_SECRET"', 0)
     secret = made.stdout
     assert made.returncode == 0 and len(secret) == 64, made.stderr
-    remove("sagelmi-leader", "sagelmi-worker", "sagelmi-intruder")
-    podman("network", "rm", "--force", NETWORK, check=False)
     assert readme("docker network create") == f"docker network create {NETWORK}"
-    podman("network", "create", NETWORK)
-    port = free_port()
     started = time.monotonic()
-    try:
-        start(node_command("worker", tiny_model, None, EXACT), secret)
-        start(node_command("leader", tiny_model, port, EXACT), secret)
-        wait_status(port, lambda r: r.status_code == 200, READY)
+    with two_containers(tiny_model, EXACT, secret, READY) as port:
         print(f"2-node cluster ready in {time.monotonic() - started:.0f} s")
         yield {"port": port, "secret": secret, "model": tiny_model, "url": f"http://127.0.0.1:{port}"}
-    finally:
-        remove("sagelmi-leader", "sagelmi-worker", "sagelmi-intruder")
-        podman("network", "rm", "--force", NETWORK, check=False)
 
 
 def _streamed_ids(url: str, prompt: str, tokens: int = 24) -> list[int]:
@@ -258,19 +268,9 @@ def test_killing_the_worker_container_ends_in_flight_requests_and_a_new_one_rest
 @pytest.fixture
 def lmi_dist_cluster(image, tiny_model):
     """The README's two containers with lmi-dist instead (they replace the built-in engine's)."""
-    secret = secrets.token_hex(16)
-    remove("sagelmi-leader", "sagelmi-worker")
-    if podman("network", "exists", NETWORK, check=False).returncode != 0:  # the module's cluster made it
-        podman("network", "create", NETWORK)
-    port = free_port()
-    lmi_dist = {**EXACT, "OPTION_ROLLING_BATCH": "lmi-dist"}
-    try:
-        start(node_command("worker", tiny_model, None, lmi_dist), secret)
-        start(node_command("leader", tiny_model, port, lmi_dist), secret)
-        wait_status(port, lambda r: r.status_code == 200, READY)
+    with two_containers(tiny_model, {**EXACT, "OPTION_ROLLING_BATCH": "lmi-dist"}, secrets.token_hex(16),
+                        READY) as port:
         yield {"port": port, "url": f"http://127.0.0.1:{port}"}
-    finally:
-        remove("sagelmi-leader", "sagelmi-worker")
 
 
 def test_lmi_dist_across_two_containers_gives_the_single_process_greedy_tokens(lmi_dist_cluster, vllm_server):
@@ -283,21 +283,9 @@ def test_lmi_dist_across_two_containers_gives_the_single_process_greedy_tokens(l
 @pytest.fixture
 def mpi_cluster(image):
     """The tensor-parallel example (a model.py in MPI mode) across two containers."""
-    secret = secrets.token_hex(16)
-    remove("sagelmi-leader", "sagelmi-worker")
-    podman("network", "rm", "--force", NETWORK, check=False)
-    podman("network", "create", NETWORK)
-    port = free_port()
-    mpi = {"OPTION_MPI_MODE": "true"}
     example = REPO / "examples" / "tensor_parallel"
-    try:
-        start(node_command("worker", example, None, mpi), secret)
-        start(node_command("leader", example, port, mpi), secret)
-        wait_status(port, lambda r: r.status_code == 200, 300)
+    with two_containers(example, {"OPTION_MPI_MODE": "true"}, secrets.token_hex(16), 300) as port:
         yield f"http://127.0.0.1:{port}"
-    finally:
-        remove("sagelmi-leader", "sagelmi-worker")
-        podman("network", "rm", "--force", NETWORK, check=False)
 
 
 def test_a_model_py_in_mpi_mode_across_two_containers_gives_its_single_process_answer(mpi_cluster):
