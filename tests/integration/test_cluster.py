@@ -85,8 +85,7 @@ def cluster():
 def _answers(server: Server) -> list:
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         responses = list(pool.map(lambda row: server.invoke({"inputs": row}, timeout=60), ROWS))
-    # Each an answer; else what the cluster said, with both nodes' logs (a full run once got
-    # answers without outputs here, under the load of the other lanes, with no log to tell why)
+    # Each an answer; else what the cluster said, with both nodes' logs, which tell why
     failed = [(r.status_code, r.text[:300]) for r in responses if r.status_code != 200]
     assert not failed, f"{failed}\nleader:\n{server.log()[-4000:]}\nworker node:\n{server.worker.log()[-4000:]}"
     return [r.json() for r in responses]

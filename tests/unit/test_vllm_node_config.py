@@ -1,6 +1,6 @@
 """A worker node's part of the built-in engine is configured as the leader's engine is (handlers/engines/vllm_node.py):
-nodes whose vLLM derived other defaults warmed up with collectives of other sizes and died (gloo: "Received data
-size doesn't match expected size"; two containers, the leader at 2048 batched tokens, the worker node at 4096)."""
+nodes whose vLLM derives other defaults (max_num_batched_tokens 2048 on one, 4096 on the other) warm up with
+collectives of other sizes and die (gloo: "Received data size doesn't match expected size")."""
 
 from vllm.engine.arg_utils import AsyncEngineArgs
 
