@@ -49,7 +49,6 @@ FULL = {
         "tests/e2e/test_lmi_dist.py",
         "tests/e2e/test_lora.py",
         "tests/e2e/test_option_matrix.py",
-        "tests/e2e/test_pipeline_parallel.py",
         "tests/e2e/test_plan.py",
         "tests/e2e/test_vllm_cluster.py",
         "tests/e2e/test_vllm_engine.py",
