@@ -1,4 +1,5 @@
 """What a handler author reads, and what runs as a handler: the handler API
 (``Input``/``Output``, also importable as LMI's ``djl_python``), loading of a
-user's ``model.py``, and the built-in handlers (vLLM in Python mode, ``lmi-dist``
-in MPI mode) with their request and response schemas."""
+user's ``model.py``, and the built-in handlers (vLLM, which serves LMI's ``vllm`` and
+``lmi-dist`` configurations alike, and Hugging Face Accelerate) with their request and response
+schemas."""

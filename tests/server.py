@@ -197,7 +197,7 @@ class Server:
         return Path(self.log_file.name).read_text(errors="replace")
 
     def ran_an_engine(self) -> bool:
-        """Whether a built-in engine (vLLM, lmi-dist, Accelerate) started in this server, by its log."""
+        """Whether a built-in engine (vLLM, Accelerate) started in this server, by its log."""
         log = self.log()
         return "loaded (engine " in log or "starting vLLM" in log
 

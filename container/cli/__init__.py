@@ -28,7 +28,7 @@ from container.core import logs
 from container.core.artifacts import ArtifactError
 from container.core.devices import discover_devices, plan_groups
 from container.core.engine_args import EngineOptionError, check_engine_options
-from container.core.handler_choice import describe_handler, missing_model
+from container.core.handler_choice import describe_handler, missing_model, mpirun_groups
 from container.core.plan import PlanError
 from container.core.settings import (
     DEFAULT_MODEL_DIR,
@@ -193,7 +193,7 @@ def _describe_groups(settings) -> str:
     first = plans[0]
     where = "on the CPU" if not devices else f"on {len(devices)} visible device(s) ({','.join(devices)})"
     per = f"tp {first.tensor_parallel_degree} x pp {first.pipeline_parallel_degree}"
-    kind = "MPI ranks" if settings.use_mpi else "processes" if first.world_size > 1 else "process"
+    kind = "MPI ranks" if mpirun_groups(settings) else "processes" if first.world_size > 1 else "process"
     groups = "; ".join(f"{p.index}: {p.cuda_visible_devices or 'cpu'}" for p in plans)
     return f"{len(plans)} {where}, {first.world_size} {kind} each ({per}): {groups}"
 

@@ -2,7 +2,7 @@
 and the authenticated channel its nodes talk over.
 
 One node is the *leader*: it serves HTTP and starts each worker group across every node: one
-``mpirun`` (lmi-dist, MPI mode), or vLLM's own executor (the built-in engine), whose headless
+``mpirun`` (a model.py in MPI mode), or vLLM's own executor (the built-in engine), whose headless
 node on each worker node the leader has started there. The others are *worker nodes*: they
 register with the leader and run what it starts on them (``container/supervisor/cluster.py``). The names follow
 LMI's (``DJL_CLUSTER_SIZE``, ``DJL_LEADER_ADDR``) and Kubernetes LeaderWorkerSet's

@@ -3,7 +3,7 @@ config``, the start-up plan and the SDK (``choose_handler``).
 
 Three families (docs/handlers.md): an LMI ``model.py`` with ``handle``; a SageMaker inference
 toolkit script (``code/inference.py``, or the file ``SAGEMAKER_PROGRAM`` names, with
-``model_fn`` ...); the built-in engine: vLLM (``lmi-dist`` in MPI mode), or the Hugging Face
+``model_fn`` ...); the built-in engine: vLLM (``lmi-dist``, LMI's name under MPI mode), or the Hugging Face
 Accelerate engine for ``option.rolling_batch=disable`` or an ``option.task`` vLLM does not serve.
 The rule, first match wins:
 
@@ -172,10 +172,18 @@ def uses_builtin_engine(settings: Settings, handler_dir: Path | None) -> bool:
     return _builtin_choice(settings, handler_dir) is not None and accelerate_reason(settings) is None
 
 
+def mpirun_groups(settings: Settings, handler_dir: Path | None = None) -> bool:
+    """Whether each worker group is one ``mpirun`` job of tp x pp ranks: MPI mode (engine=MPI or
+    option.mpi_mode=true) for a handler other than the built-in vLLM engine. The built-in engine
+    (``vllm`` or ``lmi-dist``) always runs in one worker process whose vLLM starts its own ranks
+    (its multiprocessing executor, or Ray)."""
+    return settings.mpi_mode_on and not uses_builtin_engine(settings, handler_dir)
+
+
 def describe_handler(settings: Settings, handler_dir: Path | None) -> str:
     """Which handler will serve, in words (``sagelmi config``): the loader's decision, read
     without importing anything."""
-    mode = " in MPI mode (mpirun)" if settings.use_mpi else ""
+    mode = " in MPI mode (mpirun)" if settings.mpi_mode_on else ""
     missing = missing_model(settings)
     if missing is not None:
         return f"none: serve stops: {missing}"

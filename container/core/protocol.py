@@ -98,7 +98,6 @@ connection, so a restarted group gets them before any request):
 Between the ranks of an MPI group (rank 0 is the leader, the others follow):
 
     leader -> follower   Invoke, Cancel    every request and cancel, in rank 0's order
-    leader -> follower   Broadcast         bytes a built-in handler sends to its peers
     follower -> leader   Status            the follower's own health (loading, ready, failed)
     leader -> follower   Invoke(METRICS_PATH)   asks for the follower's metrics ...
     follower -> leader   Chunk                  ... its Prometheus text, which rank 0 serves
@@ -269,12 +268,6 @@ class Status(msgspec.Struct, tag="status", frozen=True):
     rank: int = 0
 
 
-class Broadcast(msgspec.Struct, tag="broadcast", frozen=True):
-    """Bytes a built-in handler on rank 0 sends to its peers on the other ranks."""
-
-    data: bytes
-
-
 class SetAdapter(msgspec.Struct, tag="set_adapter", frozen=True, omit_defaults=True):
     """Serve the LoRA adapter in the local directory ``path`` as ``name`` (validated by the
     frontend; the engine loads it and may still refuse it); without ``path``, stop serving it."""
@@ -295,7 +288,6 @@ Message = Union[  # noqa: UP007 (a runtime alias msgspec decodes with; kept in o
     Taken,
     Fail,
     Status,
-    Broadcast,
     SetAdapter,
 ]
 

@@ -105,7 +105,8 @@ KEYS: tuple[Key, ...] = (
         "option.mpi_mode",
         ("OPTION_MPI_MODE",),
         "true or false",
-        "Run each worker group as MPI ranks (same as engine=MPI; implied by option.rolling_batch=lmi-dist).",
+        "Run each worker group of a model.py as MPI ranks (same as engine=MPI); the built-in engine runs on "
+        "vLLM's own executor either way.",
     ),
     Key(
         "tensor_parallel_degree",
@@ -176,8 +177,8 @@ KEYS: tuple[Key, ...] = (
         "option.rolling_batch",
         ("OPTION_ROLLING_BATCH",),
         "auto, vllm, lmi-dist or disable",
-        "Continuous batching backend of the built-in handler: vllm in Python mode, lmi-dist (vLLM split "
-        "across MPI ranks) in MPI mode; auto picks by mode.",
+        "Continuous batching backend of the built-in handler: vLLM, whose executor starts a process per "
+        "rank; lmi-dist (LMI's name under MPI mode, which auto picks there) is the same engine.",
     ),
     Key(
         "max_rolling_batch_size",

@@ -156,30 +156,21 @@ class Settings(BaseModel):
                 f"min_workers={self.min_workers} ({self.sources.get('min_workers')}) is larger than "
                 f"max_workers={self.max_workers} ({self.sources.get('max_workers')})"
             )
-        mpi_source = self.sources.get("option.mpi_mode", "default")
-        if self.rolling_batch == "lmi-dist" and mpi_source != "default" and not self.mpi_mode:
-            raise ValueError(
-                f"option.rolling_batch=lmi-dist ({self.sources.get('option.rolling_batch')}) runs under MPI mode, "
-                f"but option.mpi_mode=false ({mpi_source}); use option.rolling_batch=vllm for Python mode"
-            )
-        if self.rolling_batch == "vllm" and self.use_mpi:
-            raise ValueError(
-                f"option.rolling_batch=vllm ({self.sources.get('option.rolling_batch')}) runs in Python mode, "
-                f"but MPI mode is on (engine={self.engine}, option.mpi_mode={str(self.mpi_mode).lower()}); "
-                f"under MPI mode the built-in engine is option.rolling_batch=lmi-dist"
-            )
         return self
 
     @property
-    def use_mpi(self) -> bool:
-        """Worker groups are mpirun jobs (engine=MPI, option.mpi_mode=true, or lmi-dist)."""
-        return self.engine == "MPI" or self.mpi_mode or self.rolling_batch == "lmi-dist"
+    def mpi_mode_on(self) -> bool:
+        """MPI mode is asked for (engine=MPI or option.mpi_mode=true). It makes worker groups mpirun
+        jobs for a user's handler only: the built-in vLLM engine runs on vLLM's own executor either way
+        (``handler_choice.mpirun_groups``)."""
+        return self.engine == "MPI" or self.mpi_mode
 
     @property
     def builtin_engine(self) -> str:
-        """What the built-in handler runs: ``vllm`` (Python mode), ``lmi-dist`` (MPI mode) or ``disable``."""
+        """The built-in handler's name: ``vllm``, ``lmi-dist`` (LMI's name for it under MPI mode; the same
+        vLLM engine, on vLLM's executor) or ``disable``."""
         if self.rolling_batch == "auto":
-            return "lmi-dist" if self.use_mpi else "vllm"
+            return "lmi-dist" if self.mpi_mode_on else "vllm"
         return self.rolling_batch
 
     @property

@@ -366,7 +366,7 @@ class GroupClient:
                     self.incarnation = message.incarnation
                     self._set_state(message.state, message.detail)
                     self.last_words = message.detail if message.state is WorkerState.DOWN else ""
-                else:  # rank 0 answers with these (its InvokeBatch and Broadcast go to the other ranks)
+                else:  # rank 0 answers with these (its InvokeBatch goes to the other ranks)
                     answer = cast("Head | Chunk | End | Fail | Taken", message)
                     batches.setdefault(answer.id, []).append(answer)
             for request_id, messages in batches.items():

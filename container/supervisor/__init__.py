@@ -30,7 +30,7 @@ from container.core import proc
 from container.core.artifacts import ArtifactError, fetch_model
 from container.core.devices import GroupPlan, cpu_binding, cpu_threads, discover_devices, plan_groups
 from container.core.engine_args import EngineOptionError, engine_environment
-from container.core.handler_choice import uses_builtin_engine
+from container.core.handler_choice import mpirun_groups, uses_builtin_engine
 from container.core.launch import (
     FrontendLaunch,
     GroupAddress,
@@ -200,7 +200,7 @@ class Supervisor:
             cluster = cluster_config(self.settings)
             self.ray = ray_process(self.settings, cluster, self.runtime)
             withhold_secret(cluster)
-            mpirun = find_mpirun() if self.settings.use_mpi else None
+            mpirun = find_mpirun() if mpirun_groups(self.settings) else None
             if cluster is not None and not cluster.is_leader():
                 return self._serve_as_worker_node(cluster)
             devices = discover_devices(self.settings)
@@ -268,7 +268,8 @@ class Supervisor:
 
     def _serve_as_worker_node(self, cluster) -> int:
         engine = None
-        if not self.settings.use_mpi and self.ray is None:  # the built-in engine: vLLM's headless node for the leader
+        # the built-in engine: vLLM's headless node for the leader
+        if not mpirun_groups(self.settings) and self.ray is None:
             devices = discover_devices(self.settings)
             (plan,) = cluster_plan(self.settings, devices, cluster)
             binding = cpu_binding(cluster_share([plan], cluster)) if not devices else {}

@@ -23,14 +23,15 @@ def cluster_config(settings: Settings) -> ClusterConfig | None:
         raise StartupError(str(exc)) from None
     if config is None:
         return None
-    if not settings.use_mpi and not uses_builtin_engine(settings, Path(settings.model_dir)):
+    builtin = uses_builtin_engine(settings, Path(settings.model_dir))
+    if not settings.mpi_mode_on and not builtin:
         raise StartupError(
             f"a cluster of {config.size} nodes runs the built-in vLLM engine across them, or each worker group as "
             f"one mpirun across them: serve without a model.py's handle (the built-in engine), or set "
-            f"option.mpi_mode=true (your model.py) or option.rolling_batch=lmi-dist"
+            f"option.mpi_mode=true (your model.py)"
         )
     backend = settings.passthrough_options().get("distributed_executor_backend", "mp").strip()
-    if not settings.use_mpi and backend not in ("mp", "ray"):
+    if builtin and backend not in ("mp", "ray"):
         raise StartupError(
             f"option.distributed_executor_backend={backend}: a cluster of {config.size} nodes runs the built-in "
             f"engine on vLLM's multiprocessing executor across them (mp) or on Ray (ray)"

@@ -124,11 +124,9 @@ class WorkerGroup:
             if self.mpirun is None:  # where the other nodes' vLLM workers reach this engine's message queue
                 env.setdefault("VLLM_HOST_IP", self.cluster.local_address)
         if self.omp_threads is not None and "OMP_NUM_THREADS" not in env:
-            # mpirun, unlike vLLM's own launcher, gives its CPU workers no OMP_NUM_THREADS. Without
-            # it a new thread of a rank runs OpenMP at OpenMP's default (every core the unbound rank
-            # may use) until its first torch operation sets torch's count (1 in an MPI process: MKL's
-            # choice), and vLLM's CPU attention, planned before that on lmi-dist's stepping thread
-            # and run after it, stops the engine.
+            # mpirun, unlike vLLM's own launcher, gives its CPU ranks no OMP_NUM_THREADS: without it
+            # each rank's OpenMP starts at its default (every core the unbound rank may use), and the
+            # ranks of a group oversubscribe the cores they share.
             env["OMP_NUM_THREADS"] = str(self.omp_threads)
         # vLLM's own cap on a completion's prompt list, the same as the server's on every route
         env.setdefault("VLLM_MAX_COMPLETION_PROMPTS", str(self.settings.max_prompts_per_request))

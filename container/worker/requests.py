@@ -36,6 +36,7 @@ from typing import Any, cast
 from urllib.parse import parse_qsl
 
 from container.core.errors import AnswerError, HandlerError, InputError, ServingError, UnsupportedMediaType
+from container.core.handler_choice import mpirun_groups
 from container.core.protocol import Invoke
 from container.core.request_priority import HEADER as PRIORITY_HEADER
 from container.core.request_priority import check_allowed, header_priority
@@ -49,9 +50,10 @@ _BATCH_KEY = re.compile(r"^batch_(\d+)\.(.*)$", re.S)
 def common_properties(settings: Settings, tensor_parallel_degree: int) -> dict[str, Any]:
     """What LMI's Python engine adds to the properties of every call."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
-    on_gpu = visible not in ("", "-1") and not settings.use_mpi
+    ranks = mpirun_groups(settings)
+    on_gpu = visible not in ("", "-1") and not ranks
     common: dict[str, Any] = {"device_id": "0" if on_gpu else "-1", "model_dir": settings.model_dir, "cluster_size": 1}
-    if settings.use_mpi:
+    if ranks:
         common["tensor_parallel_degree"] = tensor_parallel_degree
         common["pipeline_parallel_degree"] = settings.pipeline_parallel_degree
     return common

@@ -376,13 +376,11 @@ class Worker:
             log.warning("ignoring unexpected %s message", type(message).__name__)
 
     def _relay(self) -> Leader | None:
-        """Rank 0 of an MPI group hands requests and cancels to the other ranks
-        (unless its built-in handler hands them work itself): the leader then, else ``None``."""
+        """Rank 0 of an MPI group hands requests and cancels to the other ranks: the leader then,
+        else ``None``."""
         if self.leader is None or self.handler is None:
             return None
-        if self.handler.engine is None or not self.handler.engine.requests_on_rank0_only:
-            return self.leader
-        return None
+        return self.leader
 
     def _start_request(self, conn: Connection | DroppedAnswers, message: Invoke) -> asyncio.Task:
         request_id = message.properties.get("requestId", message.id)

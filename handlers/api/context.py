@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import queue
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
@@ -25,15 +24,11 @@ class Formatters:
 
 
 class Leader(Protocol):
-    """Rank 0's side of an MPI group's relay (``container.worker.ranks.Leader``)."""
-
-    def broadcast(self, data: bytes) -> None: ...
+    """Rank 0's side of an MPI group's relay (``container.worker.ranks.Leader``), which the runtime uses."""
 
 
 class Follower(Protocol):
-    """Another rank's side of the relay (``container.worker.ranks.Follower``): what rank 0 broadcast, in order."""
-
-    broadcasts: queue.SimpleQueue[bytes | None]
+    """Another rank's side of the relay (``container.worker.ranks.Follower``), which the runtime uses."""
 
 
 @dataclass(frozen=True)
@@ -41,8 +36,8 @@ class WorkerContext:
     """A worker process's place in its group, and the group's typed settings.
 
     In Python mode a group is one process: rank 0 of 1. In MPI mode rank 0 leads
-    (``leader``: sends to the other ranks) and the others follow (``follower``:
-    receive what rank 0 sends, in order)."""
+    (``leader``: relays every request to the other ranks) and the others follow (``follower``:
+    receive what rank 0 relays, in order)."""
 
     launch: WorkerLaunch
     settings: Settings
@@ -50,17 +45,6 @@ class WorkerContext:
     world_size: int = 1
     leader: Leader | None = None
     follower: Follower | None = None
-
-    def broadcast(self, data: bytes) -> None:
-        """Rank 0: send ``data`` to the handler on every other rank (in call order)."""
-        if self.leader is not None:
-            self.leader.broadcast(data)
-
-    def next_broadcast(self) -> bytes | None:
-        """Another rank: block until rank 0's next broadcast; ``None`` once rank 0 is gone."""
-        if self.follower is None:
-            raise RuntimeError("only the other ranks of an MPI group receive broadcasts")
-        return self.follower.broadcasts.get()
 
 
 class Running(NamedTuple):

@@ -1,4 +1,4 @@
-"""The engine contract: what every built-in engine (vLLM, lmi-dist, Accelerate) implements.
+"""The engine contract: what every built-in engine (vLLM, Accelerate) implements.
 
 The worker owns one engine per process. It starts it with the group's context (typed settings,
 layout) and the ``@input_formatter`` / ``@output_formatter`` of a ``model.py`` that has no
@@ -23,7 +23,6 @@ __all__ = ["Engine", "Formatters"]
 class Engine(ABC):
     """A built-in engine, started once per worker process."""
 
-    requests_on_rank0_only: ClassVar[bool] = False  # MPI mode: it hands work to its other ranks itself
     dynamic_batching: ClassVar[bool] = False  # the worker's dynamic batching feeds it, as it feeds a model.py
     serves_adapters: ClassVar[bool] = False  # it serves LoRA adapters (add_adapter / remove_adapter)
     reads_forms: ClassVar[bool] = False  # it reads form fields; False: multipart bodies are refused (415)

@@ -5,7 +5,7 @@ Which file or module serves is ``container.core.handler_choice.choose_handler``'
 without one, with its SageMaker inference toolkit functions (``model_fn`` ...:
 ``handlers/api/inference_toolkit.py``); without those, if it has (as LMI allows) only an
 ``@input_formatter`` and/or ``@output_formatter``, the built-in handler serves the model with
-those formatters. The built-in handler is vLLM in Python mode, ``lmi-dist`` in MPI mode, the
+those formatters. The built-in handler is vLLM (``vllm`` and ``lmi-dist`` alike), the
 Hugging Face Accelerate engine (``handlers/engines/accelerate.py``) for
 ``option.rolling_batch=disable`` or an ``option.task`` vLLM does not serve (logged loudly,
 with the reason). Anything else stops start-up with the reason: there is no silent fallback
@@ -52,7 +52,7 @@ class HandlerLoadError(Exception):
 
 BUILTIN = {  # engine name -> the module defining its Engine class, and the class
     "vllm": ("handlers.engines.vllm", "VllmEngine"),
-    "lmi-dist": ("handlers.engines.lmi_dist", "LmiDistEngine"),
+    "lmi-dist": ("handlers.engines.vllm", "VllmEngine"),  # LMI's name for it: vLLM's executor runs the ranks
     "accelerate": ("handlers.engines.accelerate", "AccelerateEngine"),
 }
 _BUILTIN_MODULES = {module: cls for module, cls in BUILTIN.values()}

@@ -1,1 +1,2 @@
-"""The built-in engines (vLLM, lmi-dist, Hugging Face Accelerate), over the handler API."""
+"""The built-in engines (vLLM, which also serves lmi-dist configurations, and Hugging Face
+Accelerate), over the handler API."""

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -46,6 +47,7 @@ from vllm.platforms import current_platform
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 
+from container.core import proc
 from container.core.chat_options import chat_options
 from container.core.errors import InputError
 from container.core.logs import redacted_json
@@ -84,8 +86,7 @@ CONVERSATION_KINDS = frozenset({"responses", "messages", "count_tokens"})  # the
 
 class UnfinishedRequests:
     """Prometheus collector ``sagelmi_engine_unfinished_requests``: requests an engine has not
-    finished (exact, not sampled), from ``count``. vLLM's ``AsyncLLM`` here; in lmi-dist also the
-    engine core of each rank that is not rank 0."""
+    finished (exact, not sampled), from ``count`` (vLLM's ``AsyncLLM``)."""
 
     def __init__(self, count: Callable[[], int]) -> None:
         self.count = count
@@ -105,6 +106,10 @@ def engine_kwargs(context: WorkerContext, **overrides: Any) -> dict[str, Any]:
     if launch.nodes is not None:  # node 0 of vLLM's executor across a cluster (handlers.engines.vllm_node)
         kwargs.update(node_kwargs(launch.nodes))
     return {**kwargs, **overrides}
+
+
+class EngineProcessGone(RuntimeError):
+    """One of vLLM's processes on this machine ended: the engine cannot go on."""
 
 
 class VllmEngine(Engine):
@@ -141,6 +146,9 @@ class VllmEngine(Engine):
                 engine, self.openai.models, task, settings.normalize, settings.trust_request_mm_kwargs, scheduled
             )
         REGISTRY.register(UnfinishedRequests(engine.get_num_unfinished_requests))
+        # vLLM's processes on this machine (EngineCore, a worker per rank): when a worker dies, vLLM's
+        # executor gives the others seconds to stop before its EngineCore reports the engine dead
+        self.processes = proc.titled(proc.descendants([os.getpid()]), "VLLM::")
 
     @classmethod
     async def start(cls, context: WorkerContext, formatters: Formatters) -> VllmEngine:
@@ -159,9 +167,13 @@ class VllmEngine(Engine):
         self.engine.shutdown()
 
     def check_health(self) -> None:
-        """Raises once the engine is dead (its EngineCore process gone): the group restarts."""
+        """Raises once the engine is dead (vLLM says so, or one of its processes here is gone): the
+        group restarts."""
         if self.engine.errored:
             raise EngineDeadError("the vLLM engine stopped") from self.engine.dead_error
+        for pid, title in self.processes.items():
+            if not proc.running(pid):
+                raise EngineProcessGone(f"vLLM's process {title} (pid {pid}) is gone")
 
     async def add_adapter(self, name: str, path: str) -> None:
         await self.adapters.add(name, path)

@@ -4,8 +4,9 @@
 The built-in engine with tensor parallel 2 puts one rank in each container (vLLM's headless node in
 the worker container); its greedy tokens must be the single-process engine's (``vllm_server``,
 float32). Then the failures: a container with a wrong secret, a worker container killed under load.
-Then the same two containers with lmi-dist (its second rank started through sagelmi's launch
-service), and a model.py in MPI mode across them.
+Then the same two containers with LMI's lmi-dist configuration (the same engine: vLLM's headless
+node in the worker container, no mpirun), and a model.py in MPI mode across them (its second rank
+started through sagelmi's launch service).
 """
 
 from __future__ import annotations
@@ -275,8 +276,9 @@ def lmi_dist_cluster(image, tiny_model):
 
 def test_lmi_dist_across_two_containers_gives_the_single_process_greedy_tokens(lmi_dist_cluster, vllm_server):
     worker = worker_processes("sagelmi-worker")
-    assert any("container.worker" in c for c in worker.values()), worker  # rank 1 runs in the worker container
-    assert any("prted" in c for c in worker.values())  # started through sagelmi's launch service, not ssh
+    assert any("vllm_node" in c for c in worker.values()), worker  # vLLM's node 1 runs in the worker container
+    assert any("VLLM::" in c for c in worker.values()), worker  # and its rank
+    assert not any("prted" in c or "mpirun" in c for c in worker.values()), worker  # no MPI
     _exact(lmi_dist_cluster, vllm_server)
 
 

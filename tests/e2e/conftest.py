@@ -43,7 +43,7 @@ def tiny_think_model():
 
 
 # The lmi-dist try-out (docs/large_models.md): write the tiny model, serve it split over two ranks.
-LMI_DIST_README = shell_commands(section("The lmi-dist engine"))
+LMI_DIST_README = shell_commands(section("lmi-dist configurations"))
 LMI_DIST_README_ENV = {"OPTION_ROLLING_BATCH": "lmi-dist", "TENSOR_PARALLEL_DEGREE": "2", **VLLM_CPU_ENV}
 # What the option matrix's lmi-dist cell adds (eager; prefix caching is vLLM's default on x86; the README's
 # model has a context of 1024 already): the cell is served by the same server.

@@ -214,15 +214,14 @@ def test_an_s3_adapter_registered_again_serves_its_changed_objects_and_unregiste
     assert copies() == []
 
 
-@pytest.mark.mpi
 def test_lmi_dist_serves_adapters_on_both_ranks(server, model):
-    """lmi-dist (vLLM split over two MPI ranks) answers an adapter as the one-process engine does (eager:
-    the compiled LoRA model is the shared server's)."""
+    """lmi-dist (tensor parallel 2 on vLLM's executor) answers an adapter as the one-process engine does
+    (eager: the compiled LoRA model is the shared server's)."""
     env = {**VLLM_CPU_ENV, **EXACT, **EAGER, **LORA, "OPTION_ROLLING_BATCH": "lmi-dist", "TENSOR_PARALLEL_DEGREE": "2"}
     expected = {name: generate(server, name) for name in ("a1", None)}
     with Server(model, env=env, ready_timeout=ENGINE_READY_TIMEOUT) as sharded:
         assert {name: generate(sharded, name) for name in ("a1", None)} == expected
-        ensure_a2(sharded, model)  # registered through the route: it reaches both ranks
+        ensure_a2(sharded, model)  # registered through the route: vLLM loads it on both ranks
         assert generate(sharded, "a2") == ensure_a2(server, model)
 
 

@@ -7,7 +7,9 @@ requests (a crash loop behind a healthy /ping).
 Each cell is checked where that is cheapest: one that ``sagelmi config`` refuses (settings checked
 before anything starts, as ``serve`` checks them) by ``config``; one that only the engine refuses by
 ``serve``; one that serves on a server of its own, or on a shared one already serving its settings
-(the lmi-dist and LoRA cells: tests/e2e/conftest.py's ``lmi_dist_server`` and ``lora_server``)."""
+(the lmi-dist and LoRA cells: tests/e2e/conftest.py's ``lmi_dist_server`` and ``lora_server``). lmi-dist
+is the same engine as the plain configuration: each cell crossed with lmi-dist is checked by its engine
+arguments (tests/unit/test_lmi_dist_settings.py)."""
 
 import re
 import subprocess
@@ -50,10 +52,6 @@ CELLS = {
         {"OPTION_MAX_ROLLING_BATCH_PREFILL_TOKENS": "64"},
         "is less than option.max_rolling_batch_size=256",
     ),
-    "tensor parallel 2 (Python mode) + eager": (
-        {"TENSOR_PARALLEL_DEGREE": "2", "OPTION_ENFORCE_EAGER": "true"},
-        SERVES,
-    ),
     "speculative decoding (ngram) + eager": (
         {"OPTION_SPECULATIVE_CONFIG": SPEC, "OPTION_ENFORCE_EAGER": "true"},
         SERVES,
@@ -70,10 +68,6 @@ CELLS = {
         {"OPTION_ROLLING_BATCH": "lmi-dist", "PIPELINE_PARALLEL_DEGREE": "2", "OPTION_ENFORCE_EAGER": "true"},
         "option.pipeline_parallel_degree=2 with option.enforce_eager=true",
     ),
-    "lmi-dist tp 2 + --oversubscribe": (
-        {"OPTION_ROLLING_BATCH": "lmi-dist", "TENSOR_PARALLEL_DEGREE": "2", "OPTION_MPI_EXTRA_ARGS": "--oversubscribe"},
-        "option.mpi_extra_args=--oversubscribe",
-    ),
     "Ray as the executor": (
         {"OPTION_DISTRIBUTED_EXECUTOR_BACKEND": "ray"},
         "current platform cpu does not support ray",
@@ -86,7 +80,7 @@ CELLS = {
 }
 # Served by a shared server: cell -> its settings (what that server runs with, checked below)
 SHARED_CELLS = {
-    "lmi-dist tp 2 + eager + prefix caching + max_model_len": {**LMI_DIST_README_ENV, **LMI_DIST_CELL},
+    "lmi-dist (tensor parallel 2) + eager + prefix caching + max_model_len": {**LMI_DIST_README_ENV, **LMI_DIST_CELL},
     "LoRA + chunked prefill + max_rolling_batch_size": {**LORA, **LORA_CELL},
 }
 RESULTS: dict[str, str] = {}
@@ -175,9 +169,9 @@ def _shared_cell(cell: str, server: Server, vllm_server: Server, which: str) -> 
     RESULTS[cell] = f"serves the plain engine's greedy tokens (on the shared {which} server, {seconds:.0f} s)"
 
 
-@pytest.mark.mpi
 def test_the_lmi_dist_cell_serves_exact_tokens(lmi_dist_server, vllm_server):
-    _shared_cell("lmi-dist tp 2 + eager + prefix caching + max_model_len", lmi_dist_server, vllm_server, "lmi-dist")
+    _shared_cell("lmi-dist (tensor parallel 2) + eager + prefix caching + max_model_len", lmi_dist_server, vllm_server,
+                 "lmi-dist")
 
 
 def test_the_lora_cell_serves_exact_tokens(lora_server, vllm_server):

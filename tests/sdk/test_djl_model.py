@@ -26,7 +26,7 @@ RENAMED = {"HF_MODEL_ID": "OPTION_MODEL_ID", "HF_TASK": "OPTION_TASK",
            "TENSOR_PARALLEL_DEGREE": "OPTION_TENSOR_PARALLEL_DEGREE"}
 # DJLModel writes OPTION_ENGINE=Python whenever engine= is not given (OnnxRuntime for the
 # text-embedding task: a DJL Java engine sagelmi does not have). sagelmi leaves it to the
-# container, which picks Python, or MPI for rolling_batch=lmi-dist (a Python there would refuse it).
+# container, which picks Python (MPI mode only when asked for, for a model.py).
 DJL_ONLY_UNLESS_GIVEN = {"OPTION_ENGINE"}
 # DJLModel writes a bool as Python's str(True); sagelmi as the container's true/false. Both parse alike.
 BOOLEANS = {"OPTION_PARALLEL_LOADING"}

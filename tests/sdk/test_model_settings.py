@@ -46,7 +46,7 @@ def test_typed_settings_and_options_become_the_containers_variables():
 def test_mpi_mode_and_lmi_dist():
     m = model(model_id="org/model", rolling_batch="lmi-dist", mpi_mode=True, tensor_parallel_degree="max")
     assert m.env["OPTION_MPI_MODE"] == "true" and m.env["OPTION_ROLLING_BATCH"] == "lmi-dist"
-    assert m.settings.use_mpi and m.settings.builtin_engine == "lmi-dist"
+    assert m.settings.mpi_mode_on and m.settings.builtin_engine == "lmi-dist"
 
 
 def _container_error(env: dict) -> str:
@@ -62,7 +62,6 @@ def _container_error(env: dict) -> str:
     {"max_rolling_batch_size": "lots"},
     {"rolling_batch": "vlm"},
     {"options": {"predict_timeout": -1}},
-    {"rolling_batch": "vllm", "mpi_mode": True},
 ])
 def test_an_invalid_setting_is_refused_with_the_containers_message(kwargs):
     with pytest.raises(SettingsError) as refused:

@@ -162,7 +162,7 @@ def test_cluster_settings_are_checked_against_the_engine_settings(tmp_path, monk
     with pytest.raises(supervisor.StartupError, match="or each worker group as one mpirun across them: serve without "
                                                       "a model.py's handle"):
         cluster_config(resolve_settings({"TENSOR_PARALLEL_DEGREE": "2"}, tmp_path))
-    settings = resolve_settings({"OPTION_ROLLING_BATCH": "lmi-dist", "TENSOR_PARALLEL_DEGREE": "4"}, tmp_path)
+    settings = resolve_settings({"OPTION_MPI_MODE": "true", "TENSOR_PARALLEL_DEGREE": "4"}, tmp_path)
     config = cluster_config(settings)
     assert cluster_plan(settings, ["0", "1", "2", "3"], config) == [GroupPlan(0, ("0", "1"), 4, 1)]
     with pytest.raises(supervisor.StartupError, match="cluster's 2 nodes runs 2 ranks, but this one sees 1"):
@@ -213,7 +213,8 @@ def test_a_users_hostfile_names_the_cluster_s_nodes_for_mpirun(tmp_path):
 
 
 def _doc_manifests() -> list[list[dict]]:
-    """The YAML blocks of docs/cluster.md, each as its documents: the LeaderWorkerSet of MPI mode, then Ray's."""
+    """The YAML blocks of docs/cluster.md, each as its documents: the LeaderWorkerSet of vLLM's executor
+    (an lmi-dist configuration), then Ray's."""
     import re
 
     import yaml
@@ -224,7 +225,7 @@ def _doc_manifests() -> list[list[dict]]:
     return [list(yaml.safe_load_all(text)) for text in blocks]
 
 
-@pytest.mark.parametrize("which", [0, 1], ids=["mpirun", "ray"])
+@pytest.mark.parametrize("which", [0, 1], ids=["vllm-mp", "ray"])
 def test_the_leaderworkerset_manifest_of_the_docs_runs_one_image_with_one_environment(which, monkeypatch, tmp_path):
     from tests.server import REPO
 

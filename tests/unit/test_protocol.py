@@ -7,7 +7,7 @@ import msgspec
 import pytest
 
 from container.core.launch import WorkerLaunch, decode_worker_launch, encode_launch
-from container.core.protocol import (FRAME_HEADER, Attach, Broadcast, Cancel, Chunk, End, Fail, FrameBuffer, Head,
+from container.core.protocol import (FRAME_HEADER, Attach, Cancel, Chunk, End, Fail, FrameBuffer, Head,
                                 Invoke, InvokeBatch, Message, ProtocolError, ResponseHead, SetAdapter, Status, Taken,
                                 WorkerState, decode, encode, progress)
 from container.core.settings import Settings
@@ -20,7 +20,6 @@ MESSAGES = [
     End(id="r1"),
     Fail(id="r1", code=424, message="invoke handler failure", error="boom"),
     Status(state=WorkerState.READY, detail="", incarnation=3, rank=1),
-    Broadcast(data=b"\x01step"),
     InvokeBatch(items=[Invoke(id="r2", properties={}, body=b"{}")]),
     Attach(id="r1", direct=True),
     Attach(id="r3", head=ResponseHead("HTTP/1.1", "sagelmi", False, {"x-group": "0"}), max_body=1 << 20),

@@ -79,7 +79,12 @@ def test_a_cluster_runs_the_built_in_engine_in_python_mode_on_ray(tmp_path, monk
     assert ray_process(settings(tmp_path, TENSOR_PARALLEL_DEGREE=2), config, tmp_path) is None
     assert ray_process(chosen, None, tmp_path) is None
     mpi = settings(tmp_path, TENSOR_PARALLEL_DEGREE=2, OPTION_DISTRIBUTED_EXECUTOR_BACKEND="ray", OPTION_MPI_MODE="true")
-    assert ray_process(mpi, config, tmp_path) is None  # MPI mode's groups are mpirun jobs
+    assert ray_process(mpi, config, tmp_path, ray="/bin/ray") is not None  # the built-in engine, in MPI mode too
+    handler = tmp_path / "handler"
+    handler.mkdir()
+    (handler / "model.py").write_text("def handle(inputs):\n    return None\n")
+    mpi = settings(handler, TENSOR_PARALLEL_DEGREE=2, OPTION_DISTRIBUTED_EXECUTOR_BACKEND="ray", OPTION_MPI_MODE="true")
+    assert ray_process(mpi, config, tmp_path) is None  # a model.py in MPI mode: its groups are mpirun jobs
     monkeypatch.setenv("SAGELMI_NODE_INDEX", "1")
     ray = ray_process(chosen, ClusterConfig.from_env(), tmp_path, ray="/bin/ray")
     assert ray is not None and ray.node == RayNode("localhost", 6380, head=False)

@@ -2,7 +2,7 @@
 gateway, KEDA's Prometheus triggers): ``vllm:num_requests_waiting`` and ``vllm:kv_cache_usage_perc``
 keep exactly those names and their gauge type through the frontend's merge of the worker groups'
 texts, whatever the layout: one group, several, an MPI group's ranks. (On real engines:
-tests/e2e/test_vllm_engine.py, one group; tests/e2e/test_lmi_dist.py, two ranks.)"""
+tests/e2e/test_vllm_engine.py, one group; tests/e2e/test_lmi_dist.py, tensor parallel 2.)"""
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -16,7 +16,7 @@ GAUGES = ("vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
 def engine_text(waiting: float, usage: float, with_engine: bool = True) -> str:
     """What a worker process's registry holds: vLLM's gauges as its Prometheus logger declares them
     (labels model_name and engine), a counter of vLLM's and sagelmi's own gauge; an MPI rank that
-    runs no front (lmi-dist's other ranks) has only the last."""
+    runs no engine (another rank of a model.py in MPI mode) has only the last."""
     registry = CollectorRegistry()
     if with_engine:
         labels = ["model_name", "engine"]
@@ -74,8 +74,7 @@ def test_several_groups_give_one_series_each_in_one_family():
 
 
 def test_mpi_groups_carry_rank_0s_gauges_labelled_with_group_and_rank():
-    """lmi-dist: rank 0 runs vLLM's front (its gauges), the other ranks only the engine core; each
-    group's rank 0 merges its ranks' texts (container.worker.observe) before the frontend merges groups."""
+    """A model.py in MPI mode whose rank 0 alone runs vLLM (its gauges); each group's rank 0 merges its ranks' texts (container.worker.observe) before the frontend merges groups."""
     group = {str(g): merge({"0": engine_text(g + 1, 0.1), "1": engine_text(0, 0, with_engine=False)}, "rank").decode()
              for g in range(2)}
     text = exposition(group)

@@ -4,6 +4,7 @@ import sys
 
 import pytest
 
+from container.core.handler_choice import mpirun_groups
 from container.core.serving_properties import parse_properties
 from container.core.setting_keys import KEY_BY_FIELD, KEYS
 from container.core.settings import SettingsError, describe_settings, resolve_settings
@@ -153,10 +154,24 @@ def test_aliases_land_in_handler_properties_under_the_lmi_name(tmp_path):
 def test_modes_and_the_built_in_engine(tmp_path):
     assert resolve(tmp_path=tmp_path).builtin_engine == "vllm"
     lmi_dist = resolve({"OPTION_ROLLING_BATCH": "lmi-dist"}, tmp_path=tmp_path)
-    assert lmi_dist.use_mpi and lmi_dist.builtin_engine == "lmi-dist"  # LMI's quick start sets no mpi_mode
+    assert not lmi_dist.mpi_mode_on and lmi_dist.builtin_engine == "lmi-dist"  # LMI's quick start sets no mpi_mode
     mpi = resolve({"OPTION_MPI_MODE": "true"}, tmp_path=tmp_path)
-    assert mpi.use_mpi and mpi.builtin_engine == "lmi-dist"
-    assert resolve({"OPTION_ENGINE": "MPI"}, tmp_path=tmp_path).use_mpi
+    assert mpi.mpi_mode_on and mpi.builtin_engine == "lmi-dist"
+    assert resolve({"OPTION_ENGINE": "MPI"}, tmp_path=tmp_path).mpi_mode_on
+    # LMI's lmi-dist configurations, MPI mode's settings included, all run the built-in engine on vLLM's executor
+    for env in ({"OPTION_ROLLING_BATCH": "lmi-dist", "OPTION_MPI_MODE": "false"},
+                {"OPTION_ROLLING_BATCH": "lmi-dist", "OPTION_MPI_MODE": "true"},
+                {"OPTION_ROLLING_BATCH": "vllm", "OPTION_ENGINE": "MPI"}, {"OPTION_ENGINE": "MPI"}):
+        assert not mpirun_groups(resolve(env, tmp_path=tmp_path), tmp_path), env
+
+
+def test_mpi_mode_makes_mpirun_groups_for_a_model_py_only(tmp_path):
+    (tmp_path / "model.py").write_text("def handle(inputs):\n    return None\n")
+    assert mpirun_groups(resolve({"OPTION_MPI_MODE": "true"}, tmp_path=tmp_path), tmp_path)
+    assert mpirun_groups(resolve({"OPTION_ENGINE": "MPI"}, tmp_path=tmp_path), tmp_path)
+    assert not mpirun_groups(resolve({}, tmp_path=tmp_path), tmp_path)
+    (tmp_path / "model.py").write_text("from djl_python.input_parser import input_formatter\n")  # formatters only
+    assert not mpirun_groups(resolve({"OPTION_MPI_MODE": "true"}, tmp_path=tmp_path), tmp_path)
 
 
 def test_typed_engine_settings_use_vllm_names(tmp_path):
@@ -174,7 +189,7 @@ def test_defaults(tmp_path):
     assert settings.job_queue_size == 1000
     assert settings.max_payload_bytes == 6 * 1024 * 1024
     assert settings.shutdown_grace_period == 25
-    assert settings.engine == "Python" and not settings.use_mpi
+    assert settings.engine == "Python" and not settings.mpi_mode_on
     assert settings.sources["job_queue_size"] == "default"
     assert settings.header_read_timeout == 10
 
@@ -272,10 +287,6 @@ def test_empty_variables_count_as_unset(tmp_path):
     ({"OPTION_OUTPUT_FORMATTER": "xml"}, None, ["option.output_formatter='xml'", "json, jsonlines or sse"]),
     ({"OPTION_MPI_EXTRA_ARGS": "--mca 'unclosed"}, None, ["option.mpi_extra_args", "cannot split"]),
     ({"OPTION_RAY_PORT": "80"}, None, ["option.ray_port", "80"]),
-    ({"OPTION_ROLLING_BATCH": "lmi-dist", "OPTION_MPI_MODE": "false"}, None,
-     ["lmi-dist (env OPTION_ROLLING_BATCH) runs under MPI mode", "option.mpi_mode=false (env OPTION_MPI_MODE)"]),
-    ({"OPTION_ROLLING_BATCH": "vllm", "OPTION_ENGINE": "MPI"}, None,
-     ["option.rolling_batch=vllm (env OPTION_ROLLING_BATCH) runs in Python mode", "lmi-dist"]),
 ])
 def test_bad_values_name_key_value_source_and_allowed(tmp_path, env, properties, fragments):
     with pytest.raises(SettingsError) as err:
@@ -372,7 +383,10 @@ def test_serve_without_a_model_says_what_to_set_before_anything_starts(tmp_path)
     ({}, "lmi_echo", "model.py in the model directory (its handle function)", "1 on the CPU, 1 process each"),
     ({}, None, "the built-in vllm handler (option.rolling_batch=auto)", "1 on the CPU, 1 process each"),
     ({"OPTION_ROLLING_BATCH": "lmi-dist", "TENSOR_PARALLEL_DEGREE": "2"}, None,
-     "the built-in lmi-dist handler (option.rolling_batch=lmi-dist)", "1 on the CPU, 2 MPI ranks each (tp 2 x pp 1)"),
+     "the built-in lmi-dist handler (option.rolling_batch=lmi-dist)", "1 on the CPU, 2 processes each (tp 2 x pp 1)"),
+    ({"OPTION_MPI_MODE": "true", "TENSOR_PARALLEL_DEGREE": "2"}, "lmi_echo",
+     "model.py in the model directory (its handle function) in MPI mode (mpirun)",
+     "1 on the CPU, 2 MPI ranks each (tp 2 x pp 1)"),
     ({"OPTION_TASK": "fill-mask"}, None,
      "the built-in Hugging Face Accelerate handler, because option.task=fill-mask", "1 on the CPU"),
     ({"CUDA_VISIBLE_DEVICES": "0,1,2,3", "TENSOR_PARALLEL_DEGREE": "2"}, None, "the built-in vllm handler",

@@ -69,13 +69,13 @@ def test_a_long_tmpdir_moves_the_runtime_directory_where_its_sockets_fit(tmp_pat
 @pytest.mark.parametrize("users", [None, "3"])
 def test_mpi_ranks_on_the_cpu_get_their_share_of_the_cores_as_openmp_threads(tmp_path, monkeypatch, users):
     """mpirun, unlike vLLM's own launcher, sets no OMP_NUM_THREADS: the group does (the user's wins), and
-    every rank gets it, on other nodes too. Without it, lmi-dist in eager mode stopped at its first request
-    (tests/e2e/test_option_matrix.py's lmi-dist cell)."""
+    every rank gets it, on other nodes too. Without it, every rank's OpenMP starts on every core the
+    group's ranks share."""
     if users is None:
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     else:
         monkeypatch.setenv("OMP_NUM_THREADS", users)
-    settings = resolve_settings({"OPTION_ROLLING_BATCH": "lmi-dist", "TENSOR_PARALLEL_DEGREE": "2"}, tmp_path)
+    settings = resolve_settings({"OPTION_MPI_MODE": "true", "TENSOR_PARALLEL_DEGREE": "2"}, tmp_path)
     plan = GroupPlan(0, (), 2, 1)
     threads = cpu_threads([plan], cores=[0, 1, 2, 3])
     group = WorkerGroup(plan, settings, tmp_path, str(tmp_path), "/x/mpirun", "0-1|2-3", omp_threads=threads)
