@@ -3,7 +3,9 @@ multiprocessing executor: the leader on 127.0.0.1 runs sagelmi's frontend and vL
 worker node on 127.0.0.2 (a UTS namespace of its own: another hostname, so vLLM takes it for
 another machine and its ranks meet over TCP, not shared memory) runs vLLM's headless node 1;
 tensor parallel 2, one rank on each node, each on a core of its own. One cluster for the module
-(the lost-node test, last, replaces its worker node)."""
+(the lost-node test, last, replaces its worker node). Its answers are compared with vLLM's offline
+engine in one process (tests/references.py, kept between runs): this module runs in lane ``e2e``
+(tests/lanes.py), which starts no shared server."""
 
 import concurrent.futures
 import json
@@ -13,6 +15,7 @@ import secrets
 import shutil
 import signal
 import socket
+import textwrap
 import time
 from pathlib import Path
 
@@ -22,6 +25,7 @@ import requests
 
 from container.core.proc import parents
 from tests.e2e.conftest import EAGER, ENGINE_READY_TIMEOUT, EXACT, VLLM_CPU_ENV
+from tests.references import offline_reference
 from tests.server import RawStream, Server, processes
 
 pytestmark = [pytest.mark.slow,
@@ -29,6 +33,26 @@ pytestmark = [pytest.mark.slow,
 
 PROMPTS = [f"Prompt number {i} about the {word}" for i, word in
            enumerate(["sea", "sky", "river", "city", "dog", "fox", "morning", "queue"])]
+
+# vLLM offline on the tiny model in one process (float32, eager): each prompt's 24 greedy token ids,
+# and the first prompt's 16-token greedy chat answer.
+OFFLINE = textwrap.dedent("""
+    import json, sys
+    if __name__ == "__main__":
+        from vllm import LLM, SamplingParams
+        prompts = json.loads(sys.argv[2])
+        llm = LLM(model=sys.argv[1], gpu_memory_utilization=0.5, dtype="float32", enforce_eager=True)
+        answers = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+        chat = llm.chat([{"role": "user", "content": prompts[0]}], SamplingParams(temperature=0, max_tokens=16),
+                        use_tqdm=False)
+        print("REFERENCE=" + json.dumps({"ids": [list(a.outputs[0].token_ids) for a in answers],
+                                         "chat": chat[0].outputs[0].text}), flush=True)
+""")
+
+
+@pytest.fixture(scope="module")
+def one_process(tiny_model):
+    return offline_reference(OFFLINE, tiny_model, [json.dumps(PROMPTS)], "REFERENCE=")
 
 
 def _env(secret: str, cluster_port: int, **extra: str) -> dict[str, str]:
@@ -87,10 +111,10 @@ def _node_processes(server: Server) -> dict[int, str]:
     return processes(server.process.pid)
 
 
-def test_eight_concurrent_lmi_requests_give_the_greedy_tokens_of_one_process(vllm_server, cluster):
+def test_eight_concurrent_lmi_requests_give_the_greedy_tokens_of_one_process(one_process, cluster):
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         spread = list(pool.map(lambda p: _answer_ids(cluster, p), PROMPTS))
-    assert spread == [_answer_ids(vllm_server, p) for p in PROMPTS]
+    assert spread == one_process["ids"]
     assert "worker node 1 registered from 127.0.0.2" in cluster.log()
     # the worker node runs vLLM's node 1, no frontend and no sagelmi worker; its /ping is never 200
     worker = _node_processes(cluster.worker).values()
@@ -101,17 +125,12 @@ def test_eight_concurrent_lmi_requests_give_the_greedy_tokens_of_one_process(vll
     assert ping.status_code == 503 and ping.json()["message"] == "cluster worker"
 
 
-def test_an_openai_chat_stream_works(vllm_server, cluster):
-    def chat(server, prompt, stream):
-        client = openai.OpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=0)
-        reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}],
-                                               max_tokens=16, temperature=0, stream=stream)
-        if not stream:
-            return reply.choices[0].message.content
-        return "".join(chunk.choices[0].delta.content or "" for chunk in reply if chunk.choices)
-
-    streamed = chat(cluster, PROMPTS[0], True)
-    assert streamed and streamed == chat(vllm_server, PROMPTS[0], False)
+def test_an_openai_chat_stream_works(one_process, cluster):
+    client = openai.OpenAI(base_url=cluster.url("/v1"), api_key="unused", max_retries=0)
+    reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPTS[0]}],
+                                           max_tokens=16, temperature=0, stream=True)
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in reply if chunk.choices)
+    assert streamed and streamed == one_process["chat"]
 
 
 def _kill_family(root: int) -> set[int]:
