@@ -21,7 +21,7 @@ from container.core.settings import Settings
 log = logging.getLogger("sagelmi.serve")
 
 POLL_INTERVAL = 0.1
-STOP_TIMEOUT = 10.0
+STOP_TIMEOUT = 25.0  # a child's stop; a worker's, its handler's stop included (runtime.SHUTDOWN_TIMEOUT)
 MAX_RESTART_DELAY = 30.0
 # A group that dies within CRASH_WINDOW seconds of a start CRASH_LOOP_DEATHS times in a row is
 # crash-looping: /ping stays 503 naming why it died until a start stays up CRASH_WINDOW seconds.

@@ -76,7 +76,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("sagelmi.worker")
 
-SHUTDOWN_TIMEOUT = 15.0
+SHUTDOWN_TIMEOUT = 22.0  # a handler's shutdown(): the built-in engine's stop fits in it (vllm.ENGINE_STOP_SECONDS)
 HEALTH_INTERVAL = 1.0  # how often a built-in handler's check_health() runs
 
 

@@ -72,6 +72,13 @@ from handlers.engines.vllm_pooling import POOLING_PATHS, PoolingFront
 
 log = logging.getLogger("sagelmi.vllm")
 
+# How long vLLM's processes get to stop on their own before vLLM kills them (its defaults, 5 s each,
+# are shorter than their teardown on a busy machine: the stop then logged vLLM's force kill). Within
+# the worker's own stop (container.worker.runtime.SHUTDOWN_TIMEOUT): the EngineCore's wait for its
+# rank workers (vLLM's VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS, unless set), then the EngineCore's own exit.
+WORKERS_STOP_SECONDS = 12
+ENGINE_STOP_SECONDS = 20.0
+
 # The generation routes besides /invocations and the kind of body each takes: vLLM's OpenAI chat and
 # completion, and its Responses and Anthropic Messages serving classes
 OPENAI_PATHS = {
@@ -106,6 +113,12 @@ def engine_kwargs(context: WorkerContext, **overrides: Any) -> dict[str, Any]:
     if launch.nodes is not None:  # node 0 of vLLM's executor across a cluster (handlers.engines.vllm_node)
         kwargs.update(node_kwargs(launch.nodes))
     return {**kwargs, **overrides}
+
+
+async def _cancelled(task: asyncio.Task) -> None:
+    """Cancel ``task`` and wait until it has stopped."""
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
 
 
 class EngineProcessGone(RuntimeError):
@@ -152,6 +165,7 @@ class VllmEngine(Engine):
 
     @classmethod
     async def start(cls, context: WorkerContext, formatters: Formatters) -> VllmEngine:
+        os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", str(WORKERS_STOP_SECONDS))  # its processes'
         kwargs = engine_kwargs(context)
         log.info("starting vLLM with %s", redacted_json(kwargs))
         vllm_media.install(context.settings, kwargs)
@@ -164,7 +178,17 @@ class VllmEngine(Engine):
         return cls(engine, context, kwargs, formatters)
 
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        """Stop vLLM (the worker calls this in a thread while its loop runs). ``AsyncLLM.shutdown`` stops
+        the EngineCore first and its output handler only after it: that task, running on the loop
+        meanwhile, would see the EngineCore exit and log it as a failure with a traceback. So the
+        handler is stopped first."""
+        handler = getattr(self.engine, "output_handler", None)
+        if handler is not None and not handler.done():
+            try:
+                asyncio.run_coroutine_threadsafe(_cancelled(handler), handler.get_loop()).result(5)
+            except Exception:  # noqa: BLE001 - the engine's stop goes on
+                log.debug("vLLM's output handler did not stop", exc_info=True)
+        self.engine.shutdown(timeout=ENGINE_STOP_SECONDS)
 
     def check_health(self) -> None:
         """Raises once the engine is dead (vLLM says so, or one of its processes here is gone): the

@@ -133,3 +133,16 @@ def test_a_priority_that_is_no_int64_is_a_400_naming_its_field(server, path, bod
     message = r.json()["error"]["message"] if path.startswith("/v1/") else r.json()["error"]
     assert message.startswith(fragment), message
     assert metric(server, "sagelmi_engine_unfinished_requests") == 0
+
+
+def test_a_sigterm_stops_the_engine_quietly(server):
+    """Last in this module: it stops the module's server (a plain vLLM engine) as SageMaker stops a container.
+    vLLM's processes end within the time sagelmi gives them: no force kill (vLLM's or the supervisor's), no
+    traceback, exit status 0."""
+    since = len(server.log())
+    assert server.invoke({"inputs": "Hi", "parameters": {"max_new_tokens": 4}}).status_code == 200
+    assert server.stop() == 0
+    stop = server.log()[since:]
+    assert "sagelmi.serve: stopped" in stop, stop
+    for noise in ("force killing", "sending SIGKILL", "did not stop within", "Traceback", "EngineDeadError"):
+        assert noise not in stop, f"{noise!r} in the log of a stop:\n{stop}"
