@@ -73,7 +73,7 @@ from handlers.engines.vllm_pooling import POOLING_PATHS, PoolingFront
 log = logging.getLogger("sagelmi.vllm")
 
 # How long vLLM's processes get to stop on their own before vLLM kills them (its defaults, 5 s each,
-# are shorter than their teardown on a busy machine: the stop then logged vLLM's force kill). Within
+# are shorter than their teardown, even on an idle machine: every stop logged vLLM's force kill). Within
 # the worker's own stop (container.worker.runtime.SHUTDOWN_TIMEOUT): the EngineCore's wait for its
 # rank workers (vLLM's VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS, unless set), then the EngineCore's own exit.
 WORKERS_STOP_SECONDS = 12
@@ -165,7 +165,8 @@ class VllmEngine(Engine):
 
     @classmethod
     async def start(cls, context: WorkerContext, formatters: Formatters) -> VllmEngine:
-        os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", str(WORKERS_STOP_SECONDS))  # its processes'
+        # read in vLLM's EngineCore process, which inherits this environment
+        os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", str(WORKERS_STOP_SECONDS))
         kwargs = engine_kwargs(context)
         log.info("starting vLLM with %s", redacted_json(kwargs))
         vllm_media.install(context.settings, kwargs)
