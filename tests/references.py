@@ -120,3 +120,27 @@ class Reference:
 def offline_reference(script: str, model_dir: str | Path, args: list[str], marker: str, timeout: float = 600):
     """The answer of ``script`` on ``model_dir``, computed now unless it is kept."""
     return Reference(script, model_dir, args, marker).start().result(timeout)
+
+
+# vLLM offline in one process (float32, eager), what a sharded server's greedy answers are compared with:
+# each prompt's greedy token ids, and the greedy chat answer (text) to each of the chat prompts.
+ONE_PROCESS = """
+import json, sys
+if __name__ == "__main__":
+    from vllm import LLM, SamplingParams
+    prompts, tokens, chats, chat_tokens = json.loads(sys.argv[2])
+    llm = LLM(model=sys.argv[1], gpu_memory_utilization=0.5, dtype="float32", enforce_eager=True)
+    answers = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True), use_tqdm=False)
+    replies = [llm.chat([{"role": "user", "content": p}], SamplingParams(temperature=0, max_tokens=chat_tokens),
+                        use_tqdm=False)[0].outputs[0].text for p in chats]
+    print("REFERENCE=" + json.dumps({"ids": [list(a.outputs[0].token_ids) for a in answers], "chat": replies}),
+          flush=True)
+"""
+
+
+def one_process_answers(model_dir: str | Path, prompts: list[str], tokens: int, chats: list[str] = (),
+                        chat_tokens: int = 16) -> dict:
+    """``{"ids": [greedy token ids per prompt], "chat": [greedy chat answer per chat prompt]}`` of vLLM offline
+    in one process (``ONE_PROCESS``), kept between runs."""
+    return offline_reference(ONE_PROCESS, model_dir, [json.dumps([prompts, tokens, list(chats), chat_tokens])],
+                             "REFERENCE=")

@@ -60,20 +60,23 @@ def keep_private() -> None:
     libc.prctl(_PR_SET_DUMPABLE, 0)
 
 
+def _stat(pid: int | str) -> list[bytes] | None:
+    """The fields of ``/proc/PID/stat`` after the command (state, parent pid ...); None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # Fields after the command (which may hold spaces) start at the last ')'.
+    return stat[stat.rindex(b")") + 2 :].split()
+
+
 def process_table() -> dict[int, tuple[int, bool]]:
     """pid -> (parent pid, whether it is a zombie) of every process."""
     found = {}
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:  # gone
-            continue
-        # Fields after the command (which may hold spaces) start at the last ')'.
-        fields = stat[stat.rindex(b")") + 2 :].split()
-        found[int(entry)] = (int(fields[1]), fields[0] == b"Z")
+        if entry.isdigit() and (fields := _stat(entry)) is not None:
+            found[int(entry)] = (int(fields[1]), fields[0] == b"Z")
     return found
 
 
@@ -86,12 +89,8 @@ def parents(zombies: bool = False, table: dict[int, tuple[int, bool]] | None = N
 
 def running(pid: int) -> bool:
     """Whether ``pid`` runs: it exists and is no zombie (one that ended and waits for its parent)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    return stat[stat.rindex(b")") + 2 :].split()[0] != b"Z"
+    fields = _stat(pid)
+    return fields is not None and fields[0] != b"Z"
 
 
 def titled(pids: list[int], prefix: str) -> dict[int, str]:

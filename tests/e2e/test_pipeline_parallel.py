@@ -4,16 +4,14 @@ The greedy tokens are compared with vLLM's offline engine in one process (tests/
 between runs), not with the session's ``vllm_server``: this module runs in lane ``rest``
 (tests/lanes.py), which starts no shared server."""
 
-import json
 import re
-import textwrap
 
 import pytest
 import requests
 
 from container.core.proc import parents
 from tests.e2e.conftest import ENGINE_READY_TIMEOUT, EXACT, VLLM_CPU_ENV
-from tests.references import offline_reference
+from tests.references import one_process_answers
 from tests.server import Server, kill_mid_stream, processes
 
 pytestmark = pytest.mark.slow
@@ -21,17 +19,6 @@ pytestmark = pytest.mark.slow
 PROMPTS = ["The quick brown fox", "Hello world", "One two three four"]
 TOKENS = 24
 
-# vLLM offline on the tiny model in one process (float32, eager): each prompt's greedy token ids.
-OFFLINE = textwrap.dedent("""
-    import json, sys
-    if __name__ == "__main__":
-        from vllm import LLM, SamplingParams
-        prompts, tokens = json.loads(sys.argv[2])
-        llm = LLM(model=sys.argv[1], gpu_memory_utilization=0.5, dtype="float32", enforce_eager=True)
-        answers = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True),
-                               use_tqdm=False)
-        print("REFERENCE=" + json.dumps([list(a.outputs[0].token_ids) for a in answers]), flush=True)
-""")
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +30,7 @@ def pipeline(tiny_model):
 
 @pytest.fixture(scope="module")
 def one_process(tiny_model):
-    return offline_reference(OFFLINE, tiny_model, [json.dumps([PROMPTS, TOKENS])], "REFERENCE=")
+    return one_process_answers(tiny_model, PROMPTS, TOKENS)["ids"]
 
 
 def _ids(server, prompt):

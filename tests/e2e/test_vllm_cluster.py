@@ -15,7 +15,6 @@ import secrets
 import shutil
 import signal
 import socket
-import textwrap
 import time
 from pathlib import Path
 
@@ -25,7 +24,7 @@ import requests
 
 from container.core.proc import parents
 from tests.e2e.conftest import EAGER, ENGINE_READY_TIMEOUT, EXACT, VLLM_CPU_ENV
-from tests.references import offline_reference
+from tests.references import one_process_answers
 from tests.server import RawStream, Server, processes
 
 pytestmark = [pytest.mark.slow,
@@ -34,25 +33,11 @@ pytestmark = [pytest.mark.slow,
 PROMPTS = [f"Prompt number {i} about the {word}" for i, word in
            enumerate(["sea", "sky", "river", "city", "dog", "fox", "morning", "queue"])]
 
-# vLLM offline on the tiny model in one process (float32, eager): each prompt's 24 greedy token ids,
-# and the first prompt's 16-token greedy chat answer.
-OFFLINE = textwrap.dedent("""
-    import json, sys
-    if __name__ == "__main__":
-        from vllm import LLM, SamplingParams
-        prompts = json.loads(sys.argv[2])
-        llm = LLM(model=sys.argv[1], gpu_memory_utilization=0.5, dtype="float32", enforce_eager=True)
-        answers = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
-        chat = llm.chat([{"role": "user", "content": prompts[0]}], SamplingParams(temperature=0, max_tokens=16),
-                        use_tqdm=False)
-        print("REFERENCE=" + json.dumps({"ids": [list(a.outputs[0].token_ids) for a in answers],
-                                         "chat": chat[0].outputs[0].text}), flush=True)
-""")
 
 
 @pytest.fixture(scope="module")
 def one_process(tiny_model):
-    return offline_reference(OFFLINE, tiny_model, [json.dumps(PROMPTS)], "REFERENCE=")
+    return one_process_answers(tiny_model, PROMPTS, 24, chats=PROMPTS[:1])
 
 
 def _env(secret: str, cluster_port: int, **extra: str) -> dict[str, str]:
@@ -130,7 +115,7 @@ def test_an_openai_chat_stream_works(one_process, cluster):
     reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPTS[0]}],
                                            max_tokens=16, temperature=0, stream=True)
     streamed = "".join(chunk.choices[0].delta.content or "" for chunk in reply if chunk.choices)
-    assert streamed and streamed == one_process["chat"]
+    assert streamed and [streamed] == one_process["chat"]
 
 
 def _kill_family(root: int) -> set[int]:
