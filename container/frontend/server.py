@@ -18,6 +18,7 @@ import logging
 import resource
 import selectors
 import signal
+import ssl
 import sys
 import threading
 import time
@@ -28,6 +29,7 @@ from typing import cast
 from gunicorn import glogging, util
 from gunicorn.app.base import BaseApplication
 from gunicorn.arbiter import Arbiter
+from gunicorn.http import errors as http_errors
 from gunicorn.workers.gthread import ThreadWorker
 
 from container.core import logs, proc
@@ -83,19 +85,28 @@ class FrontendArbiter(Arbiter):
             signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
-# The path of the request gunicorn is rejecting in this thread ("" when it never got that far).
-_rejected = threading.local()
+# gunicorn's request errors (gunicorn.http.errors) whose answer is not a plain 400: status, reason.
+_STATUS = {
+    http_errors.LimitRequestLine: (414, "URI Too Long"),
+    http_errors.LimitRequestHeaders: (431, "Request Header Fields Too Large"),
+    http_errors.ExpectationFailed: (417, "Expectation Failed"),
+    http_errors.UnsupportedTransferCoding: (501, "Not Implemented"),
+    http_errors.ForbiddenProxyRequest: (403, "Forbidden"),
+    http_errors.ConfigurationProblem: (500, "Internal Server Error"),
+}
 
 
-def write_json_error(sock, status: int, reason: str, mesg: str) -> None:
-    """gunicorn's answer to a request it rejects before the app sees it (bad header
-    bytes 400, a header too large 431, ...), in the error envelope of the route
-    the client called (LMI's when the path is not known) instead of HTML.
-    Installed as ``gunicorn.util.write_error``: gunicorn's ``handle_error``
-    picks the status and message and calls it (its only caller)."""
-    message = InputError.message if status == 400 else reason.lower()
-    path = getattr(_rejected, "path", "")
-    util.write_nonblock(sock, json_answer(path, status, message, scrub(mesg) or reason, reason))
+def rejection(exc: BaseException) -> tuple[int, str, str] | None:
+    """The answer to a request gunicorn could not read (``exc``: one of its request errors):
+    status, reason and what was wrong; ``None`` for any other exception (a server error)."""
+    if not isinstance(exc, (http_errors.ParseException, ssl.SSLError)) or isinstance(
+        exc, (http_errors.InvalidResponseHeader, http_errors.InvalidResponseHeaderName)
+    ):
+        return None
+    if isinstance(exc, ssl.SSLError):
+        return 403, "Forbidden", str(exc)
+    status, reason = next((answer for kind, answer in _STATUS.items() if isinstance(exc, kind)), (400, "Bad Request"))
+    return status, reason, str(exc)
 
 
 def _nothing_read_ahead(conn) -> bool:
@@ -114,7 +125,6 @@ class DrainingWorker(HeadWaitingWorker):
         launch = cast("FrontendServer", self.app).launch
         logs.configure("frontend", self.cfg.loglevel.upper(), launch.log_format)
         proc.die_with_parent()
-        util.write_error = write_json_error
         self.hold(launch.header_read_timeout, launch.max_connections_per_client)
         super().init_process()
 
@@ -240,13 +250,24 @@ class DrainingWorker(HeadWaitingWorker):
         return keepalive
 
     def handle_error(self, req, client, addr, exc) -> None:
+        """A request gunicorn could not read (bad bytes 400, a head too large 431 ...), or an error
+        past the app: answered in the error envelope of the route called (LMI's when the path is not
+        known) instead of gunicorn's HTML."""
         if self.early is not None and self.early.abandon_sock(client, f"could not be read by gunicorn ({exc})"):
             return  # its group may have written to the client: no error after it
-        _rejected.path = getattr(req or getattr(exc, "req", None), "path", None) or ""
+        path = getattr(req or getattr(exc, "req", None), "path", None) or ""
+        answer = rejection(exc)
+        if answer is None:
+            log.error("error handling a request to %s", path or "an unread path", exc_info=exc)
+            status, reason, detail = 500, "Internal Server Error", ""
+        else:
+            status, reason, detail = answer
+            log.warning("invalid request from %s: %s", (addr or ("",))[0], scrub(detail))
+        message = InputError.message if status == 400 else reason.lower()
         try:
-            super().handle_error(req, client, addr, exc)
-        finally:
-            _rejected.path = ""
+            util.write_nonblock(client, json_answer(path, status, message, scrub(detail) or reason, reason))
+        except OSError:
+            log.debug("could not send the error answer")
 
     def handle_exit(self, sig, frame) -> None:
         router = self.wsgi.extensions["sagelmi"]
