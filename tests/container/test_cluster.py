@@ -4,9 +4,9 @@
 The built-in engine with tensor parallel 2 puts one rank in each container (vLLM's headless node in
 the worker container); its greedy tokens must be the single-process engine's (``vllm_server``,
 float32). Then the failures: a container with a wrong secret, a worker container killed under load.
-Then the same two containers with LMI's lmi-dist configuration (the same engine: vLLM's headless
-node in the worker container, no mpirun), and a model.py in MPI mode across them (its second rank
-started through sagelmi's launch service).
+Then a model.py in MPI mode across the same two containers (its second rank started through
+sagelmi's launch service). LMI's lmi-dist configuration is this same engine on the same nodes,
+checked by its settings (tests/unit/test_lmi_dist_settings.py).
 """
 
 from __future__ import annotations
@@ -264,22 +264,6 @@ def test_killing_the_worker_container_ends_in_flight_requests_and_a_new_one_rest
     start(node_command("worker", cluster["model"], None, EXACT), cluster["secret"])
     wait_status(cluster["port"], lambda r: r.status_code == 200, READY)
     _exact(cluster, vllm_server)
-
-
-@pytest.fixture
-def lmi_dist_cluster(image, tiny_model):
-    """The README's two containers with lmi-dist instead (they replace the built-in engine's)."""
-    with two_containers(tiny_model, {**EXACT, "OPTION_ROLLING_BATCH": "lmi-dist"}, secrets.token_hex(16),
-                        READY) as port:
-        yield {"port": port, "url": f"http://127.0.0.1:{port}"}
-
-
-def test_lmi_dist_across_two_containers_gives_the_single_process_greedy_tokens(lmi_dist_cluster, vllm_server):
-    worker = worker_processes("sagelmi-worker")
-    assert any("vllm_node" in c for c in worker.values()), worker  # vLLM's node 1 runs in the worker container
-    assert any("VLLM::" in c for c in worker.values()), worker  # and its rank
-    assert not any("prted" in c or "mpirun" in c for c in worker.values()), worker  # no MPI
-    _exact(lmi_dist_cluster, vllm_server)
 
 
 @pytest.fixture

@@ -3,9 +3,9 @@ multiprocessing executor: the leader on 127.0.0.1 runs sagelmi's frontend and vL
 worker node on 127.0.0.2 (a UTS namespace of its own: another hostname, so vLLM takes it for
 another machine and its ranks meet over TCP, not shared memory) runs vLLM's headless node 1;
 tensor parallel 2, one rank on each node, each on a core of its own. One cluster for the module
-(the lost-node test, last, replaces its worker node). Its answers are compared with vLLM's offline
-engine in one process (tests/references.py, kept between runs): this module runs in lane ``e2e``
-(tests/lanes.py), which starts no shared server."""
+(a worker node lost whole is tests/container/test_cluster.py's: a container killed). Its answers are
+compared with vLLM's offline engine in one process (tests/references.py, kept between runs): this
+module runs in lane ``e2e`` (tests/lanes.py), which starts no shared server."""
 
 import concurrent.futures
 import json
@@ -118,16 +118,6 @@ def test_an_openai_chat_stream_works(one_process, cluster):
     assert streamed and [streamed] == one_process["chat"]
 
 
-def _kill_family(root: int) -> set[int]:
-    family = set(processes(root))
-    for pid in family:  # the node dies whole, as a machine or a container does
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return family
-
-
 def _streams(cluster: Server) -> list[RawStream]:
     """Eight long LMI streams, each past its first token, of which some are still running."""
     body = {"inputs": "Hello", "stream": True, "parameters": {"max_new_tokens": 2000, "ignore_eos": True}}
@@ -163,21 +153,3 @@ def test_a_worker_node_s_part_of_vllm_that_dies_restarts_the_engine_on_every_nod
     assert len(_answer_ids(cluster, PROMPTS[0])) == 24
     assert not (old_group | old_node) & set(parents())
     assert "worker node 1's part of the engine ended: vLLM's node ended (killed by SIGKILL)" in cluster.log()
-
-
-def test_a_killed_worker_node_ends_in_flight_requests_and_a_new_one_restores_the_cluster(cluster):
-    """Last in this module: it replaces the worker node."""
-    (group,) = cluster.worker_pids()  # not a reaped-later zombie of an earlier start
-    old_group = set(processes(group))
-    in_flight = _streams(cluster)
-    worker_family = _kill_family(cluster.worker.process.pid)
-    _endings(in_flight, time.monotonic(), "the worker node")
-    ping = cluster.wait_until(lambda r: "waiting for worker node 1" in r.text, timeout=60)
-    assert ping.status_code != 200
-    time.sleep(1)
-    assert not old_group & set(parents())  # nothing of the old group is left, on either node
-    assert not worker_family & set(parents())
-
-    cluster.worker = _worker(cluster.model, cluster.secret, cluster.cluster_port).start(wait_ready=False)
-    cluster.wait_until(lambda r: r.status_code == 200, timeout=ENGINE_READY_TIMEOUT)
-    assert len(_answer_ids(cluster, PROMPTS[0])) == 24

@@ -10,6 +10,7 @@ import pytest
 from container.core.engine_args import EngineOptionError, check_engine_options
 from container.core.handler_choice import describe_handler, mpirun_groups, uses_builtin_engine
 from container.core.settings import SettingsError, resolve_settings
+from container.supervisor.cluster_setup import cluster_config, cluster_plan
 from handlers.engines.vllm_args import build_engine_kwargs
 from tests.e2e.test_option_matrix import CELLS, SHARED_CELLS
 
@@ -43,3 +44,24 @@ def test_lmi_dist_with_each_cells_settings_is_the_built_in_engine_with_them(cell
 def test_config_names_the_lmi_dist_handler_and_vllms_processes(tiny_model):
     settings = resolve_settings({"OPTION_ROLLING_BATCH": "lmi-dist", "TENSOR_PARALLEL_DEGREE": "2"}, tiny_model)
     assert describe_handler(settings, tiny_model) == "the built-in lmi-dist handler (option.rolling_batch=lmi-dist)"
+
+
+def test_on_a_cluster_of_two_lmi_dist_is_the_built_in_engines_cluster(tiny_model, monkeypatch):
+    """The README's two nodes (tensor parallel 2, one rank on each) with lmi-dist: each node checks and
+    splits the group as it does without it, with vLLM's nodes (no mpirun: the worker node runs vLLM's
+    headless node, container.supervisor), and the leader starts the same engine."""
+    for name, value in {"SAGELMI_CLUSTER_SIZE": "2", "SAGELMI_LEADER_ADDR": "sagelmi-leader",
+                        "SAGELMI_CLUSTER_SECRET": "0" * 64}.items():
+        monkeypatch.setenv(name, value)
+    plain = {"OPTION_DTYPE": "float32", "TENSOR_PARALLEL_DEGREE": "2"}
+
+    def nodes(env):
+        settings = resolve_settings(env, tiny_model)
+        config = cluster_config(settings)
+        kwargs = build_engine_kwargs(settings, str(tiny_model), 2, cpu=True)
+        return config, cluster_plan(settings, [], config), mpirun_groups(settings, tiny_model), kwargs
+
+    expected = nodes(plain)
+    assert expected[0] is not None and expected[2] is False
+    for lmi_dist in LMI_DIST:
+        assert nodes({**plain, **lmi_dist}) == expected, lmi_dist
