@@ -130,7 +130,8 @@ class Worker:
             await asyncio.wait({loading, stop}, return_when=asyncio.FIRST_COMPLETED)
             if not loading.done():
                 log.info("stopping while the model was still loading")
-                loading.cancel()
+                loading.cancel()  # a built-in engine gives up its start (its processes told to stop)
+                await asyncio.wait({loading}, timeout=SHUTDOWN_TIMEOUT)
             elif not loading.result():
                 code = EXIT_LOAD_FAILED
                 await asyncio.sleep(0.2)  # let the failed Status reach connected peers

@@ -34,8 +34,10 @@ a ``model.py``'s formatters ``handlers.engines.formatters`` (and its rolling-bat
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
+import signal
 import time
 from collections.abc import Callable
 from typing import Any
@@ -44,12 +46,11 @@ from prometheus_client import REGISTRY
 from prometheus_client.core import GaugeMetricFamily
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.platforms import current_platform
-from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from container.core import proc
 from container.core.chat_options import chat_options
-from container.core.errors import InputError
+from container.core.errors import InputError, one_line
 from container.core.logs import redacted_json
 from container.core.request_priority import header_priority
 from container.core.served_names import served_names
@@ -66,7 +67,7 @@ from handlers.engines.sessions import EngineSessions
 from handlers.engines.vllm_adapters import ADAPTER_HEADER, Adapters
 from handlers.engines.vllm_args import build_engine_kwargs, node_kwargs, usage_context
 from handlers.engines.vllm_lmi import LmiFront
-from handlers.engines.vllm_observe import observe_generate
+from handlers.engines.vllm_observe import ObservedAsyncLLM
 from handlers.engines.vllm_openai import OpenAIFront, _openai_error
 from handlers.engines.vllm_pooling import POOLING_PATHS, PoolingFront
 
@@ -115,6 +116,26 @@ def engine_kwargs(context: WorkerContext, **overrides: Any) -> dict[str, Any]:
     return {**kwargs, **overrides}
 
 
+async def _abandon(building: asyncio.Future) -> None:
+    """A stop while vLLM is still starting (``start`` cancelled): the processes this one started (vLLM's
+    EngineCore, which stops its own workers) are told to stop (SIGTERM), again for one started
+    meanwhile, until the build gives up; an engine that got ready meanwhile is shut down. Without this
+    the build would run to the end, minutes for a large model, before the stop could begin."""
+    deadline = time.monotonic() + ENGINE_STOP_SECONDS
+    while not building.done() and time.monotonic() < deadline:
+        for pid in [child for child, parent in proc.parents().items() if parent == os.getpid()]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        await asyncio.wait({building}, timeout=0.5)
+    if not building.done() or building.cancelled():
+        return
+    failed = building.exception()
+    if failed is None:
+        await asyncio.to_thread(building.result().shutdown, timeout=ENGINE_STOP_SECONDS)
+    else:
+        log.info("vLLM's start ended with the stop: %s", one_line(failed))
+
+
 async def _cancelled(task: asyncio.Task) -> None:
     """Cancel ``task`` and wait until it has stopped."""
     task.cancel()
@@ -133,7 +154,7 @@ class VllmEngine(Engine):
         settings = context.settings
         served = kwargs["served_model_name"]
         self.engine = engine
-        observe_generate(engine, tracing=bool(kwargs.get("otlp_traces_endpoint")))
+        engine.trace_requests = bool(kwargs.get("otlp_traces_endpoint"))
         self.served_name = served[0] if isinstance(served, list) else served
         self.input_formatter = unbound(formatters.input) if formatters.input is not None else None
         # model.py's @output_formatter: LMI's rolling-batch form (per token, on LMI-schema requests)
@@ -172,9 +193,14 @@ class VllmEngine(Engine):
         vllm_media.install(context.settings, kwargs)
         started = time.monotonic()
         # Building the engine blocks for tens of seconds: keep the worker's loop free meanwhile.
-        engine = await asyncio.to_thread(
-            AsyncLLM.from_engine_args, AsyncEngineArgs(**kwargs), usage_context=usage_context()
+        building = asyncio.get_running_loop().run_in_executor(
+            None, lambda: ObservedAsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), usage_context=usage_context())
         )
+        try:
+            engine = await asyncio.shield(building)
+        except asyncio.CancelledError:
+            await _abandon(building)
+            raise
         log.info("vLLM engine ready in %.1fs", time.monotonic() - started)
         return cls(engine, context, kwargs, formatters)
 
