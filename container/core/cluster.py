@@ -28,6 +28,7 @@ import hmac
 import json
 import os
 import secrets
+import select
 import socket
 import struct
 import threading
@@ -242,9 +243,13 @@ class Channel:
             self._sent += 1
             self.sock.sendall(self._LENGTH.pack(len(body)) + body + tag)
 
-    def receive(self) -> dict | None:
+    def receive(self, silence: float | None = None, beat: float = HEARTBEAT) -> dict | None:
         """The next message, or ``None`` when the peer closed the connection. Raises
-        ``ClusterError`` for a message that fails its tag or is not an object."""
+        ``ClusterError`` for a message that fails its tag or is not an object; with ``silence``,
+        ``TimeoutError`` once the peer has sent nothing for that many seconds of this process's
+        own running time (``_await``)."""
+        if silence is not None:
+            self._await(silence, beat)
         head = recv_exactly(self.sock, self._LENGTH.size)
         if head is None:
             return None
@@ -262,6 +267,27 @@ class Channel:
         if not isinstance(message, dict):
             raise ClusterError("a message that is not a JSON object")
         return message
+
+    def _await(self, silence: float, beat: float) -> None:
+        """Until the next message begins to arrive (or the connection ends); ``TimeoutError`` after
+        ``silence`` seconds of waiting in vain, counting only the time this process ran.
+
+        It waits in turns of ``beat`` seconds (the peer's heartbeat period) and counts at most
+        ``beat`` for a turn, however long the turn really took. A plain socket timeout counts all of
+        it: a loaded machine that stops both nodes' supervisors for longer than ``silence`` (both
+        share one machine in tests; a paused VM; a starved cgroup) made the first to run again find
+        the other silent before the other's heartbeat thread could run, and end a registration
+        that was fine: the group restarted right after it became ready."""
+        poller = select.poll()
+        poller.register(self.sock, select.POLLIN)  # a closed or failed connection wakes it too
+        quiet = 0.0
+        while True:
+            began = time.monotonic()
+            if poller.poll(beat * 1000):
+                return
+            quiet += min(time.monotonic() - began, beat)  # past ``beat``: this process did not run
+            if quiet >= silence:
+                raise TimeoutError(f"nothing for {silence:g} s")
 
     def close(self) -> None:
         try:

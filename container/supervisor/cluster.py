@@ -228,13 +228,13 @@ class Leader:
         log.info("cluster: worker node %d registered from %s (%s)", index, node.address, node.hostname)
         try:
             channel.send({"type": "welcome", "index": index})
-            conn.settimeout(LOST_AFTER)
-            while (message := channel.receive()) is not None:
+            conn.settimeout(LOST_AFTER)  # a send's limit; silence is counted by receive()
+            while (message := channel.receive(silence=LOST_AFTER)) is not None:
                 if message.get("type") == "engine-exit":
                     self.engine_exit(index, message)
             why = "its connection closed"
         except (ClusterError, OSError, ValueError) as exc:
-            why = "silent for 5 s" if isinstance(exc, TimeoutError) else f"its connection failed ({exc})"
+            why = f"silent for {LOST_AFTER:g} s" if isinstance(exc, TimeoutError) else f"its connection failed ({exc})"
         with self._lock:
             if self.nodes.get(index) is not node:
                 return  # replaced by a newer registration
@@ -355,7 +355,7 @@ class WorkerNode:
 
         threading.Thread(target=beat, name="cluster-heartbeat", daemon=True).start()
         try:
-            while not self.stopping() and (message := channel.receive()) is not None:
+            while not self.stopping() and (message := channel.receive(silence=LOST_AFTER)) is not None:
                 if self.engine is not None:
                     self.engine.handle(message, channel.send)
             log.warning("cluster: lost the leader at %s; registering again", self.config.leader)

@@ -1,8 +1,13 @@
 """A cluster's settings, its authenticated channel and the mpirun line across its nodes
 (the cluster itself runs in tests/integration/test_cluster.py and tests/container/test_cluster.py)."""
 
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -106,6 +111,51 @@ def test_a_different_secret_is_refused_on_both_sides():
     server, client = _pair(b"k" * 20, b"j" * 20)
     assert isinstance(server, ClusterError) and "does not know the cluster's secret" in str(server)
     assert isinstance(client, ClusterError) and "the cluster secrets differ" in str(client)
+
+
+# A node's supervisor waiting for its peer's next message, as the registration does on both ends.
+_RECEIVER = """
+import socket, sys, time
+from container.core.cluster import Channel
+channel = Channel.connect(socket.create_connection(("127.0.0.1", int(sys.argv[1]))), sys.argv[2].encode())
+print("waiting", flush=True)
+print(channel.receive(silence=1.0, beat=0.25), flush=True)
+began = time.monotonic()
+try:
+    channel.receive(silence=1.0, beat=0.25)
+except TimeoutError:
+    print(f"silent after {time.monotonic() - began:.1f} s", flush=True)
+"""
+
+
+def test_a_receiver_stopped_longer_than_the_silence_limit_hears_the_peer_that_was_stopped_too():
+    """A loaded machine stops both nodes' supervisors at once (here: SIGSTOP for 2 s, past the 1 s
+    limit); the first to run again must not count its own stop as the other's silence before the
+    other could send its heartbeat (a plain socket timeout did: the group restarted in CI). A peer
+    silent while the receiver runs is still found silent within the limit."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        child = subprocess.Popen(
+            [sys.executable, "-c", _RECEIVER, str(listener.getsockname()[1]), SECRET],
+            stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])},
+        )
+        try:
+            listener.settimeout(30)
+            conn, _ = listener.accept()
+            peer = Channel.accept(conn, SECRET.encode())
+            assert child.stdout.readline() == "waiting\n"
+            time.sleep(0.3)  # in receive()
+            os.kill(child.pid, signal.SIGSTOP)
+            time.sleep(2.0)
+            os.kill(child.pid, signal.SIGCONT)
+            time.sleep(0.1)  # the peer's heartbeat, a moment after both run again
+            peer.send({"type": "heartbeat"})
+            out, _ = child.communicate(timeout=30)
+        finally:
+            child.kill()
+            child.wait()
+    lines = out.splitlines()
+    assert lines[0] == "{'type': 'heartbeat'}", out
+    assert lines[1] in ("silent after 1.0 s", "silent after 1.1 s", "silent after 1.2 s"), out
 
 
 class _Capture:
