@@ -4,7 +4,7 @@ traces on its own (``option.otlp_traces_endpoint``), the request reaches vLLM wi
 span's ``traceparent`` as ``trace_headers``, so vLLM's ``llm_request`` span joins the request's
 trace. Every route goes through it: vLLM's OpenAI serving classes call ``generate``; LMI's front
 calls ``add_request`` (its stream's headers go out once the engine has taken the request) and
-counts the outputs with ``counted``.
+counts the outputs with ``counted``. The built-in engine is an ``ObservedAsyncLLM``.
 
 An OpenAI stream's head waits for the engine too (``started``): vLLM's serving classes add
 the request on the stream's first item, and the worker sends the head as soon as the handler
@@ -20,6 +20,7 @@ from contextvars import ContextVar
 from typing import Any
 
 from vllm.sampling_params import RequestOutputKind
+from vllm.v1.engine.async_llm import AsyncLLM
 
 from handlers.api.io import Ahead
 from handlers.api.usage import RequestUsage, current_usage
@@ -28,30 +29,34 @@ from handlers.api.usage import RequestUsage, current_usage
 _taken: ContextVar[asyncio.Future | None] = ContextVar("sagelmi_engine_taken", default=None)
 
 
-def observe_generate(engine: Any, tracing: bool) -> None:
-    """Wrap ``engine.generate`` and ``engine.add_request`` (an ``AsyncLLM``'s, or one like it)
-    in place. vLLM's ``generate`` calls ``add_request`` through the instance, so both ways in
-    carry the trace headers, and both say when the engine has a stream's request (``started``)."""
-    generate, add_request = engine.generate, engine.add_request
+class Observed:
+    """An engine class with ``AsyncLLM``'s two ways in (``generate``, which calls ``add_request``
+    through the instance, and ``add_request``), observed: both carry the trace headers when
+    ``trace_requests`` (vLLM traces on its own), both say when the engine has a stream's request
+    (``started``), and ``generate``'s outputs are counted. Listed before the engine class among a
+    subclass's bases (``ObservedAsyncLLM``)."""
 
-    def observed(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+    trace_requests = False
+
+    def generate(self, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
         # not a generator of its own: a pass per output on top of vLLM's, on every token
         params = args[1] if len(args) > 1 else kwargs.get("sampling_params")
-        return counted(generate(*args, **kwargs), params)
+        return counted(super().generate(*args, **kwargs), params)  # type: ignore[misc]
 
-    async def taken(*args: Any, **kwargs: Any) -> Any:
-        if tracing:
+    async def add_request(self, *args: Any, **kwargs: Any) -> Any:
+        if self.trace_requests:
             usage = current_usage.get()
             if usage is not None and usage.trace_headers and not kwargs.get("trace_headers"):
                 kwargs["trace_headers"] = usage.trace_headers
-        result = await add_request(*args, **kwargs)
+        result = await super().add_request(*args, **kwargs)  # type: ignore[misc]
         waiter = _taken.get()
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
         return result
 
-    engine.generate = observed
-    engine.add_request = taken
+
+class ObservedAsyncLLM(Observed, AsyncLLM):  # type: ignore[misc]  # generate: an async iterator, as vLLM's
+    """vLLM's engine, observed (``AsyncLLM.from_engine_args`` builds one of its class)."""
 
 
 async def started(stream: AsyncIterator[Any]) -> AsyncIterator[Any]:

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from handlers.engines.vllm_observe import observe_generate, started
+from handlers.engines.vllm_observe import Observed, started
 
 
 class Engine:
@@ -36,6 +36,10 @@ class Engine:
             raise
 
 
+class ObservedEngine(Observed, Engine):
+    """The stand-in observed as vLLM's engine is (``ObservedAsyncLLM``)."""
+
+
 async def sse(engine: Engine, request_id: str = "r1"):
     """A serving class's stream: nothing happens until its first item is asked for."""
     async for item in engine.generate("prompt", None, request_id):
@@ -49,8 +53,7 @@ async def drain(stream) -> list[str]:
 
 def test_the_stream_is_handed_over_once_the_engine_has_its_request():
     async def scenario():
-        engine = Engine(["a", "b"])
-        observe_generate(engine, tracing=False)
+        engine = ObservedEngine(["a", "b"])
         handing = asyncio.ensure_future(started(sse(engine)))
         for _ in range(5):
             await asyncio.sleep(0)
@@ -83,8 +86,7 @@ def test_a_stream_that_ends_or_fails_before_the_engine_is_handed_over_as_it_is()
 
 def test_a_request_cancelled_while_its_stream_starts_cancels_the_engine_request():
     async def scenario():
-        engine = Engine(["a"])
-        observe_generate(engine, tracing=False)
+        engine = ObservedEngine(["a"])
         handing = asyncio.ensure_future(started(sse(engine)))
         for _ in range(5):
             await asyncio.sleep(0)
@@ -100,9 +102,8 @@ def test_a_request_cancelled_while_its_stream_starts_cancels_the_engine_request(
 
 def test_the_engines_stream_is_not_wrapped_in_a_generator_of_ours_when_nothing_counts_it():
     async def scenario():
-        engine = Engine(["a"])
-        inner = Engine.generate.__get__(engine)  # the engine's own, before observe_generate
-        observe_generate(engine, tracing=False)
+        engine = ObservedEngine(["a"])
+        inner = Engine.generate.__get__(engine)  # the engine's own, below Observed
         engine.admit.set()
         stream = engine.generate("prompt", None, "r1")  # no request usage here: a warm-up's call
         assert stream.ag_code is inner("prompt", None, "r1").ag_code  # vLLM's generator itself
