@@ -5,6 +5,7 @@ between runs), not with the session's ``vllm_server``: this module runs in lane 
 (tests/lanes.py), which starts no shared server."""
 
 import re
+import time
 
 import pytest
 import requests
@@ -46,8 +47,9 @@ def test_pipeline_parallel_2_gives_the_greedy_tokens_of_1(pipeline, one_process)
     assert [_ids(pipeline, p) for p in PROMPTS] == one_process
 
 
-def test_a_killed_engine_core_ends_in_flight_requests_and_the_group_restarts(pipeline):
-    """Last in this module: it restarts the group."""
+def test_a_killed_engine_core_ends_in_flight_requests_and_the_group_starts_again(pipeline):
+    """Last in this module: the module's server stops while the new group starts (the restarted group
+    serving again is tests/e2e/test_lmi_dist.py's killed-rank test)."""
     (group,) = pipeline.group_pids()
     old = processes(group)
     engine_core = next(pid for pid, cmd in old.items() if cmd.startswith("VLLM::EngineCore"))
@@ -55,9 +57,10 @@ def test_a_killed_engine_core_ends_in_flight_requests_and_the_group_restarts(pip
     assert seconds < 5
     assert all(e.get("code") == 503 for e in endings), endings
     assert requests.get(pipeline.url("/ping"), timeout=2).status_code != 200
-    pipeline.wait_until(lambda r: r.status_code == 200, timeout=ENGINE_READY_TIMEOUT)
-    assert len(_ids(pipeline, PROMPTS[0])) == TOKENS
-    assert not set(old) & set(parents())  # the old worker, its EngineCore and both stages are gone
+    deadline = time.monotonic() + 120
+    while (pids := pipeline.group_pids()) in ([], [group]) or set(old) & set(parents()):
+        assert time.monotonic() < deadline, f"no new group, or the old one's processes left: {pids}"
+        time.sleep(0.2)
     # the worker's own reason: vLLM's, or the worker's own check of vLLM's processes, whichever saw it first
     assert re.search(r"died: its engine died \((EngineDeadError|EngineProcessGone: vLLM's process VLLM::EngineCore)",
                      pipeline.log())
