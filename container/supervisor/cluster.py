@@ -213,6 +213,12 @@ class Leader:
                 log.error("cluster: refused a node at %s: all %d places are taken", address[0], self.config.size - 1)
                 channel.close()
                 return
+            try:  # before the node is listed: the heartbeats (``_beat``) must not reach it first
+                channel.send({"type": "welcome", "index": index})
+            except OSError as exc:
+                log.error("cluster: could not welcome a node at %s: %s", address[0], exc)
+                channel.close()
+                return
             old = self.nodes.pop(index, None)
             node = Node(index, address[0], str(hello.get("hostname", "?")), channel, channel.derive(b"launch"))
             self.nodes[index] = node
@@ -227,7 +233,6 @@ class Leader:
                     self.failure = f"worker node {index} registered again"
         log.info("cluster: worker node %d registered from %s (%s)", index, node.address, node.hostname)
         try:
-            channel.send({"type": "welcome", "index": index})
             conn.settimeout(LOST_AFTER)  # a send's limit; silence is counted by receive()
             while (message := channel.receive(silence=LOST_AFTER)) is not None:
                 if message.get("type") == "engine-exit":
