@@ -4,17 +4,20 @@ tests that need an environment other than the one they run in: test_install.py (
 test_other_major.py (the major this environment does not have).
 
 Each is made once and kept under the user's cache directory (``$XDG_CACHE_HOME`` or
-``~/.cache``, ``sagelmi/sdk-venvs/``), named after the major and a digest of pyproject.toml, the
-packages and Python's version (a change of the package's dependencies makes a new one); pip's own
+``~/.cache``, ``sagelmi/sdk-venvs/``), named after the major and a digest of what pyproject.toml
+says the package installs, the test tools and Python's version (a change of the package's
+dependencies makes a new one; one of its markers or entry points does not); pip's own
 cache makes a rebuild quicker. A lock file keeps two test processes from building one at once; a
 marker written last tells a finished one from an interrupted one (made again)."""
 
 import fcntl
 import hashlib
+import json
 import os
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 from sagemaker_sdk import SDK_MAJOR
@@ -52,14 +55,31 @@ def sdk_venv(major: int) -> Path:
     ``major`` when it is not pip's own pick) and the test tools; its directory."""
     root = venvs_root()
     root.mkdir(parents=True, exist_ok=True)
-    digest = hashlib.sha256((REPO / "pyproject.toml").read_bytes())
-    digest.update(" ".join(_requirements(major)).encode() + sys.version.encode())
-    venv = root / f"sagemaker{major}-{digest.hexdigest()[:12]}"
+    venv = root / f"sagemaker{major}-{_digest(_installed_from(), major)}"
     with (root / f"{venv.name}.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        named_by_the_whole_file = root / f"sagemaker{major}-{_digest((REPO / 'pyproject.toml').read_bytes(), major)}"
+        if not (venv / READY).exists() and (named_by_the_whole_file / READY).exists():
+            named_by_the_whole_file.rename(venv)  # made for these dependencies under its earlier name
         if not (venv / READY).exists():
             _make(venv, root / f"{venv.name}.source", major)
     return venv
+
+
+def _installed_from() -> bytes:
+    """What of pyproject.toml decides the environment's packages: the build system, Python's
+    version range, the dependencies and the ``sdk`` extra (not its markers, scripts or tools' settings)."""
+    toml = tomllib.loads((REPO / "pyproject.toml").read_text())
+    project = toml["project"]
+    decides = [toml.get("build-system"), project.get("requires-python"), project.get("dependencies"),
+               project.get("optional-dependencies", {}).get("sdk")]
+    return json.dumps(decides, sort_keys=True).encode()
+
+
+def _digest(source: bytes, major: int) -> str:
+    digest = hashlib.sha256(source)
+    digest.update(" ".join(_requirements(major)).encode() + sys.version.encode())
+    return digest.hexdigest()[:12]
 
 
 def _make(venv: Path, source: Path, major: int) -> None:
@@ -89,7 +109,7 @@ def sagemaker_version(venv: Path) -> str:
 
 def install_checkout(venv: Path, scratch: Path) -> None:
     """This checkout's sources installed into ``venv`` over the copy it was made with (its
-    dependencies stay: they change only with pyproject.toml, which names the venv)."""
+    dependencies stay: they change only with pyproject.toml's dependencies, which name the venv)."""
     source = copy_checkout(scratch / "sagelmi")
     install = subprocess.run([python(venv), "-m", "pip", "install", "--quiet", "--no-deps", "--force-reinstall",
                               str(source)], env=clean_env(), capture_output=True, text=True, timeout=600, cwd=scratch)
