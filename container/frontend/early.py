@@ -34,6 +34,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Protocol
 
 from gunicorn import SERVER
@@ -51,7 +52,17 @@ from container.frontend.router import Router
 
 log = logging.getLogger("sagelmi.frontend")
 
-TAKEN = "taken"  # what EarlyRequests.send did ("": the request is a thread's)
+
+class Owner(Enum):
+    """Who ends a request taken early: nobody yet (``TAKEN``, the connection is this module's), the
+    group connection's reader thread at a clean end, a request thread (which adopts it by its socket),
+    or the server again when rank 0 did not read it (``SERVER``: also ``send``'s answer for a
+    connection it did not take)."""
+
+    TAKEN = "taken"
+    READER = "reader"
+    THREAD = "thread"
+    SERVER = "server"
 
 
 class Connections(Protocol):
@@ -68,9 +79,8 @@ class Connections(Protocol):
 @dataclass
 class EarlyRequest:
     """A request taken early: its group and answers, when the frontend admitted it, its
-    connection, whether the connection closes after it, and who ends it (``owner``: nobody yet,
-    the reader thread at a clean end, a request thread, or the server again when rank 0 did not
-    read it). What rank 0 read (``Taken``): its id, route, bytes on the wire and fingerprint."""
+    connection, whether the connection closes after it, and who ends it (``owner``, set once).
+    What rank 0 read (``Taken``): its id, route, bytes on the wire and fingerprint."""
 
     group: GroupClient
     admitted: float
@@ -81,7 +91,7 @@ class EarlyRequest:
     path: str = ""  # "" until rank 0 said it read the request
     print_: str = ""
     raw: bytes = b""
-    owner: str = ""
+    owner: Owner = Owner.TAKEN
 
     def abandon(self, router: Router, why: str) -> None:
         """Stop this request, which its thread will not follow (``why``); its connection must be
@@ -104,19 +114,19 @@ class EarlyRequests:
         self._sent: dict[socket.socket, EarlyRequest] = {}
         self._watch: threading.Thread | None = None
 
-    def send(self, conn: Any, close: bool, data: bytes) -> str | Partial:
+    def send(self, conn: Any, close: bool, data: bytes) -> Owner | Partial:
         """gthread's main loop, a connection whose next request's head is there (``data``, peeked):
         hand it to a group unread if that request may be read early (``TAKEN``: the connection is
-        this module's until it gives it back). A ``Partial``: it may be, once the rest of its body
-        came. ``close``: gunicorn would close the connection after the answer."""
+        this module's until it gives it back; ``SERVER``: it is not). A ``Partial``: it may be, once
+        the rest of its body came. ``close``: gunicorn would close the connection after the answer."""
         if not self.enabled or self.connections is None or self.router.draining or self.router.poison.refused:
-            return ""
+            return Owner.SERVER
         if type(conn.sock) is not socket.socket:
-            return ""  # TLS: gunicorn's to read
+            return Owner.SERVER  # TLS: gunicorn's to read
         readable = may_be_read(data)
         if isinstance(readable, Partial):
             return readable
-        return TAKEN if readable and self._hand_off(conn, close) else ""
+        return Owner.TAKEN if readable and self._hand_off(conn, close) else Owner.SERVER
 
     def _hand_off(self, conn: Any, close: bool) -> bool:
         sock = conn.sock
@@ -160,19 +170,19 @@ class EarlyRequests:
         """``abandon`` the request sent early on ``sock``, if it was not adopted; True if so."""
         with self._lock:
             early = self._sent.get(sock)
-            if early is None or early.owner != "thread":
+            if early is None or early.owner is not Owner.THREAD:
                 return False
             del self._sent[sock]
         early.abandon(self.router, why)
         return True
 
-    def _claim(self, early: EarlyRequest, owner: str) -> bool:
+    def _claim(self, early: EarlyRequest, owner: Owner) -> bool:
         """Make ``owner`` the one that ends ``early`` (once)."""
         with self._lock:
-            if early.owner:
+            if early.owner is not Owner.TAKEN:
                 return False
             early.owner = owner
-            if owner != "thread":  # a request thread adopts it (by its socket)
+            if owner is not Owner.THREAD:  # a request thread adopts it (by its socket)
                 self._sent.pop(early.conn.sock, None)
             return True
 
@@ -192,7 +202,7 @@ class EarlyRequests:
             self._give_back(early, None)
         elif not pending.clean_end:
             self._hand_to_thread(early)
-        elif self._claim(early, "reader"):
+        elif self._claim(early, Owner.READER):
             self._finish(early)
 
     def _read(self, early: EarlyRequest, taken: Taken) -> None:
@@ -209,7 +219,7 @@ class EarlyRequests:
         """The request is the server's again, as if it had never been taken: a request thread
         reads it, after ``raw`` (what rank 0 read of it). ``None``: nobody knows what rank 0 read;
         the connection is served again only if the client's bytes are still there, else closed."""
-        if not self._claim(early, "server"):
+        if not self._claim(early, Owner.SERVER):
             return
         self.router.release()
         assert self.connections is not None  # send() took it
@@ -220,7 +230,7 @@ class EarlyRequests:
             self.connections.requeue(early.conn, raw or b"")
 
     def _hand_to_thread(self, early: EarlyRequest) -> None:
-        if self._claim(early, "thread"):
+        if self._claim(early, Owner.THREAD):
             assert self.connections is not None  # send() took it
             self.connections.requeue(early.conn, early.raw)
 
@@ -255,7 +265,7 @@ class EarlyRequests:
         while True:
             with self._lock:
                 self._lock.wait_for(lambda: bool(self._sent))
-                watched = [early for early in self._sent.values() if not early.owner and early.path]
+                watched = [early for early in self._sent.values() if early.owner is Owner.TAKEN and early.path]
             now = time.monotonic()
             for early in watched:
                 if now >= early.pending.progress_at + self.launch.predict_timeout or client_gone(early.conn.sock):

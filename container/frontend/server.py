@@ -39,7 +39,7 @@ from container.core.launch import FrontendLaunch, decode_frontend_launch
 from container.frontend.app import create_app
 from container.frontend.body import CLOSE_CONNECTION, WSGI_RESPONSE
 from container.frontend.client import client_waiting
-from container.frontend.early import TAKEN, EarlyRequests
+from container.frontend.early import EarlyRequests, Owner
 from container.frontend.main_loop import HeadWaitingWorker, json_answer
 
 log = logging.getLogger("sagelmi.frontend")
@@ -153,7 +153,7 @@ class DrainingWorker(HeadWaitingWorker):
             )
             waited = getattr(conn, "early_waits", 0)
             taken = self.early.send(conn, close, head)
-            if taken == TAKEN:
+            if taken is Owner.TAKEN:
                 return
             if isinstance(taken, Partial) and waited < EARLY_WAITS:
                 # Until its body is there (a client may send it apart from its head), the
