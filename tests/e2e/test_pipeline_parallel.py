@@ -58,9 +58,13 @@ def test_a_killed_engine_core_ends_in_flight_requests_and_the_group_starts_again
     assert all(e.get("code") == 503 for e in endings), endings
     assert requests.get(pipeline.url("/ping"), timeout=2).status_code != 200
     deadline = time.monotonic() + 120
+    died = re.compile(rf"worker group 0 \(pid {group}\) died: (.*)")
+    while (said := died.search(pipeline.log())) is None:
+        assert time.monotonic() < deadline, "the supervisor never said the group died"
+        time.sleep(0.2)
+    # the worker's own reason: vLLM's, or the worker's own check of vLLM's processes (the EngineCore's, or
+    # one of its stages', which end with it), whichever saw it first
+    assert re.match(r"its engine died \((EngineDeadError|EngineProcessGone: vLLM's process VLLM::)", said[1]), said[0]
     while (pids := pipeline.group_pids()) in ([], [group]) or set(old) & set(parents()):
         assert time.monotonic() < deadline, f"no new group, or the old one's processes left: {pids}"
         time.sleep(0.2)
-    # the worker's own reason: vLLM's, or the worker's own check of vLLM's processes, whichever saw it first
-    assert re.search(r"died: its engine died \((EngineDeadError|EngineProcessGone: vLLM's process VLLM::EngineCore)",
-                     pipeline.log())

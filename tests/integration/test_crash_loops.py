@@ -94,13 +94,16 @@ def test_a_group_that_dies_after_every_start_backs_off_and_ping_says_why(tmp_pat
 
 def _poll(url: str, condition, timeout: float = 120) -> requests.Response:
     """The first answer of ``url`` that meets ``condition`` (an answer slower than 10 s on a loaded
-    machine is asked again, as one that does not meet it yet)."""
+    machine, or none yet, is asked again, as one that does not meet it yet)."""
     deadline = time.monotonic() + timeout
     last = "no answer"
     while time.monotonic() < deadline:
         try:
             answer = requests.get(url, timeout=10)
         except requests.Timeout:
+            continue
+        except requests.ConnectionError:  # the frontend not listening yet
+            time.sleep(0.1)
             continue
         if condition(answer):
             return answer
@@ -113,10 +116,16 @@ def test_ping_and_models_say_why_a_group_cannot_load_again_without_local_paths(t
     """The worker's error names the file it could not read: /ping and /models show the error
     with the path replaced, the log keeps it whole."""
     model_dir = MODEL_DIRS / "fails_to_reload"
-    with Server(model_dir, env={"OPTION_MARKER": str(tmp_path / "loaded-once")}) as server:
+    # not waited for ready: the first start ends 1 s after it loaded, and on a loaded machine the
+    # frontend may come up only after that
+    server = Server(model_dir, env={"OPTION_MARKER": str(tmp_path / "loaded-once")}).start(wait_ready=False)
+    try:
         ping = _poll(server.url("/ping"), lambda r: "No such file" in r.json()["workers"][0].get("last_exit", ""))
         models = _poll(server.url("/models"), lambda r: "No such file" in r.text)
         log = server.log()
+    finally:
+        server.stop()
+    assert "worker group 0 is ready" in log  # the first start loaded
     worker = ping.json()["workers"][0]
     assert ping.status_code == 503 and worker["detail"].endswith("No such file or directory: '<path>'")
     assert worker["last_exit"].endswith("FileNotFoundError: [Errno 2] No such file or directory: '<path>'")
