@@ -273,11 +273,10 @@ class Channel:
         ``silence`` seconds of waiting in vain, counting only the time this process ran.
 
         It waits in turns of ``beat`` seconds (the peer's heartbeat period) and counts at most
-        ``beat`` for a turn, however long the turn really took. A plain socket timeout counts all of
-        it: a loaded machine that stops both nodes' supervisors for longer than ``silence`` (both
-        share one machine in tests; a paused VM; a starved cgroup) made the first to run again find
-        the other silent before the other's heartbeat thread could run, and end a registration
-        that was fine: the group restarted right after it became ready."""
+        ``beat`` for a turn, however long the turn really took: when a loaded machine (a paused VM, a
+        starved cgroup, two nodes on one machine) stops both nodes' supervisors for longer than
+        ``silence``, the first to run again does not take the other for silent before the other's
+        heartbeat thread could run, as a plain socket timeout, counting all of it, would."""
         poller = select.poll()
         poller.register(self.sock, select.POLLIN)  # a closed or failed connection wakes it too
         quiet = 0.0

@@ -99,12 +99,11 @@ _STATUS = {
 def rejection(exc: BaseException) -> tuple[int, str, str] | None:
     """The answer to a request gunicorn could not read (``exc``: one of its request errors):
     status, reason and what was wrong; ``None`` for any other exception (a server error)."""
-    if not isinstance(exc, (http_errors.ParseException, ssl.SSLError)) or isinstance(
-        exc, (http_errors.InvalidResponseHeader, http_errors.InvalidResponseHeaderName)
-    ):
-        return None
     if isinstance(exc, ssl.SSLError):
         return 403, "Forbidden", str(exc)
+    app_made = (http_errors.InvalidResponseHeader, http_errors.InvalidResponseHeaderName)  # the app's, not the client's
+    if not isinstance(exc, http_errors.ParseException) or isinstance(exc, app_made):
+        return None
     status, reason = next((answer for kind, answer in _STATUS.items() if isinstance(exc, kind)), (400, "Bad Request"))
     return status, reason, str(exc)
 

@@ -118,14 +118,17 @@ def engine_kwargs(context: WorkerContext, **overrides: Any) -> dict[str, Any]:
 
 async def _abandon(building: asyncio.Future) -> None:
     """A stop while vLLM is still starting (``start`` cancelled): the processes this one started (vLLM's
-    EngineCore, which stops its own workers) are told to stop (SIGTERM), again for one started
-    meanwhile, until the build gives up; an engine that got ready meanwhile is shut down. Without this
+    EngineCore, which stops its own workers) are told to stop (SIGTERM, once each; one started
+    meanwhile is told too), until the build gives up; an engine that got ready meanwhile is shut down. Without this
     the build would run to the end, minutes for a large model, before the stop could begin."""
     deadline = time.monotonic() + ENGINE_STOP_SECONDS
+    told: set[int] = set()
     while not building.done() and time.monotonic() < deadline:
         for pid in [child for child, parent in proc.parents().items() if parent == os.getpid()]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)
+            if pid not in told:
+                told.add(pid)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
         await asyncio.wait({building}, timeout=0.5)
     if not building.done() or building.cancelled():
         return
