@@ -39,6 +39,7 @@ import logging
 import os
 import signal
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -46,6 +47,7 @@ from prometheus_client import REGISTRY
 from prometheus_client.core import GaugeMetricFamily
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.platforms import current_platform
+from vllm.sampling_params import SamplingParams
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from container.core import proc
@@ -205,7 +207,36 @@ class VllmEngine(Engine):
             await _abandon(building)
             raise
         log.info("vLLM engine ready in %.1fs", time.monotonic() - started)
-        return cls(engine, context, kwargs, formatters)
+        served = cls(engine, context, kwargs, formatters)
+        try:
+            await served.warm_up()
+        except asyncio.CancelledError:
+            await asyncio.to_thread(served.shutdown)
+            raise
+        return served
+
+    async def warm_up(self) -> None:
+        """Ask the engine for one token and its log probability before the worker says it is ready.
+        vLLM compiles (``torch.compile``) the function that ranks a sampled token the first time a
+        request asks for log probabilities, as every LMI request does: seconds with a warm compile
+        cache, tens of seconds in a new container, which the first request would otherwise wait for.
+        A pooling model samples nothing."""
+        if self.pooling is not None:
+            return
+        started = time.monotonic()
+        params = SamplingParams(max_tokens=1, logprobs=0, temperature=0.0)
+        try:
+            async for _ in self.engine.generate(
+                {"prompt_token_ids": [0]}, params, f"sagelmi-warm-up-{uuid.uuid4().hex}"
+            ):
+                pass
+        except Exception as exc:  # noqa: BLE001 - the engine serves without it; its health check sees a dead one
+            log.warning(
+                "vLLM's warm-up request failed (the first request asking for log probabilities compiles instead): %s",
+                one_line(exc),
+            )
+            return
+        log.info("vLLM answered a warm-up request (token log probabilities) in %.1fs", time.monotonic() - started)
 
     def shutdown(self) -> None:
         """Stop vLLM (the worker calls this in a thread while its loop runs). ``AsyncLLM.shutdown`` stops

@@ -104,6 +104,7 @@ def norm(vector):
 def test_the_log_says_vllm_pools(server):
     assert "option.task=text-embedding: vLLM's pooling runner, convert=embed" in server.log()
     assert '"convert": "embed"' in server.log() and '"runner": "pooling"' in server.log()
+    assert "warm-up request" not in server.log()  # a pooling model samples no token
 
 
 def test_embeddings_float_equal_vllm_offline(client, reference, model_dir):

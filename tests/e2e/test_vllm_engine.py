@@ -65,6 +65,15 @@ def test_the_hub_token_never_reaches_the_log(vllm_server):
     assert len(starting) == 1 and '"hf_token": "***"' in starting[0]
 
 
+def test_the_worker_reports_ready_after_a_warm_up_request(vllm_server):
+    """vLLM compiles its token-ranking kernel on the first request asking for log probabilities (every
+    LMI request does): the worker asks for one token with its log probability before it is ready."""
+    log = vllm_server.log()
+    assert "warm-up request failed" not in log
+    warmed = log.index("vLLM answered a warm-up request (token log probabilities)")
+    assert warmed < log.index("worker group 0 is ready")
+
+
 def test_a_seeded_sample_of_a_prompt_split_across_steps_is_answered_as_if_taken_whole(vllm_server, offline):
     """vLLM 0.32's CPU build died on this ("CPU Generator does not use offset": every request in
     flight 503, /ping 503 for ~25 s); handlers/engines/vllm_plugin.py rewinds the seeded generator by its

@@ -30,7 +30,7 @@ def tiny_model():
 def endpoint(tiny_model):
     model = SagelmiModel(handler_dir=tiny_model, max_rolling_batch_size=8, options={"max_model_len": 1024, "dtype": "float32", "enforce_eager": True},
                          env=VLLM_CPU_ENV)
-    local = LocalEndpoint(model, mode="process", ready_timeout=300)
+    local = LocalEndpoint(model, mode="process", ready_timeout=600)  # a loaded machine's start
     local.predictor_on_it = local.start()
     yield local
     assert local.stop() == 0
