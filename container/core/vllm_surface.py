@@ -14,14 +14,14 @@ Rows come in two kinds. The source scan of the test (``tests/unit/test_vllm_surf
 the rest and checks both ways (a use not listed fails, a row no longer used fails): imports,
 attribute chains on imported names, ``vllm.*`` module names and ``VLLM_*`` variable names written
 as strings, methods a subclass of a vLLM class overrides. ``HAND`` rows are reached where the scan
-cannot see them (on an engine's objects, through the plugin's import hook, by vLLM calling a
+cannot see them (on an engine's objects, on a class vLLM builds by name, by vLLM calling a
 stand-in) and are kept by hand: change them with the code that uses them.
 
 Other places that know vLLM's version, referenced here rather than repeated:
 ``pyproject.toml``'s ``cpu``/``gpu`` extras pin it; ``container/core/vllm_engine_args.json``
 records the version its engine arguments were generated from (``engine_arg_list.packaged_version``);
 ``container/core/known_bad.py``'s rows name the builds and versions each was found on;
-``handlers/engines/vllm_plugin.py`` applies its fixes to ``0.32.x`` alone; ``container/frontend/
+``handlers/engines/vllm_platform.py`` applies its fixes to ``0.32.x`` alone; ``container/frontend/
 openapi.json`` is generated from the installed request types. docs/architecture.md ("vLLM's
 surface") says how to upgrade.
 """
@@ -65,12 +65,12 @@ _OPENAI = "vllm.entrypoints.openai"
 _POOL = "vllm.entrypoints.pooling"
 _TOK = "vllm.entrypoints.serve.tokenize"
 _MEDIA = "vllm.multimodal.media"
-_RUNNER = "vllm.v1.worker.gpu_model_runner"
+_PUNICA = "vllm.lora.punica_wrapper.punica_cpu"
 _CPU_COMM = "vllm.distributed.device_communicators.cpu_communicator"
 
 _ROWS: tuple[tuple, ...] = (
     ("vllm", "", "imported for its version"),
-    ("vllm", "__version__", "read: recorded by sagelmi engine-args, checked by the plugin (0.32.x only)"),
+    ("vllm", "__version__", "read: recorded by sagelmi engine-args, checked by the CPU platform (0.32.x only)"),
     ("vllm.config.cache", "CacheConfig.block_size", "a label of vllm:cache_config_info, read by the KV check", HAND),
     ("vllm.config.cache", "CacheConfig.num_gpu_blocks", "a label of vllm:cache_config_info (KV check)", HAND),
     ("vllm.config.model", "ModelConfig.get_pooling_task", "called: which pooling routes a model gets", HAND),
@@ -83,10 +83,10 @@ _ROWS: tuple[tuple, ...] = (
     ("vllm.connections", "HTTPConnection.get_bytes", "overridden: a media fetch, each hop checked"),
     ("vllm.connections", "HTTPResponseSizeExceededError", "raised: a media response past vLLM's size limit"),
     ("vllm.connections", "MediaDownloadSizeExceededError", "raised: a media download past vLLM's size limit"),
-    (_CPU_COMM, "", "imported by name by the plugin (its import hook)"),
-    (_CPU_COMM, "CpuCommunicator._all_group_ranks_share_shm_group_name", "replaced by the plugin: one host", HAND),
-    (_CPU_COMM, "CpuCommunicator.device_group", "read by the plugin's replacement", HAND),
-    (_CPU_COMM, "CpuCommunicator.world_size", "read by the plugin's replacement", HAND),
+    (_CPU_COMM, "CpuCommunicator", "subclassed: OneMachineShmCommunicator (vllm_cpu), the CPU platform's"),
+    (_CPU_COMM, "CpuCommunicator._all_group_ranks_share_shm_group_name", "overridden: one host (vllm_cpu)"),
+    (_CPU_COMM, "CpuCommunicator.device_group", "read by OneMachineShmCommunicator", HAND),
+    (_CPU_COMM, "CpuCommunicator.world_size", "read by OneMachineShmCommunicator", HAND),
     ("vllm.engine.arg_utils", "AsyncEngineArgs", "built from the settings; its fields are the engine-args list"),
     (
         "vllm.engine.arg_utils",
@@ -200,10 +200,15 @@ _ROWS: tuple[tuple, ...] = (
     ("vllm.logprobs", "Logprob.decoded_token", "read: LMI's token text", HAND),
     ("vllm.logprobs", "Logprob.logprob", "read: LMI's token log-probability", HAND),
     ("vllm.logprobs", "Logprob.rank", "read: LMI's top-n tokens", HAND),
-    ("vllm.lora.ops.torch_ops", "lora_ops", "imported by the plugin"),
-    ("vllm.lora.ops.torch_ops", "lora_ops.bgmv_shrink", "replaced by the plugin: LoRA in mixed batches (CPU)"),
-    ("vllm.lora.punica_wrapper", "punica_cpu", "imported by the plugin"),
-    ("vllm.lora.punica_wrapper", "punica_cpu.bgmv_shrink", "replaced by the plugin: what the CPU wrapper calls"),
+    (_PUNICA, "PunicaWrapperCPU", "subclassed: BaseRowsPunicaWrapper (vllm_cpu), the CPU platform's"),
+    (_PUNICA, "PunicaWrapperCPU._shrink_decode", "overridden: base-model rows get no LoRA delta"),
+    (_PUNICA, "PunicaWrapperCPU._shrink_prefill", "overridden: base-model rows get no LoRA delta"),
+    (_PUNICA, "PunicaWrapperCPU.add_lora_logits", "overridden: base-model rows get no LoRA delta"),
+    (_PUNICA, "PunicaWrapperCPU.apply_lora_full_linear", "overridden: base-model rows get no LoRA delta"),
+    (_PUNICA, "PunicaWrapperCPU.no_lora", "read by BaseRowsPunicaWrapper", HAND),
+    (_PUNICA, "PunicaWrapperCPU.prefill_metadata", "read: each prefill token's slot", HAND),
+    (_PUNICA, "PunicaWrapperCPU.sampler_indices", "read: each sampled row's slot", HAND),
+    (_PUNICA, "PunicaWrapperCPU.token_lora_indices", "read: each decoded token's slot", HAND),
     ("vllm.lora.request", "LoRARequest", "built per adapter"),
     ("vllm.lora.request", "LoRARequest.lora_int_id", "read: an adapter unloaded", HAND),
     ("vllm.lora.request", "LoRARequest.lora_name", "read: an OpenAI body's model", HAND),
@@ -231,14 +236,20 @@ _ROWS: tuple[tuple, ...] = (
     ("vllm.outputs", "RequestOutput.prompt_logprobs", "read: LMI's prefill details", HAND),
     ("vllm.outputs", "RequestOutput.prompt_token_ids", "read: the usage count", HAND),
     ("vllm.platforms", "current_platform", "imported: which platform vLLM runs on"),
-    ("vllm.platforms", "current_platform.is_cpu", "called: CPU defaults; the plugin's fixes apply on the CPU"),
+    ("vllm.platforms", "current_platform.is_cpu", "called: CPU defaults; the CPU platform's check"),
+    ("vllm.platforms", "cpu_platform_plugin", "called: sagelmi's platform activates where vLLM's CPU one would"),
     (
-        "vllm.plugins",
-        "DEFAULT_PLUGINS_GROUP",
-        "sagelmi's plugin entry point group (pyproject.toml)",
+        "vllm.platforms",
+        "PLATFORM_PLUGINS_GROUP",
+        "sagelmi's platform entry point group (pyproject.toml)",
         HAND,
-        "vllm.general_plugins",
+        "vllm.platform_plugins",
     ),
+    ("vllm.platforms.cpu", "CpuPlatform", "subclassed: SagelmiCpuPlatform (vllm_platform)"),
+    ("vllm.platforms.cpu", "CpuPlatform.check_and_update_config", "overridden: the worker class"),
+    ("vllm.platforms.cpu", "CpuPlatform.get_device_communicator_cls", "overridden: OneMachineShmCommunicator"),
+    ("vllm.platforms.cpu", "CpuPlatform.get_punica_wrapper", "overridden: BaseRowsPunicaWrapper"),
+    ("vllm.config.parallel", "ParallelConfig.worker_cls", "set by SagelmiCpuPlatform: SeededCPUWorker", HAND),
     ("vllm.reasoning", "ReasoningParserManager", "looks up option.reasoning_parser"),
     ("vllm.reasoning", "ReasoningParserManager.get_reasoning_parser", "called by name (chat_setup)", HAND),
     ("vllm.reasoning", "ReasoningParserManager.list_registered", "called: the parsers named in a refusal", HAND),
@@ -297,13 +308,16 @@ _ROWS: tuple[tuple, ...] = (
         HAND,
         "vllm:cache_config_info",
     ),
-    ("vllm.v1.worker.gpu_input_batch", "InputBatch.generators", "the plugin's seeded-generator fix", HAND),
-    ("vllm.v1.worker.gpu_input_batch", "InputBatch.num_reqs", "read by the plugin's seeded-generator fix", HAND),
-    (_RUNNER, "", "imported by name by the plugin (its import hook)"),
-    (_RUNNER, "GPUModelRunner._bookkeeping_sync", "replaced by the plugin: seeded split prompts (CPU)", HAND),
-    (_RUNNER, "GPUModelRunner._sample", "replaced by the plugin: seeded split prompts (CPU)", HAND),
-    (_RUNNER, "GPUModelRunner.discard_request_mask", "read by the plugin's seeded-generator fix", HAND),
-    (_RUNNER, "GPUModelRunner.input_batch", "read by the plugin's seeded-generator fix", HAND),
+    ("vllm.v1.worker.cpu_model_runner", "CPUModelRunner", "subclassed: SeededCPUModelRunner (vllm_cpu)"),
+    ("vllm.v1.worker.cpu_model_runner", "CPUModelRunner._bookkeeping_sync", "overridden: seeded split prompts"),
+    ("vllm.v1.worker.cpu_model_runner", "CPUModelRunner._sample", "overridden: seeded split prompts"),
+    ("vllm.v1.worker.cpu_model_runner", "CPUModelRunner.discard_request_mask", "read by SeededCPUModelRunner", HAND),
+    ("vllm.v1.worker.cpu_model_runner", "CPUModelRunner.input_batch", "read by SeededCPUModelRunner", HAND),
+    ("vllm.v1.worker.cpu_worker", "CPUWorker", "subclassed: SeededCPUWorker (vllm_cpu); its name, replaced"),
+    ("vllm.v1.worker.cpu_worker", "CPUWorker.init_device", "overridden: its runner made a SeededCPUModelRunner"),
+    ("vllm.v1.worker.cpu_worker", "CPUWorker.model_runner", "read: the runner CPUWorker built", HAND),
+    ("vllm.v1.worker.gpu_input_batch", "InputBatch.generators", "read and set by SeededCPUModelRunner", HAND),
+    ("vllm.v1.worker.gpu_input_batch", "InputBatch.num_reqs", "read by SeededCPUModelRunner", HAND),
 )
 
 SURFACE: tuple[Symbol, ...] = tuple(Symbol(*row) for row in _ROWS)

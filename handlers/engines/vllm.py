@@ -59,7 +59,7 @@ from container.core.served_names import served_names
 from handlers.api import Input, Output
 from handlers.api.context import WorkerContext
 from handlers.api.engine import Engine, Formatters
-from handlers.engines import vllm_media
+from handlers.engines import vllm_media, vllm_platform
 from handlers.engines.formatters import format_request, formatted, unbound
 from handlers.engines.invocation_forms import GENERATION_KINDS, invocation_kind
 from handlers.engines.lmi_schema import Formatter
@@ -193,6 +193,7 @@ class VllmEngine(Engine):
     async def start(cls, context: WorkerContext, formatters: Formatters) -> VllmEngine:
         # read in vLLM's EngineCore process, which inherits this environment
         os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", str(WORKERS_STOP_SECONDS))
+        vllm_platform.check()
         kwargs = engine_kwargs(context)
         log.info("starting vLLM with %s", redacted_json(kwargs))
         vllm_media.install(context.settings, kwargs)

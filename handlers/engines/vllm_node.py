@@ -28,8 +28,10 @@ def engine_config(launch: HeadlessLaunch):
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.platforms import current_platform
 
+    from handlers.engines import vllm_platform
     from handlers.engines.vllm_args import build_engine_kwargs, node_kwargs, usage_context
 
+    vllm_platform.check()  # this node's ranks run on sagelmi's CPU platform too
     kwargs = build_engine_kwargs(
         launch.settings, launch.model_location, launch.tensor_parallel_degree, cpu=current_platform.is_cpu()
     )
@@ -60,7 +62,14 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, stop)
     from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
-    executor = MultiprocExecutor(engine_config(launch), monitor_workers=False)
+    from handlers.api.loader import HandlerLoadError
+
+    try:
+        config = engine_config(launch)
+    except HandlerLoadError as exc:
+        log.error("vLLM's node %d cannot start: %s", nodes.node_rank, exc)
+        return 1
+    executor = MultiprocExecutor(config, monitor_workers=False)
     try:
         log.info("vLLM's node %d is ready", nodes.node_rank)
         executor.start_worker_monitor(inline=True)  # returns when one of this node's engine workers died

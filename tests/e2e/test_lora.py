@@ -117,7 +117,7 @@ def test_register_list_describe_and_two_adapters_in_one_batch(server, model):
 
 def test_the_base_model_batched_with_adapters(server, model):
     """vLLM 0.32's CPU LoRA kernels give a base-model row of a mixed batch the last adapter's
-    weights (slot -1); handlers/engines/vllm_plugin.py fixes that in every vLLM process."""
+    weights (slot -1); handlers/engines/vllm_cpu.py fixes that (sagelmi's CPU platform's LoRA wrapper)."""
     if "a2" not in {a["name"] for a in requests.get(adapters_url(server), timeout=30).json()["adapters"]}:
         requests.post(adapters_url(server), params={"name": "a2", "src": str(model / "extra" / "a2")}, timeout=120)
     alone = {name: generate(server, name) for name in ("a1", "a2", None)}

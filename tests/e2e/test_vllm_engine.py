@@ -76,8 +76,8 @@ def test_the_worker_reports_ready_after_a_warm_up_request(vllm_server):
 
 def test_a_seeded_sample_of_a_prompt_split_across_steps_is_answered_as_if_taken_whole(vllm_server, offline):
     """vLLM 0.32's CPU build died on this ("CPU Generator does not use offset": every request in
-    flight 503, /ping 503 for ~25 s); handlers/engines/vllm_plugin.py rewinds the seeded generator by its
-    state. The answer must be what offline vLLM gives when the whole prompt fits in one step."""
+    flight 503, /ping 503 for ~25 s); handlers/engines/vllm_cpu.py's model runner rewinds the seeded generator
+    by its state. The answer must be what offline vLLM gives when the whole prompt fits in one step."""
     body = {"inputs": LONG_PROMPT, "parameters": {"max_new_tokens": 16, "do_sample": True, "seed": 7,
                                                   "details": True, "ignore_eos": True}}
     answers = [vllm_server.invoke(body, timeout=120) for _ in range(2)]
