@@ -39,7 +39,6 @@ import logging
 import os
 import signal
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -47,7 +46,6 @@ from prometheus_client import REGISTRY
 from prometheus_client.core import GaugeMetricFamily
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.platforms import current_platform
-from vllm.sampling_params import SamplingParams
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from container.core import proc
@@ -217,20 +215,16 @@ class VllmEngine(Engine):
         return served
 
     async def warm_up(self) -> None:
-        """Ask the engine for one token and its log probability before the worker says it is ready.
-        vLLM compiles (``torch.compile``) the function that ranks a sampled token the first time a
-        request asks for log probabilities, as every LMI request does: seconds with a warm compile
-        cache, tens of seconds in a new container, which the first request would otherwise wait for.
-        A pooling model samples nothing."""
+        """Answer one LMI request of one token before the worker says it is ready. vLLM compiles
+        (``torch.compile``) the function that ranks a sampled token the first time a request asks
+        for log probabilities, as every LMI request does: seconds with a warm compile cache, tens of
+        seconds in a new container, which the first request would otherwise wait for. A pooling
+        model samples nothing."""
         if self.pooling is not None:
             return
         started = time.monotonic()
-        params = SamplingParams(max_tokens=1, logprobs=0, temperature=0.0)
         try:
-            async for _ in self.engine.generate(
-                {"prompt_token_ids": [0]}, params, f"sagelmi-warm-up-{uuid.uuid4().hex}"
-            ):
-                pass
+            await self.lmi.answer({"inputs": "Hello", "parameters": {"max_new_tokens": 1}}, "sagelmi-warm-up")
         except Exception as exc:  # noqa: BLE001 - the engine serves without it; its health check sees a dead one
             log.warning(
                 "vLLM's warm-up request failed (the first request asking for log probabilities compiles instead): %s",
