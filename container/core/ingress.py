@@ -208,7 +208,7 @@ def read_request(data: bytes, max_body: int) -> ReadRequest | Partial | None:
 # -- what rank 0 writes of a streamed answer
 
 # What gunicorn accepts in a response header (RFC 9110's token; a value of visible characters,
-# spaces and tabs): a head with anything else is left to the frontend, which refuses it as before
+# spaces and tabs): a head with anything else is left to the frontend, which refuses it
 _RESPONSE_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _RESPONSE_VALUE = re.compile(r"[ \t\x21-\x7e\x80-\xff]*")
 # The headers that frame a body, which the worker takes out of a handler's answer

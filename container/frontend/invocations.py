@@ -80,7 +80,7 @@ ROUTES = {
 # streams are: an error after the stream began goes out as an ``error`` event, without ``data: [DONE]``
 NAMED_EVENT_ROUTES = ("/v1/responses", "/v1/messages")
 STOP_CONFIRM_TIMEOUT = 2.0  # how long a timed-out stream waits for its group to stop writing to the client
-DEFAULT_CONTENT_TYPE = "text/html; charset=utf-8"  # what an answer without one is sent with (as Flask's were)
+DEFAULT_CONTENT_TYPE = "text/html; charset=utf-8"  # what an answer without one is sent with (Flask's default)
 
 
 @dataclass

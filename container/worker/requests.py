@@ -236,7 +236,7 @@ def split_batch(output: Output, size: int) -> list[Output]:
         answer.content.add(match.group(2) or "data", value)
         answers[index] = answer
     # As many entries as requests, each index below size: every answer is set, unless the
-    # handler repeated an index (then another one is None: not checked here, as before).
+    # handler repeated an index (then another one is None, which is not checked here).
     return cast("list[Output]", answers)
 
 

@@ -408,8 +408,8 @@ class PixelBound(MediaIO[Any]):
         return self.load_bytes(filepath.read_bytes())
 
 
-# What fetching a media URL raises when its host could not be reached (vLLM turns the host's own 4xx
-# answers into its 422 before): the client gets FETCH_FAILED for all of them alike.
+# What fetching a media URL raises when its host could not be reached (vLLM has already turned the
+# host's own 4xx answers into its 422): the client gets FETCH_FAILED for all of them alike.
 _UNREACHABLE = (MediaURLRefused, aiohttp.ClientError, TimeoutError, asyncio.TimeoutError)
 
 
