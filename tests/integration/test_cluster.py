@@ -200,7 +200,7 @@ def test_a_lost_worker_node_is_waited_for_and_a_new_one_restores_the_group(clust
 def test_a_restarted_leader_finds_its_worker_node_again(cluster, single):
     """Last of the module's cluster: the leader stops (its group with it, on both nodes) and a new
     one starts on the same address; the worker node, still running, registers with it."""
-    (group,) = cluster.group_pids()
+    group = cluster.one_group()
     old = set(processes(group)) | {group}
     assert cluster.stop() == 0
     time.sleep(1)

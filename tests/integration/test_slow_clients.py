@@ -159,6 +159,8 @@ def test_ping_is_answered_while_every_request_thread_waits_for_a_body(server):
     # for a request thread (they are all reading bodies until body_read_timeout answers them 408).
     assert held(opened) >= PER_CLIENT // 2, (held(opened), pings)
     ends = read_to_end(opened, BODY_READ_TIMEOUT + 20)
+    silent = [(i, round(closed_at, 2)) for i, (data, closed_at) in enumerate(ends) if not data]
+    assert not silent, f"{len(silent)} closed (or reset) without an answer: (connection, seconds open) {silent[:20]}"
     statuses = {answer(data)[0] for data, _ in ends}
     assert statuses == {408}, statuses
     error = answer(ends[-1][0])[1]["error"]["message"]
