@@ -158,9 +158,11 @@ def test_ping_is_answered_while_every_request_thread_waits_for_a_body(server):
     # Answered while the connections within the cap still waited for their bodies: /ping did not wait
     # for a request thread (they are all reading bodies until body_read_timeout answers them 408).
     assert held(opened) >= PER_CLIENT // 2, (held(opened), pings)
-    ends = read_to_end(opened, BODY_READ_TIMEOUT + 20)
+    # The connections beyond the request threads get one when the first ones are answered, and then
+    # wait for their own body_read_timeout: two of them, and a loaded machine's delays
+    ends = read_to_end(opened, 2 * BODY_READ_TIMEOUT + 20)
     silent = [(i, round(closed_at, 2)) for i, (data, closed_at) in enumerate(ends) if not data]
-    assert not silent, f"{len(silent)} closed (or reset) without an answer: (connection, seconds open) {silent[:20]}"
+    assert not silent, f"{len(silent)} not answered: (connection, seconds until closed, inf: still open) {silent[:20]}"
     statuses = {answer(data)[0] for data, _ in ends}
     assert statuses == {408}, statuses
     error = answer(ends[-1][0])[1]["error"]["message"]
