@@ -216,10 +216,12 @@ class Server:
     def group_pids(self) -> list[int]:
         """The first process of each worker group (a worker, or mpirun in MPI mode):
         everything the group starts stays below it (container.core.proc.adopt_orphans)."""
+        from container.core.proc import running
+
         out = subprocess.run(["pgrep", "-P", str(self.process.pid)], capture_output=True, text=True).stdout
         frontend = subprocess.run(["pgrep", "-P", str(self.process.pid), "-f", "gunicorn|frontend"],
                                   capture_output=True, text=True).stdout.split()
-        return [int(p) for p in out.split() if p not in frontend and not _zombie(int(p))]
+        return [int(p) for p in out.split() if p not in frontend and running(int(p))]
 
     def one_group(self, timeout: float = 30) -> int:
         """The first process of the server's only worker group, once there is one (a group that
@@ -229,14 +231,6 @@ class Server:
             assert time.monotonic() < deadline, {pid: processes(pid).get(pid) for pid in pids}
             time.sleep(0.2)
         return pids[0]
-
-
-def _zombie(pid: int) -> bool:
-    """Whether ``pid`` has ended and waits to be reaped (or is gone)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z"
-    except OSError:
-        return True
 
 
 SHARED: dict[str, Server] = {}  # session fixture name -> the server it shares (tests/conftest.py stops it)

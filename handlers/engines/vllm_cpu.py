@@ -59,9 +59,8 @@ class BaseRowsPunicaWrapper(PunicaWrapperCPU):
 
     def _shrink_prefill(self, y: torch.Tensor, x: torch.Tensor, w_t_all: torch.Tensor, scale: float) -> None:
         super()._shrink_prefill(y, x, w_t_all, scale)
-        if not self.no_lora:
-            _, seq_lens, slots, *_ = self.prefill_metadata
-            _zero_rows(y, torch.repeat_interleave(slots, seq_lens))  # a slot per token, as the kernel sees them
+        if not self.no_lora:  # the prefill kernel's slots are these, grouped into runs
+            _zero_rows(y, self.token_lora_indices)
 
     def _shrink_decode(self, y: torch.Tensor, x: torch.Tensor, w_t_all: torch.Tensor, scale: float) -> None:
         super()._shrink_decode(y, x, w_t_all, scale)
