@@ -1,3 +1,4 @@
+import logging
 import os
 import subprocess
 from collections import defaultdict
@@ -14,6 +15,21 @@ _TIER_SECONDS: dict[str, float] = defaultdict(float)
 _LAST_USER: dict[str, str] = {}  # fixture name -> the node id of the last test of the run that uses it
 _MODULE_CPU: dict[str, float] = defaultdict(float)  # test module -> CPU seconds of the run's process tree
 _CPU_MARK: list = [None, 0.0]  # the module running now, the tree's CPU seconds when it began
+
+
+@pytest.fixture(autouse=True)
+def _root_logger_as_found():
+    """A test that runs sagelmi's CLI in this process (``logs.configure``) leaves the root logger a handler
+    on the stderr pytest captured for that test and closes after it: a thread of a later test (a relay's
+    handshake) logging through it printed "--- Logging error ---". The stream handlers a test added are
+    taken out after it, and the root logger's level is restored."""
+    root = logging.getLogger()
+    before, level = set(root.handlers), root.level
+    yield
+    for handler in list(root.handlers):
+        if handler not in before and type(handler) is logging.StreamHandler:
+            root.removeHandler(handler)
+    root.setLevel(level)
 
 
 def _tree_cpu() -> float:

@@ -101,12 +101,3 @@ def test_the_json_format_is_one_line_per_record(capsys):
     finally:
         logging.getLogger().handlers.clear()
     assert len(capsys.readouterr().err.splitlines()) == 1
-
-
-@pytest.fixture(autouse=True)
-def _restore_root_logger():
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
