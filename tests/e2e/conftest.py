@@ -12,15 +12,14 @@ from tests import models
 from tests.readme import run_shell, section, serve_settings, shell_commands
 from tests.server import REPO, Server, clean_env, shared
 
-# What vLLM's CPU build needs on a small machine (see docs/troubleshooting.md); the docs' commands set it.
-SMALL_MACHINE = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+# What vLLM's CPU build needs on a small machine (see docs/troubleshooting.md).
+VLLM_CPU_PLACED = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 # Where a test server's model workers run. vLLM binds a one-process engine's model worker to the first
 # core (it keeps the last for its other processes), so on this 2-core machine the model workers of every
 # server the lanes run at once would share core 0 while core 1 waited. Test servers leave placement to
 # the kernel, one OpenMP thread each (vLLM's count for a one-process engine here). The pipeline-parallel
-# server keeps the binding sagelmi sets for several engine processes, which it checks.
-UNPINNED = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
-VLLM_CPU_ENV = {**SMALL_MACHINE, **UNPINNED}  # a test server's
+# server keeps the binding sagelmi sets for several engine processes (VLLM_CPU_PLACED), which it checks.
+VLLM_CPU_ENV = {**VLLM_CPU_PLACED, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
 # Servers in float32 whose point is not vLLM's compiled model run it eager: a start without torch.compile
 # costs about 35 s of CPU less per engine process (docs/testing.md). Not in bfloat16: there vLLM's CPU
 # build lost its model runner process on the first request of some eager servers on a loaded machine, with
@@ -51,7 +50,7 @@ def tiny_think_model():
 
 # The lmi-dist try-out (docs/large_models.md): write the tiny model, serve it split over two ranks.
 LMI_DIST_README = shell_commands(section("lmi-dist configurations"))
-LMI_DIST_README_ENV = {"OPTION_ROLLING_BATCH": "lmi-dist", "TENSOR_PARALLEL_DEGREE": "2", **SMALL_MACHINE}
+LMI_DIST_README_ENV = {"OPTION_ROLLING_BATCH": "lmi-dist", "TENSOR_PARALLEL_DEGREE": "2", **VLLM_CPU_ENV}
 # What the option matrix's lmi-dist cell adds (eager; prefix caching is vLLM's default on x86; the README's
 # model has a context of 1024 already): the cell is served by the same server.
 LMI_DIST_CELL = {**EAGER, "OPTION_ENABLE_PREFIX_CACHING": "true", "OPTION_MAX_MODEL_LEN": "1024"}
@@ -66,7 +65,7 @@ def lmi_dist_server(tmp_path_factory):
     assert written.returncode == 0, written.stderr
     env, model_dir = serve_settings(serve)
     assert env == LMI_DIST_README_ENV
-    with Server(model_dir, env={**env, **UNPINNED, **EXACT, **LMI_DIST_CELL}, ready_timeout=ENGINE_READY_TIMEOUT) as server:
+    with Server(model_dir, env={**env, **EXACT, **LMI_DIST_CELL}, ready_timeout=ENGINE_READY_TIMEOUT) as server:
         yield shared("lmi_dist_server", server)
 
 

@@ -22,7 +22,7 @@ import openai
 import pytest
 import requests
 
-from tests.e2e.conftest import EAGER, ENGINE_READY_TIMEOUT, SMALL_MACHINE, UNPINNED
+from tests.e2e.conftest import EAGER, ENGINE_READY_TIMEOUT, VLLM_CPU_ENV
 from tests.readme import on_port, python_snippets, run_shell, section, serve_settings, shell_commands
 from tests.references import Reference
 from tests.server import Server
@@ -81,9 +81,9 @@ def reference(offline):
 def server(model_dir, offline):
     """The README's server: its settings, its model."""
     env, _ = serve_settings(README_COMMANDS[1])
-    assert env == {**SMALL_MACHINE, "OPTION_TASK": "text-embedding", "OPTION_DTYPE": "float32",
+    assert env == {**VLLM_CPU_ENV, "OPTION_TASK": "text-embedding", "OPTION_DTYPE": "float32",
                    "OPTION_HF_OVERRIDES": json.dumps(HF_OVERRIDES)}
-    with Server(model_dir, env={**env, **UNPINNED, **EAGER}, ready_timeout=READY_TIMEOUT) as server:
+    with Server(model_dir, env={**env, **EAGER}, ready_timeout=READY_TIMEOUT) as server:
         yield server
 
 
@@ -282,7 +282,7 @@ def test_fuzzing_the_pooling_routes(server):
 
 @pytest.fixture(scope="module")
 def raw_server(model_dir, server):
-    env = {**serve_settings(README_COMMANDS[1])[0], **UNPINNED, **EAGER, "OPTION_NORMALIZE": "false"}
+    env = {**serve_settings(README_COMMANDS[1])[0], **EAGER, "OPTION_NORMALIZE": "false"}
     with Server(model_dir, env=env, ready_timeout=READY_TIMEOUT) as raw:
         yield raw
 

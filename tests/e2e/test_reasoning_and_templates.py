@@ -12,7 +12,7 @@ import shutil
 import openai
 import pytest
 
-from tests.e2e.conftest import EAGER, ENGINE_READY_TIMEOUT, EXACT, UNPINNED, VLLM_CPU_ENV
+from tests.e2e.conftest import EAGER, ENGINE_READY_TIMEOUT, EXACT, VLLM_CPU_ENV
 from tests.readme import run_shell, section, serve_settings, shell_commands
 from tests.server import Server
 
@@ -29,7 +29,7 @@ def server(tiny_think_model):
     env, _ = serve_settings(README_COMMANDS[0])
     assert env["OPTION_REASONING_PARSER"] == "deepseek_r1" and env["OPTION_CHAT_TEMPLATE"].endswith("<think>")
     # served eager in float32 (EAGER): a parser's work does not depend on vLLM compiling the model
-    with Server(tiny_think_model, env={**env, **UNPINNED, **EXACT, **EAGER}, ready_timeout=ENGINE_READY_TIMEOUT) as server:
+    with Server(tiny_think_model, env={**env, **EXACT, **EAGER}, ready_timeout=ENGINE_READY_TIMEOUT) as server:
         yield server
 
 

@@ -21,7 +21,7 @@ import openai
 import pytest
 import requests
 
-from tests.e2e.conftest import EAGER, ENGINE_READY_TIMEOUT, EXACT, SMALL_MACHINE, UNPINNED
+from tests.e2e.conftest import EAGER, ENGINE_READY_TIMEOUT, EXACT, VLLM_CPU_ENV
 from tests.readme import on_port, python_snippets, run_shell, section, serve_settings, shell_commands
 from tests.server import Server
 
@@ -56,10 +56,10 @@ def server(tmp_path_factory):
     written = run_shell(write, 0, timeout=300)
     assert written.returncode == 0, written.stderr
     env, model_dir = serve_settings(serve)
-    assert env == {**SMALL_MACHINE, "OPTION_ENABLE_AUTO_TOOL_CHOICE": "true", "OPTION_TOOL_CALL_PARSER": "hermes",
+    assert env == {**VLLM_CPU_ENV, "OPTION_ENABLE_AUTO_TOOL_CHOICE": "true", "OPTION_TOOL_CALL_PARSER": "hermes",
                    "OPTION_STRUCTURED_OUTPUTS_CONFIG": STRUCTURED, "VLLM_ENFORCE_STRICT_TOOL_CALLING": "0"}
     # served eager in float32 (EAGER): a parser's work does not depend on vLLM compiling the model
-    with Server(model_dir, env={**env, **UNPINNED, **EXACT, **EAGER}, ready_timeout=ENGINE_READY_TIMEOUT) as server:
+    with Server(model_dir, env={**env, **EXACT, **EAGER}, ready_timeout=ENGINE_READY_TIMEOUT) as server:
         yield server
 
 

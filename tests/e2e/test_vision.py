@@ -18,7 +18,7 @@ import openai
 import pytest
 import requests
 
-from tests.e2e.conftest import EAGER, ENGINE_READY_TIMEOUT, EXACT, SMALL_MACHINE, UNPINNED
+from tests.e2e.conftest import EAGER, ENGINE_READY_TIMEOUT, EXACT, VLLM_CPU_ENV
 from tests.listener import Listener
 from tests.readme import on_port, python_snippets, run_shell, serve_settings, shell_commands
 from tests.references import offline_reference
@@ -172,10 +172,10 @@ def media_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(model_dir, offline, media_dir):
     env, directory = serve_settings(SERVE)
-    assert env == {**SMALL_MACHINE, "OPTION_LIMIT_MM_PER_PROMPT": f"image={LIMIT}",
+    assert env == {**VLLM_CPU_ENV, "OPTION_LIMIT_MM_PER_PROMPT": f"image={LIMIT}",
                    "OPTION_ALLOWED_MEDIA_NETWORKS": f"{ALLOWED_HOST}/32"}
     # float32: the answers are compared with offline vLLM's token for token (see tests/e2e/conftest.py)
-    more = {**UNPINNED, **EXACT, **EAGER, **FAST_FETCH, "OPTION_ALLOWED_LOCAL_MEDIA_PATH": str(media_dir)}
+    more = {**EXACT, **EAGER, **FAST_FETCH, "OPTION_ALLOWED_LOCAL_MEDIA_PATH": str(media_dir)}
     with Server(directory.replace("/tmp/tiny-vision", model_dir), env={**env, **more},
                 ready_timeout=ENGINE_READY_TIMEOUT) as server:
         yield server
