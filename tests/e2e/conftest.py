@@ -13,13 +13,7 @@ from tests.readme import run_shell, section, serve_settings, shell_commands
 from tests.server import REPO, Server, clean_env, shared
 
 # What vLLM's CPU build needs on a small machine (see docs/troubleshooting.md).
-VLLM_CPU_PLACED = {"VLLM_CPU_KVCACHE_SPACE": "1"}
-# Where a test server's model workers run. vLLM binds a one-process engine's model worker to the first
-# core (it keeps the last for its other processes), so on this 2-core machine the model workers of every
-# server the lanes run at once would share core 0 while core 1 waited. Test servers leave placement to
-# the kernel, one OpenMP thread each (vLLM's count for a one-process engine here). The pipeline-parallel
-# server keeps the binding sagelmi sets for several engine processes (VLLM_CPU_PLACED), which it checks.
-VLLM_CPU_ENV = {**VLLM_CPU_PLACED, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+VLLM_CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 # Servers in float32 whose point is not vLLM's compiled model run it eager: a start without torch.compile
 # costs about 35 s of CPU less per engine process (docs/testing.md). Not in bfloat16: there vLLM's CPU
 # build lost its model runner process on the first request of some eager servers on a loaded machine, with

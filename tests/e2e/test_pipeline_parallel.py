@@ -11,7 +11,7 @@ import pytest
 import requests
 
 from container.core.proc import parents
-from tests.e2e.conftest import ENGINE_READY_TIMEOUT, EXACT, VLLM_CPU_PLACED
+from tests.e2e.conftest import ENGINE_READY_TIMEOUT, EXACT, VLLM_CPU_ENV
 from tests.references import one_process_answers
 from tests.server import Server, kill_mid_stream, processes
 
@@ -24,7 +24,7 @@ TOKENS = 24
 
 @pytest.fixture(scope="module")
 def pipeline(tiny_model):
-    with Server(tiny_model, env={**VLLM_CPU_PLACED, **EXACT, "PIPELINE_PARALLEL_DEGREE": "2"},
+    with Server(tiny_model, env={**VLLM_CPU_ENV, **EXACT, "PIPELINE_PARALLEL_DEGREE": "2"},
                 ready_timeout=ENGINE_READY_TIMEOUT) as server:
         yield server
 
