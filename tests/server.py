@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import resource
 import signal
 import socket
@@ -216,12 +217,10 @@ class Server:
     def group_pids(self) -> list[int]:
         """The first process of each worker group (a worker, or mpirun in MPI mode):
         everything the group starts stays below it (container.core.proc.adopt_orphans)."""
-        from container.core.proc import running
+        from container.core.proc import parents
 
-        out = subprocess.run(["pgrep", "-P", str(self.process.pid)], capture_output=True, text=True).stdout
-        frontend = subprocess.run(["pgrep", "-P", str(self.process.pid), "-f", "gunicorn|frontend"],
-                                  capture_output=True, text=True).stdout.split()
-        return [int(p) for p in out.split() if p not in frontend and running(int(p))]
+        children = sorted(pid for pid, parent in parents().items() if parent == self.process.pid)  # no zombie
+        return [pid for pid in children if not re.search("gunicorn|frontend", _command_line(pid))]
 
     def one_group(self, timeout: float = 30) -> int:
         """The first process of the server's only worker group, once there is one (a group that
@@ -249,13 +248,16 @@ def processes(group: int) -> dict[int, str]:
     included: pid -> command line."""
     from container.core.proc import descendants
 
-    found = {}
-    for pid in [group, *descendants([group])]:
-        try:
-            found[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-        except OSError:
-            pass
+    found = {pid: _command_line(pid) for pid in [group, *descendants([group])]}
     return {pid: cmd for pid, cmd in found.items() if cmd}  # a zombie has no command line
+
+
+def _command_line(pid: int) -> str:
+    """The command line of ``pid`` ("" once it ended, or a zombie)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
 
 
 def mpi_rank(pid: int) -> int | None:

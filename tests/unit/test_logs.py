@@ -56,11 +56,8 @@ def test_command_lines_hide_secret_assignments_and_flag_values():
 
 
 def _text_log(capsys, emit) -> list[str]:
-    logs.configure("frontend", "INFO", "text")
-    try:
-        emit(logging.getLogger("sagelmi.test"))
-    finally:
-        logging.getLogger().handlers.clear()
+    logs.configure("frontend", "INFO", "text")  # its handler is taken out after the test (tests/conftest.py)
+    emit(logging.getLogger("sagelmi.test"))
     return capsys.readouterr().err.splitlines()
 
 
@@ -96,8 +93,5 @@ def test_a_traceback_is_indented_below_its_record(capsys):
 
 def test_the_json_format_is_one_line_per_record(capsys):
     logs.configure("frontend", "INFO", "json")
-    try:
-        logging.getLogger("sagelmi.test").info("GET %s", f"/x\n{FORGED}")
-    finally:
-        logging.getLogger().handlers.clear()
+    logging.getLogger("sagelmi.test").info("GET %s", f"/x\n{FORGED}")
     assert len(capsys.readouterr().err.splitlines()) == 1
