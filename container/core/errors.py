@@ -321,3 +321,51 @@ def envelope_for(path: str, status: int, message: str, error: str) -> dict:
     if is_anthropic_path(path):
         return anthropic_envelope(status, message, error)
     return (openai_envelope if is_openai_path(path) else envelope)(status, message, error)
+
+
+# The routes whose server-sent events are named (``event:`` lines), as vLLM's Responses and Messages
+# streams are: an error after the stream began goes out as an ``error`` event, without ``data: [DONE]``
+NAMED_EVENT_ROUTES = ("/v1/responses", "/v1/messages")
+
+
+def error_body(path: str, exc: BaseException) -> bytes:
+    """``exc`` as a whole answer's JSON body, in the envelope of the route at ``path``."""
+    return json.dumps(envelope_for(path, *describe(exc))).encode()
+
+
+def in_band_error(path: str, content_type: str, exc: BaseException) -> bytes:
+    """An error after a 200 stream began: the stream's last item, in the route's envelope. A
+    server-sent-events stream on an OpenAI route then ends as vLLM's does: the error event, then
+    ``data: [DONE]``; on a route of named events (Responses, Messages) it is an ``error`` event, as
+    Anthropic's API sends one; any other stream gets a JSON line."""
+    line = json.dumps(envelope_for(path, *describe(exc)))
+    if not content_type.startswith("text/event-stream"):
+        return f"{line}\n".encode()
+    if path in NAMED_EVENT_ROUTES:
+        return f"event: error\ndata: {line}\n\n".encode()
+    event = f"data: {line}\n\n"
+    if is_openai_path(path):
+        event += "data: [DONE]\n\n"
+    return event.encode()
+
+
+class IncompleteBody(InputError):
+    """The client did not send the body it announced."""
+
+
+def too_large(announced: int | None, limit: int) -> PayloadTooLarge:
+    """A request body past ``max_payload_bytes`` (``announced``: its ``Content-Length``, if it had one)."""
+    size = f"is {announced} bytes" if announced is not None else "(chunked) went past the limit"
+    return PayloadTooLarge(
+        f"the request body {size}; the limit is {limit} bytes (max_payload_in_mb / SAGEMAKER_MAX_PAYLOAD_IN_MB)"
+    )
+
+
+def body_late(announced: int | None, timeout: float) -> RequestTimeout:
+    whole = f"all {announced} bytes of the request body" if announced is not None else "the whole chunked body"
+    return RequestTimeout(f"{whole} did not arrive within {timeout:g}s (body_read_timeout)")
+
+
+def body_cut(size: int, announced: int | None) -> IncompleteBody:
+    expected = f"of {announced} bytes" if announced is not None else "bytes of a chunked body"
+    return IncompleteBody(f"the request body ended after {size} {expected} (the client stopped sending)")

@@ -1,47 +1,39 @@
 """HTTP/1.1 bytes, in one module for both processes: request heads parsed by httptools (llhttp, the
-parser uvicorn uses), what gthread's main loop looks for in a head before a thread reads it
-(``head_ready``, ``request_path``, ``is_bare_ping``), a request as the handler gets it (its ``Input``
-properties), and what rank 0 writes of a streamed answer (``response_head``, ``chunk``).
+parser uvicorn uses), what gthread's main loop looks for in a head (``head_ready``,
+``request_path``, ``is_bare_ping``), the request as the handler gets it (its ``Input`` properties),
+and the answers rank 0 writes (``response_head``, ``chunk``).
 
-``read_request`` takes only what gunicorn would read the same way: a streamed completion, chat or
-LMI call over HTTP/1.1 with one ``Content-Length``, no transfer coding, no repeated or unusual
-header, limits below gunicorn's. Where a request thread must take such a request over, gunicorn
-reads the same bytes, and the thread checks that it read the same request (``HandlerRoutes``,
-``Invocation``). ``may_be_read`` is the same decision, made by the frontend before it hands a
-connection to rank 0 unread.
+``parse_head`` takes a plain head only: HTTP/1.x with each header once, visible-ASCII values, names
+without ``_`` (which gunicorn would drop), within limits below gunicorn's. The frontend hands a
+connection whose next request has such a head to rank 0 unread (``container.frontend.early``),
+which reads the request with it and answers it itself; anything else gunicorn reads.
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from email.utils import formatdate
+from http import HTTPStatus
 from time import time
 
 import httptools
 
 from container.core.protocol import ResponseHead
-from container.core.sessions import SESSION_HEADERS
 from container.core.tracing import TRACEPARENT, TRACESTATE
+
+log = logging.getLogger("sagelmi.http")
 
 INFERENCE_ID = "X-Amzn-SageMaker-Inference-Id"  # the request's id: the client's, else a new one; echoed
 GROUP_HEADER = "X-Sagelmi-Group"  # which worker group answered (sticky sessions can be checked with it)
 CUSTOM_ATTRIBUTES = "X-Amzn-SageMaker-Custom-Attributes"
-# A body that asks for a stream (OpenAI's and LMI's "stream": true)
-STREAM_ASKED = re.compile(rb'"stream"\s*:\s*true')
-# The routes read early, when their body asks for a stream
-HOT_PATHS = ("/v1/completions", "/v1/chat/completions", "/invocations")
-_HOT_LINES = tuple(b"POST %s HTTP/1.1\r\n" % path.encode() for path in HOT_PATHS)
-PEEK_BYTES = 1 << 16  # what is looked at without reading it: a larger request goes through the frontend
+PEEK_BYTES = 1 << 16  # what is looked at without reading it: a larger head goes through the frontend
 MAX_FIELDS = 64  # below gunicorn's limit_request_fields (100)
 MAX_FIELD_BYTES = 4096  # below gunicorn's limit_request_field_size (8190) and limit_request_line (4094)
 _VALUE = re.compile(rb"[\t\x20-\x7e]*")  # a header value of visible ASCII, spaces and tabs (gunicorn's)
-# Headers that make a request one the frontend must read: a body framed otherwise, a session
-# (routed by the frontend to the group holding it), an interim answer, a protocol change.
-_DECLINED = frozenset(
-    {b"transfer-encoding", b"expect", b"upgrade", b"x-amzn-sagemaker-session-id", b"http2-settings", b"te"}
-)
 HEAD_END = b"\r\n\r\n"
 _BARE_LF = re.compile(rb"(?<!\r)\n")
 _PING_LINES = (b"GET /ping HTTP/", b"GET /ping?")
@@ -98,15 +90,19 @@ def is_bare_ping(head: bytes) -> bool:
 
 
 @dataclass(frozen=True)
-class ReadRequest:
-    """One request read early: its route, its headers as the frontend's WSGI environ names
-    them (``Content-Type``, ``X-Amzn-Sagemaker-Custom-Attributes`` ...), its body, whether the
-    client asked to close the connection after it, and its length on the wire."""
+class RequestHead:
+    """A request's head: its method, path and query, ``1.1`` or ``1.0``, its headers (named as the
+    frontend's WSGI environ names them: ``Content-Type``, ``X-Amzn-Sagemaker-Custom-Attributes``
+    ...), its ``Content-Length`` (``None``: no body), whether the connection is kept after the
+    answer (as the client asked), and the head's size on the wire."""
 
+    method: str
     path: str
+    query: str
+    version: str
     headers: list[tuple[str, str]]
-    body: bytes
-    close: bool
+    length: int | None
+    keep_alive: bool
     size: int
 
     def header(self, name: str) -> str | None:
@@ -114,22 +110,15 @@ class ReadRequest:
         return next((value for key, value in self.headers if key.lower() == lowered), None)
 
 
-@dataclass(frozen=True)
-class Partial:
-    """What ``read_request`` says of a request that may be read early once the rest of it came:
-    how many bytes it has at least (``need``)."""
-
-    need: int
-
-
 class _Fields:
-    """What httptools reports of a request head: its target and its header fields."""
+    """What httptools reports of a request head: its target, its header fields, its end."""
 
-    __slots__ = ("headers", "url")
+    __slots__ = ("complete", "headers", "url")
 
     def __init__(self) -> None:
         self.url = b""
         self.headers: list[tuple[bytes, bytes]] = []
+        self.complete = False
 
     def on_url(self, url: bytes) -> None:
         self.url += url
@@ -137,49 +126,36 @@ class _Fields:
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers.append((name, value))
 
+    def on_headers_complete(self) -> None:
+        self.complete = True
 
-def parse_head(head: bytes) -> list[tuple[bytes, bytes]] | None:
-    """The header fields of the request head ``head`` (its request line to its empty line), as
-    httptools parses it (values without their surrounding whitespace); ``None`` for a head it
-    refuses."""
+
+def parse_head(data: bytes) -> RequestHead | None:
+    """The head at the start of ``data`` if it is whole and plain (see the module); ``None`` if not."""
+    end = data.find(HEAD_END, 0, PEEK_BYTES)
+    if end < 0:
+        return None
+    head = data[: end + 4]
+    if head.count(b"\n") != head.count(b"\r\n"):
+        return None  # a bare LF: gunicorn refuses it
     fields = _Fields()
+    parser = httptools.HttpRequestParser(fields)
     try:
-        httptools.HttpRequestParser(fields).feed_data(head)
+        parser.feed_data(head)
+        url = httptools.parse_url(fields.url)
     except (httptools.HttpParserError, httptools.HttpParserUpgrade):
         return None
-    return [(name, value.strip(b" \t")) for name, value in fields.headers]
-
-
-def may_be_read(data: bytes) -> bool | Partial:
-    """Whether the start of a connection's next request (``data``, peeked) is one rank 0's
-    ``read_request`` takes; ``Partial`` while the request line, the head or the body are not all
-    there yet. gthread's main loop hands such a connection to rank 0 unread (an ``Attach`` with ``max_body``)."""
-    request = read_request(data, PEEK_BYTES)
-    return request if isinstance(request, Partial) else request is not None
-
-
-def read_request(data: bytes, max_body: int) -> ReadRequest | Partial | None:
-    """The first request in ``data`` if it may be read early, else ``None``: a POST to one
-    of ``HOT_PATHS`` over HTTP/1.1, whole in ``data``, with a ``Content-Length`` body of at most
-    ``max_body`` bytes that asks for a stream, and only plain headers, each once. ``Partial``
-    for the start of such a request (its head not ended, or its body not all there)."""
-    if not data.startswith(_HOT_LINES):
-        return Partial(len(data) + 1) if any(line.startswith(data) for line in _HOT_LINES) else None
-    end = data.find(HEAD_END)
-    if end < 0:
-        return Partial(len(data) + 1) if len(data) < PEEK_BYTES else None
-    head = data[: end + 4]
-    fields = parse_head(head) if head.count(b"\n") == head.count(b"\r\n") else None  # gunicorn refuses a bare LF
-    if fields is None or len(fields) > MAX_FIELDS:
+    version = parser.get_http_version()
+    if not fields.complete or len(fields.headers) > MAX_FIELDS or version not in ("1.1", "1.0"):
         return None
     headers: list[tuple[str, str]] = []
     seen: set[bytes] = set()
     length = None
-    close = False
-    for name, value in fields:
+    for name, raw in fields.headers:
+        value = raw.strip(b" \t")
         lowered = name.lower()
-        if len(name) + len(value) >= MAX_FIELD_BYTES or b"_" in name or lowered in seen or lowered in _DECLINED:
-            return None  # gunicorn drops a name with "_"; these headers are the frontend's to act on
+        if len(name) + len(value) >= MAX_FIELD_BYTES or b"_" in name or lowered in seen:
+            return None
         if not _VALUE.fullmatch(value):
             return None
         seen.add(lowered)
@@ -187,34 +163,35 @@ def read_request(data: bytes, max_body: int) -> ReadRequest | Partial | None:
             if len(value) > 12:  # httptools checked its digits
                 return None
             length = int(value)
-        elif lowered == b"connection":
-            tokens = {token.strip().lower() for token in value.split(b",")}
-            if tokens - {b"close", b"keep-alive"}:
-                return None  # an upgrade or a hop-by-hop header list: gunicorn's to read
-            close = b"close" in tokens
         headers.append((name.decode("ascii").title(), value.decode("ascii")))
-    size = end + 4 + (length or 0)
-    if length is None or length > max_body or size > PEEK_BYTES:
-        return None
-    if size > len(data):
-        return Partial(size)
-    body = data[end + 4 : size]
-    if STREAM_ASKED.search(body) is None:
-        return None
-    path = data[5 : data.index(b" ", 5)].decode("ascii")
-    return ReadRequest(path, headers, body, close, size)
+    return RequestHead(
+        method=parser.get_method().decode("ascii"),
+        path=url.path.decode("latin-1"),
+        query=(url.query or b"").decode("latin-1"),
+        version=version,
+        headers=headers,
+        length=length,
+        keep_alive=parser.should_keep_alive(),
+        size=end + 4,
+    )
+
+
+def fingerprint(path: str, body: bytes) -> str:
+    """What identifies copies of a request (its route, query and body), for the poison-request guard."""
+    return hashlib.blake2b(path.encode() + b"\0" + body, digest_size=16).hexdigest()
 
 
 # -- what rank 0 writes of a streamed answer
 
 # What gunicorn accepts in a response header (RFC 9110's token; a value of visible characters,
-# spaces and tabs): a head with anything else is left to the frontend, which refuses it
+# spaces and tabs): a handler's header with anything else is left out
 _RESPONSE_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _RESPONSE_VALUE = re.compile(r"[ \t\x21-\x7e\x80-\xff]*")
 # The headers that frame a body, which the worker takes out of a handler's answer
 HOP_BY_HOP = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive"})
-# Headers the frontend acts on or that frame the body: a head with one is the frontend's to write
-_FRONTEND_HEADERS = HOP_BY_HOP | {"upgrade", "te", "trailer", "trailers"} | SESSION_HEADERS
+# ... and those of a handler's that the server's framing decides (left out of the head)
+_SERVERS = HOP_BY_HOP | {"upgrade", "te", "trailer", "trailers", "server", "date"}
+DEFAULT_CONTENT_TYPE = "text/html; charset=utf-8"  # what an answer without one is sent with (Flask's default)
 END_OF_CHUNKS = b"0\r\n\r\n"  # the last chunk of an HTTP/1.1 chunked body (no trailers)
 _date: tuple[int, bytes] = (0, b"")
 
@@ -233,35 +210,56 @@ def _http_date() -> bytes:
     return _date[1]
 
 
-def response_head(head: ResponseHead, chunked: bool, code: int, headers: Mapping[str, str]) -> bytes | None:
-    """The HTTP head of a streamed answer as the frontend's gunicorn writes the head of the same
-    answer (its status line, ``Server``, ``Date``, ``Connection`` and ``Transfer-Encoding``, then the
-    handler's headers, then the frontend's), so a client sees one head whichever process wrote it:
-    ``None`` where the frontend must write it itself (not a 200, no ``Content-Type``, a header the
-    frontend acts on or would refuse)."""
-    if code != 200:
-        return None
+def _reason(code: int) -> bytes:
+    try:
+        return HTTPStatus(code).phrase.upper().encode()
+    except ValueError:
+        return b"UNKNOWN"
+
+
+def framing(head: ResponseHead, whole: bool) -> tuple[bool, bool]:
+    """How an answer's body is framed: chunked (a stream to an HTTP/1.1 client), and whether the
+    connection closes after it (asked, or a stream's end that only the close can tell)."""
+    chunked = not whole and head.version == "HTTP/1.1"
+    return chunked, head.close or (not whole and not chunked)
+
+
+def response_head(head: ResponseHead, code: int, headers: Mapping[str, str], length: int | None) -> bytes:
+    """The HTTP head of an answer rank 0 writes, as the frontend's gunicorn writes the head of one
+    (its status line, ``Server``, ``Date``, ``Connection``, the body's framing, then the handler's
+    headers, a default ``Content-Type``, then the frontend's), so a client sees one kind of head
+    whichever process wrote it. ``length``: a whole body's (``None``: a stream, ``framing``). A
+    header of the handler's that frames the body is the server's; one gunicorn would refuse
+    (a name that is not a token, a value with control characters) is left out."""
+    chunked, close = framing(head, length is not None)
     lines = [
-        b"%s 200 OK\r\nServer: %s\r\nDate: %s\r\nConnection: %s\r\n"
-        % (head.version.encode(), head.server.encode(), _http_date(), b"close" if head.close else b"keep-alive")
+        b"%s %d %s\r\nServer: %s\r\nDate: %s\r\nConnection: %s\r\n"
+        % (
+            head.version.encode(),
+            code,
+            _reason(code),
+            head.server.encode(),
+            _http_date(),
+            b"close" if close else b"keep-alive",
+        )
     ]
     if chunked:
         lines.append(b"Transfer-Encoding: chunked\r\n")
+    elif length is not None and not (100 <= code < 200 or code in (204, 304)):
+        lines.append(b"Content-Length: %d\r\n" % length)
     typed = False
     ours = {name.lower() for name in head.headers}
     for name, value in headers.items():
         lower = name.lower()
-        if (
-            lower in _FRONTEND_HEADERS
-            or lower in ours
-            or not _RESPONSE_TOKEN.fullmatch(name)
-            or not _RESPONSE_VALUE.fullmatch(value)
-        ):
-            return None
+        if lower in _SERVERS or lower in ours:
+            continue
+        if not _RESPONSE_TOKEN.fullmatch(name) or not _RESPONSE_VALUE.fullmatch(value):
+            log.warning("leaving out the handler's response header %r: not one HTTP allows", name[:100])
+            continue
         typed = typed or lower == "content-type"
         lines.append(b"%s: %s\r\n" % (name.encode("latin-1"), value.encode("latin-1")))
     if not typed:
-        return None  # the frontend's default content type is its own to add
+        lines.append(b"Content-Type: %s\r\n" % DEFAULT_CONTENT_TYPE.encode())
     for name, value in head.headers.items():
         lines.append(b"%s: %s\r\n" % (name.encode("latin-1"), value.encode("latin-1")))
     lines.append(b"\r\n")

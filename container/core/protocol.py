@@ -24,63 +24,28 @@ HTTP headers, says where it goes (exactly once):
                                            sends an empty Chunk (``progress``) at most once
                                            a second meanwhile (at once when a send left part
                                            of an HTTP chunk on the socket: ``torn``),
-                                           and End / Fail once it has stopped writing;
+                                           lets go of the socket, then sends End / Fail
                     or   Attach            on the socket, ``direct=False``: the body comes
                                            as Chunks
 
-A body rank 0 writes to an HTTP/1.1 client itself ends in one of two ways. Where the
-client's socket takes the rest at once, rank 0 says so first, then writes the rest with
-the chunked body's end, then lets go of the socket:
+A connection whose next request is for the handler goes to rank 0 before anything of it is
+read (a hand-off); rank 0 reads the request and writes its whole answer itself:
 
-    rank 0 -> frontend   End               ``ending``: the answer is whole (its tokens, its body
-                                           bytes): the frontend ends the request on its side
-                                           (its completion line) and writes nothing more to
-                                           the client, not even the chunked body's end
-    rank 0 -> frontend   End               rank 0 has written it all and let go of the socket
-                                           (only then may anything else go to the client)
-
-Otherwise (a client that has not taken everything yet, an HTTP/1.0 client) rank 0 writes
-the rest, lets go of the socket and sends End with the body bytes; the frontend writes the
-chunked body's end.
-
-A request that asks for a stream (its body says ``"stream": true``) can hand its client's
-socket over before rank 0 answers, so that nothing crosses the frontend before the first
-token:
-
-    frontend -> rank 0   Attach            on the descriptor channel, with the client's
-                                           socket and the frontend's part of the HTTP head
-                                           (``ResponseHead``), before the Invoke
-    frontend -> rank 0   Invoke            ``client=True``
-    rank 0 -> frontend   Head              ``written=True``: rank 0 writes the head (status,
-                                           the handler's headers and the frontend's) and the
-                                           body itself, as after an Attach, and ends as above;
-                                           the frontend sends no Attach
-                    or   Head              ``written=False``: rank 0 let go of the socket (not
-                                           a stream, or a head the frontend must write: not
-                                           200, session headers ...); as without it
-    rank 0 -> frontend   Fail              after a Cancel before the Head: rank 0 let go of the
-                                           socket without writing
-
-A connection whose next request, all there, looks like such a request can go to rank 0 before
-anything of it is read, so that the frontend does no more than a look at it before rank 0 has
-it:
-
-    frontend -> rank 0   Attach            ``max_body`` (a hand-off): on the descriptor
-                                           channel, with the client's socket, unread, and the
-                                           frontend's part of the HTTP head
-    rank 0 -> frontend   Taken             ``served``: rank 0 read the request (its bytes come
-                                           back: the frontend's fallback reads them again) and
-                                           serves it as an Invoke with ``client``: Head, Chunk
-                                           ... as above; not ``served``: rank 0 read nothing (or
-                                           gives back what it read), the frontend serves the
-                                           request itself
+    frontend -> rank 0   Attach            ``head``: on the descriptor channel, with the client's
+                                           socket, unread, and the frontend's part of the
+                                           answer's HTTP head (``ResponseHead``)
+    rank 0 -> frontend   Taken             the request is read (its id, route, fingerprint), unless
+                                           the frontend saw it whole (``Attach.seen``)
+    rank 0 -> frontend   Head              ``written``: sent before the first byte of the answer
+                                           goes to the client
+    rank 0 -> frontend   Chunk*            empty (``progress``, ``torn``), as after an Attach
+    rank 0 -> frontend   End               rank 0 let go of the socket: the status written, how
+                                           the answer ended, whether the connection closes
 
 rank 0 answers on the frontend's connection to it (the one from the process at the channel's
-other end).
-
-The descriptor channel is a second Unix socket beside rank 0's (``fd_channel_path``), of
-``SOCK_SEQPACKET`` messages, each an ``Attach`` payload with one file descriptor
-(``SCM_RIGHTS``; ``send_with_fd`` / ``receive_with_fd``).
+other end). The descriptor channel is a second Unix socket beside rank 0's
+(``fd_channel_path``), of ``SOCK_SEQPACKET`` messages, each an ``Attach`` payload with one file
+descriptor (``SCM_RIGHTS``; ``send_with_fd`` / ``receive_with_fd``).
 
 An ``Invoke`` for ``METRICS_PATH`` is answered by rank 0 itself (Head, Chunk,
 End) with the Prometheus text of its process, including the engine's metrics.
@@ -136,9 +101,6 @@ class Invoke(msgspec.Struct, tag="invoke", frozen=True):
     body: bytes
     path: str = "/invocations"  # the HTTP route; METRICS_PATH is answered by the worker itself
     query: str = ""  # the URL's query string (its parameters become content entries)
-    client: bool = False
-    """The client's socket came before this on the descriptor channel (an ``Attach`` with a
-    ``head``): rank 0 may write a streamed answer's HTTP head and body itself (``Head.written``)."""
 
 
 class InvokeBatch(msgspec.Struct, tag="invoke_batch", frozen=True):
@@ -161,8 +123,9 @@ class Head(msgspec.Struct, tag="head", frozen=True, omit_defaults=True):
     """``time.monotonic()`` (one clock for every process of the machine) when the handler
     call began, for the frontend's queue-wait metric; 0: not a handler call."""
     written: bool = False
-    """Rank 0 writes this stream's HTTP head and body to the client itself (the socket came
-    with the ``Invoke``): the frontend writes nothing before the stream's ending ``End``."""
+    """Rank 0 writes this answer's HTTP head and body to the client itself (a hand-off): sent
+    before the first byte goes to the client, so the frontend knows the client's connection
+    carries an answer."""
 
 
 class Chunk(msgspec.Struct, tag="chunk", frozen=True, omit_defaults=True):
@@ -183,22 +146,25 @@ def progress(id: str, torn: bool = False) -> Chunk:
 
 
 class End(msgspec.Struct, tag="end", frozen=True, omit_defaults=True):
-    """The answer is complete. ``ending``: a body rank 0 writes to the client itself is whole and
-    its last bytes, with the chunked body's end, go to the client now; a plain End follows once
-    rank 0 has let go of the socket (module docstring)."""
+    """The answer is complete. For a hand-off, rank 0 has written all it will to the client and let
+    go of its socket: ``code`` is the status it wrote (0: none, the connection must close),
+    ``outcome`` how the answer ended (``completed``, ``error``, ``timeout``, ``client_gone``),
+    ``close`` whether the connection closes now."""
 
     id: str
     prompt_tokens: int | None = None  # what the engine counted, when it did (the frontend logs them)
     completion_tokens: int | None = None
-    body_bytes: int = 0  # body bytes rank 0 wrote to the client itself (an ending End: all of them)
-    ending: bool = False
+    body_bytes: int = 0  # body bytes rank 0 wrote to the client itself
+    code: int = 0
+    outcome: str = ""
+    close: bool = False
 
 
 class ResponseHead(msgspec.Struct, frozen=True):
-    """What the frontend would put in a streamed answer's HTTP head around the handler's status
-    and headers, for rank 0 to write it itself: the status line's version (``HTTP/1.1``), the
-    ``Server`` header, whether the connection closes after the answer, and the headers that
-    follow the handler's (which worker group answered, the request id)."""
+    """What the frontend puts in the HTTP head of an answer rank 0 writes, around the handler's
+    status and headers: the status line's version (``HTTP/1.1``), the ``Server`` header, whether
+    the connection closes after the answer, and the headers that follow the handler's (which
+    worker group answered; rank 0 adds the request id)."""
 
     version: str
     server: str
@@ -209,35 +175,26 @@ class ResponseHead(msgspec.Struct, frozen=True):
 class Attach(msgspec.Struct, tag="attach", frozen=True, omit_defaults=True):
     """Where a streamed answer's body goes, once the frontend has sent its HTTP headers: the
     client's socket (sent with it on the descriptor channel; framed as HTTP/1.1 chunks when
-    ``chunked``), or, ``direct=False``, the frontend (as Chunks). With ``head``, sent before the
-    request's ``Invoke`` (``Invoke.client``): the socket of a request whose answer may be a
-    stream, whose HTTP head rank 0 then writes itself."""
+    ``chunked``), or, ``direct=False``, the frontend (as Chunks). With ``head`` (a hand-off): the
+    client's connection, whose next request the frontend has not read; rank 0 reads it (a body of
+    at most ``max_body`` bytes) and answers it on that connection (``Taken``, ``Head.written``)."""
 
     id: str
     direct: bool = False
     chunked: bool = True
     head: ResponseHead | None = None
     max_body: int = 0
-    """Not 0: a hand-off. The client's connection, whose next request the frontend has not read:
-    rank 0 reads it, if it is a request it may read (``container.core.ingress``: ``read_request``
-    with ``max_body``) and all there, and answers ``Taken``, ``served`` or not. ``head`` is then
-    the frontend's part of a streamed answer's HTTP head, to which rank 0 adds the request id."""
+    seen: bool = False  # a hand-off whose whole request the frontend saw (its fingerprint): no Taken
 
 
-class Taken(msgspec.Struct, tag="taken", frozen=True, omit_defaults=True):
-    """Rank 0's answer to a hand-off (``Attach.max_body``). ``served``: it read request ``id`` from the socket and
-    serves it as an ``Invoke`` with ``client``; ``raw`` is the request's bytes as the client sent
-    them, ``request_id`` its id (the client's, else a new one), ``path`` its route, ``close``
-    whether the connection closes after the answer. Not ``served`` (declined): the frontend reads
-    the request, after ``raw``, what rank 0 read of it (nothing, unless the socket gave less than
-    it had shown)."""
+class Taken(msgspec.Struct, tag="taken", frozen=True):
+    """Rank 0 read the request of hand-off ``id``: its id (the client's, else a new one), its
+    route and its ``fingerprint`` (what the frontend refuses copies of once it stopped groups)."""
 
     id: str
-    served: bool
-    raw: bytes = b""
-    request_id: str = ""
-    path: str = ""
-    close: bool = False
+    request_id: str
+    path: str
+    fingerprint: str
 
 
 class Fail(msgspec.Struct, tag="fail", frozen=True, omit_defaults=True):
@@ -293,13 +250,8 @@ Message = Union[  # noqa: UP007 (a runtime alias msgspec decodes with; kept in o
 
 
 def is_last(message: Message) -> bool:
-    """Whether ``message`` is the last rank 0 sends of its request: a plain ``End``, a ``Fail``,
-    or a ``Taken`` not ``served``."""
-    if isinstance(message, End):
-        return not message.ending
-    if isinstance(message, Taken):
-        return not message.served
-    return isinstance(message, Fail)
+    """Whether ``message`` is the last rank 0 sends of its request: an ``End`` or a ``Fail``."""
+    return isinstance(message, (End, Fail))
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import re
+import time
 from datetime import datetime, timezone
 from typing import Generic, TypeVar
 
@@ -55,6 +56,36 @@ def parse_new_session(value: str) -> tuple[str, float | None]:
 def valid_session_id(session_id: str) -> bool:
     """Whether ``session_id`` has SageMaker's form (what InvokeEndpoint accepts)."""
     return len(session_id) <= MAX_SESSION_ID and SESSION_ID_PATTERN.fullmatch(session_id) is not None
+
+
+def _header(headers: dict[str, str], name: str) -> str | None:
+    wanted = name.lower()
+    return next((v for k, v in headers.items() if k.lower() == wanted), None)
+
+
+def answer_sessions(
+    asked: str | None, headers: dict[str, str], expiration: float
+) -> tuple[dict[str, str], tuple[str, float] | None, str | None]:
+    """What a successful answer to a request that named session ``asked`` says of sessions: the
+    headers to send (with SageMaker's ``New-Session-Id`` / ``Closed-Session-Id`` added where the
+    handler answered in LMI's or DJL's form only; a new session expires ``expiration`` seconds
+    from now unless the handler said when), the session it opened (id, expiry) and the one it
+    closed."""
+    headers = dict(headers)
+    opened = None
+    value = _header(headers, NEW_SESSION_ID)
+    if value is None and (lmi_form := _header(headers, SESSION_ID)) is not None:
+        value = lmi_form if parse_new_session(lmi_form)[0] != asked else None
+    if value is not None:
+        session_id, expires_at = parse_new_session(value)
+        if valid_session_id(session_id):
+            opened = (session_id, expires_at or time.time() + expiration)
+            if _header(headers, NEW_SESSION_ID) is None:
+                headers[NEW_SESSION_ID] = new_session_value(*opened)
+    closed = _header(headers, CLOSED_SESSION_ID)
+    if closed is None and asked and (_header(headers, SESSION_CLOSED) or "").lower() == "true":
+        closed = headers[CLOSED_SESSION_ID] = asked
+    return headers, opened, closed.strip() if closed is not None else None
 
 
 T = TypeVar("T")

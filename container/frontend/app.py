@@ -148,7 +148,7 @@ def create_app(launch: FrontendLaunch) -> Flask:
     # frontend's span, whose context the group's continues, starts once the request is read)
     early = EarlyRequests(router, launch, requests, enabled=tracer is None)
     app.extensions["sagelmi.early"] = early
-    handler_routes = HandlerRoutes(router, launch, requests, tracer, app.wsgi_app, early)
+    handler_routes = HandlerRoutes(router, launch, requests, tracer, app.wsgi_app)
 
     def invocations() -> Response:
         reply = handler_routes.serve(request.environ, request.headers, g.exchange)

@@ -23,7 +23,7 @@ import time
 
 from gunicorn.http.errors import NoMoreData
 
-from container.core.errors import InputError, PayloadTooLarge, RequestTimeout
+from container.core.errors import body_cut, body_late, too_large
 
 READ_SIZE = 1 << 16
 
@@ -33,21 +33,6 @@ CLOSE_CONNECTION = "sagelmi.close_connection"
 # Set in every request's WSGI environ by container.frontend.server: gunicorn's
 # response object (whether it sent the headers, whether it frames chunks).
 WSGI_RESPONSE = "sagelmi.wsgi_response"
-
-
-class IncompleteBody(InputError):
-    """The client did not send the body it announced."""
-
-
-def too_large(announced: int | None, limit: int) -> PayloadTooLarge:
-    size = f"is {announced} bytes" if announced is not None else "(chunked) went past the limit"
-    return PayloadTooLarge(
-        f"the request body {size}; the limit is {limit} bytes (max_payload_in_mb / SAGEMAKER_MAX_PAYLOAD_IN_MB)"
-    )
-
-
-def _expected(announced: int | None) -> str:
-    return f"of {announced} bytes" if announced is not None else "bytes of a chunked body"
 
 
 def read_body(environ: dict, announced: int | None, limit: int, timeout: float) -> bytes:
@@ -78,17 +63,14 @@ def read_body(environ: dict, announced: int | None, limit: int, timeout: float) 
     except TimeoutError:
         environ[CLOSE_CONNECTION] = True
         # (what did come may sit in gunicorn's buffer, uncounted here)
-        whole = f"all {announced} bytes of the request body" if announced is not None else "the whole chunked body"
-        raise RequestTimeout(f"{whole} did not arrive within {timeout:g}s (body_read_timeout)") from None
+        raise body_late(announced, timeout) from None
     except NoMoreData:
         environ[CLOSE_CONNECTION] = True
-        raise IncompleteBody(
-            f"the request body ended after {size} {_expected(announced)} (the client stopped sending)"
-        ) from None
+        raise body_cut(size, announced) from None
     finally:
         if sock is not None:
             sock.settimeout(None)  # blocking again, as gunicorn left it
     if announced is not None and size < announced:
         environ[CLOSE_CONNECTION] = True
-        raise IncompleteBody(f"the request body ended after {size} {_expected(announced)} (the client stopped sending)")
+        raise body_cut(size, announced)
     return b"".join(parts)

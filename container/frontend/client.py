@@ -3,9 +3,8 @@ writes to them (container/frontend/invocations.py; docs/architecture.md, "A stre
 from rank 0 to the client without the frontend").
 
 Where the request is served by gunicorn over a plain blocking socket, a streamed answer's body
-is written by the worker group's rank 0 to the client's socket itself, and, for a request that
-asked for a stream, its head too: the helpers here tell gunicorn's response what the group
-wrote, so that it writes nothing twice. Elsewhere (TLS, HTTP/2) the frontend writes everything.
+is written by the worker group's rank 0 to the client's socket itself, once gunicorn sent the
+head. Elsewhere (TLS, HTTP/2) the frontend writes everything.
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ from __future__ import annotations
 import socket
 
 from container.core.ingress import chunk
-from container.core.protocol import ResponseHead
 from container.frontend.body import WSGI_RESPONSE
 
 CLIENT_CHECK_INTERVAL = 0.5  # how often a request that waits on its group looks whether its client is still there
@@ -65,27 +63,6 @@ class ClientSink:
             return None
         return cls(sock, bool(response.chunked))
 
-    @staticmethod
-    def before_head(environ: dict, ours: dict[str, str]) -> tuple[socket.socket, bool, ResponseHead] | None:
-        """For ``GroupClient.submit``: the client's socket of a request served by gunicorn over a
-        plain blocking socket, whether its body would be chunked, and what gunicorn and this
-        frontend would put in its HTTP head around the handler's status and headers (as
-        ``HandlerRoutes.respond`` and gunicorn's ``Response.default_headers`` do: gunicorn's
-        ``Connection`` header follows from a keep-alive it decided before the app was called;
-        ``ours``: the headers this frontend adds after the handler's); ``None`` where the group
-        cannot write the head."""
-        response = environ.get(WSGI_RESPONSE)
-        sock = _plain_socket(environ)
-        request = getattr(response, "req", None)
-        if response is None or request is None or response.headers_sent or sock is None:
-            return None
-        if getattr(request, "version", None) not in ((1, 0), (1, 1)):  # HTTP/2 frames its own
-            return None
-        chunked = request.version == (1, 1)  # a stream's answer has no length: chunked for HTTP/1.1, else closed
-        close = bool(response.must_close or request.should_close()) or not chunked
-        version = "HTTP/{}.{}".format(*request.version)
-        return sock, chunked, ResponseHead(version, response.version, close, ours)
-
     def frame(self, data: bytes) -> bytes:
         return chunk(data) if self.chunked else data
 
@@ -94,32 +71,3 @@ class ClientSink:
 
     def send_all(self, frame: bytes) -> None:
         self.sock.sendall(frame)
-
-
-class HeadWrittenByGroup(Exception):
-    """The request ended before the frontend took its head, and the group may have written
-    that head to the client itself: the connection is closed instead of an error written
-    after it (``status``: what the completion line says)."""
-
-    def __init__(self, status: int) -> None:
-        super().__init__(status)
-        self.status = status
-
-
-def head_written_by_group(environ: dict) -> None:
-    """The group wrote the response's head to the client itself (``Head.written``): gunicorn's
-    response sends none, and frames what it still writes (an in-band error, the chunked body's
-    end) as it would after its own."""
-    response = environ.get(WSGI_RESPONSE)
-    if response is not None:
-        response.headers_sent = True
-
-
-def body_ended_by_group(environ: dict) -> None:
-    """The group wrote the chunked body's end itself (an ending ``End``): gunicorn's response writes
-    nothing more and keeps the connection (its close writes the last chunk of a chunked
-    response, and keeps the connection only with a length or chunked)."""
-    response = environ.get(WSGI_RESPONSE)
-    if response is not None:
-        response.chunked = False
-        response.response_length = response.sent

@@ -1,27 +1,21 @@
-"""Streamed requests whose connection gthread's main loop hands to their worker group unread,
-followed by no request thread (``container.worker.handoff`` reads them on rank 0).
+"""Connections gthread's main loop hands to a worker group unread: rank 0 reads the request on
+them and answers it itself (``container.worker.handoff``); no request thread follows it.
 
-For a connection whose next request may be read early (its first bytes: ``may_be_read``), the
-main loop admits it, picks the group and hands it the client's socket with nothing read
-(``GroupClient.hand_off``). No thread is woken for it. Rank 0 answers ``Taken``: ``served`` (it read the
-request and serves it, writing the HTTP head and the body itself) or not (it read
-nothing: the connection goes to a request thread as any other). When the group says the answer
-went out whole (an ending ``End``, then the last), the reader thread of the group's connection writes
-the completion line, releases the admission and gives the connection back to the main loop
-(kept alive, or closed).
+A connection goes so when its next request's head is whole and plain (``ingress.parse_head``), on
+one of the handler's routes with its method (``ROUTES``), over HTTP/1.1, and the request needs
+nothing the frontend does between reading a request and answering it: no body framed otherwise
+than by ``Content-Length``, no ``Expect``, no protocol change, no stateful session (the frontend
+routes them), no tracing (the frontend's span), no draining, no
+request refused as poisonous; admission and routing must take it. Anything else goes to a request
+thread (``container.frontend.invocations``).
 
-Anything else hands the request to a request thread, which reads the bytes rank 0 read with
-gunicorn (they are put back in front of the connection) and follows the request as its own
-(``adopt``, by its socket; ``Invocation``): a head the group left to the frontend, an error,
-the group's loss, ``predict_timeout`` without a word from the group, a client found gone by
-the watch (``CLIENT_CHECK_INTERVAL``). The thread then does what it does for any request
-(the error in the route's envelope, an in-band error, 504, 499 ...), with the same timeouts,
-counted from the group's last message. A request gunicorn reads otherwise than rank 0 did
-(another route, another body) is stopped in its group and its connection closed without an
-answer (``abandon``). A group lost before it said it read the request gives the connection
-back to the server if the request is still on it, else closes it. Nothing is handed over while
-draining, with tracing on, while copies of some request are refused as poisonous, or when
-admission or routing would refuse it: a thread then serves and refuses it as before.
+The reader thread of the group's connection follows it (``HandedOff``): ``Taken`` (rank 0 read
+the request: its fingerprint, for the poison guard, unless the frontend's look saw it whole), the
+``Head`` rank 0 writes, then the ``End`` (the status and bytes written, how it ended, whether the
+connection stays open), on which it writes the completion line, releases the admission and gives
+the connection back to the main loop. A group lost before the ``End`` leaves the client the
+route's 503 where nothing was written, the stream's in-band error where a stream's head went out
+and no chunk is torn, else a closed connection.
 
 Why: a request thread per request costs the frontend CPU, and reading the request before its
 group has it adds to the time to the first token (docs/benchmarks/ measures both).
@@ -29,76 +23,95 @@ group has it adds to the time to the first token (docs/benchmarks/ measures both
 
 from __future__ import annotations
 
+import enum
 import logging
 import socket
-import threading
 import time
-from dataclasses import dataclass, field
-from enum import Enum
+import uuid
 from typing import Any, Protocol
 
 from gunicorn import SERVER
 
-from container.core.errors import ServingError
-from container.core.ingress import GROUP_HEADER, Partial, may_be_read
+from container.core.errors import ServiceUnavailable, ServingError, describe, in_band_error
+from container.core.ingress import (
+    END_OF_CHUNKS,
+    GROUP_HEADER,
+    INFERENCE_ID,
+    chunk,
+    fingerprint,
+    parse_head,
+    request_path,
+)
 from container.core.launch import FrontendLaunch
-from container.core.protocol import ResponseHead, Taken
-from container.frontend.client import CLIENT_CHECK_INTERVAL, client_gone, client_waiting
+from container.core.protocol import Chunk, End, Fail, Head, ResponseHead, Taken
 from container.frontend.completion import Answer, Exchange, RequestLog
-from container.frontend.group_client import GroupClient
-from container.frontend.pending import PendingRequest
-from container.frontend.poison import fingerprint
+from container.frontend.invocations import ROUTES
+from container.frontend.main_loop import json_answer
 from container.frontend.router import Router
 
 log = logging.getLogger("sagelmi.frontend")
 
-
-class Owner(Enum):
-    """Who ends a request taken early: nobody yet (``TAKEN``, the connection is this module's), the
-    group connection's reader thread at a clean end, a request thread (which adopts it by its socket),
-    or the server again when rank 0 did not read it (``SERVER``: also ``send``'s answer for a
-    connection it did not take)."""
-
-    TAKEN = "taken"
-    READER = "reader"
-    THREAD = "thread"
-    SERVER = "server"
+# Headers that make a request one the frontend must read: a body framed otherwise, a session
+# (routed by the frontend to the group holding it), an interim answer, a protocol change.
+_DECLINED = frozenset({"transfer-encoding", "expect", "upgrade", "x-amzn-sagemaker-session-id", "http2-settings", "te"})
+_METHODS = tuple(f"{method} ".encode() for method in set(ROUTES.values()))
 
 
 class Connections(Protocol):
-    """The HTTP server's side (gthread's main loop, ``container.frontend.server``); both are
-    called from any thread and run on the main loop."""
-
-    def requeue(self, conn: Any, raw: bytes) -> None:
-        """Serve the connection with a request thread, ``raw`` (the request) read first."""
+    """The HTTP server's side (gthread's main loop, ``container.frontend.server``)."""
 
     def let_go(self, conn: Any, keep: bool) -> None:
-        """The connection is the server's again: kept alive for its next request, or closed."""
+        """The connection is the server's again: kept alive for its next request, or closed
+        (called from any thread; runs on the main loop)."""
 
 
-@dataclass
-class EarlyRequest:
-    """A request taken early: its group and answers, when the frontend admitted it, its
-    connection, whether the connection closes after it, and who ends it (``owner``, set once).
-    What rank 0 read (``Taken``): its id, route, bytes on the wire and fingerprint."""
+class Stage(enum.Enum):
+    """How far a handed-off request got, as the reader thread of its group's connection learnt it."""
 
-    group: GroupClient
-    admitted: float
-    conn: Any
-    close: bool
-    pending: PendingRequest = field(init=False)
-    request_id: str = ""
-    path: str = ""  # "" until rank 0 said it read the request
-    print_: str = ""
-    raw: bytes = b""
-    owner: Owner = Owner.TAKEN
+    SENT = "sent"  # rank 0 has the connection
+    READ = "read"  # rank 0 read the request (Taken)
+    ANSWERING = "answering"  # rank 0 writes its answer (Head)
+    ENDED = "ended"  # the End came, or the group was lost: the connection is the server's again
 
-    def abandon(self, router: Router, why: str) -> None:
-        """Stop this request, which its thread will not follow (``why``); its connection must be
-        closed without an answer: the group may have written to it."""
-        log.error("request %s, sent early, %s: stopping it and closing its connection", self.request_id, why)
-        self.group.cancel(self.pending.id)
-        router.release()
+
+class HandedOff:
+    """One connection handed to a group, until its ``End``: what the reader thread of the group's
+    connection learns of it (``deliver``), or the group's loss (``fail``)."""
+
+    def __init__(self, owner: EarlyRequests, group: Any, conn: Any, method: str, path: str, request_id: str) -> None:
+        self.id = uuid.uuid4().hex
+        self.owner = owner
+        self.group = group
+        self.conn = conn
+        self.method = method
+        self.path = path
+        self.request_id = request_id
+        self.admitted = time.monotonic()
+        self.incarnation = group.incarnation
+        self.stage = Stage.SENT
+        self.tag: tuple[str, str, str] | None = None  # (fingerprint, request id, route): GroupClient.on_lost
+        self.head: Head | None = None
+        self.head_at = 0.0
+        self.torn = False  # the client's socket holds part of an HTTP chunk (protocol: Chunk.torn)
+
+    def deliver(self, messages: list) -> None:
+        for message in messages:
+            if isinstance(message, Taken):
+                self.tag = (message.fingerprint, self.request_id, self.path)
+                self.stage = Stage.READ
+            elif isinstance(message, Head):
+                self.head, self.head_at, self.stage = message, time.monotonic(), Stage.ANSWERING
+                # the session an answer opened (rank 0 completed its headers as the frontend would)
+                self.owner.router.sessions.observe(None, self.group, self.incarnation, message.code, message.headers)
+            elif isinstance(message, Chunk):
+                self.torn = message.torn  # progress of the body rank 0 writes
+            elif isinstance(message, End):
+                self.owner.finish(self, message)
+            elif isinstance(message, Fail):
+                self.fail(ServiceUnavailable(message.error))
+
+    def fail(self, error: ServingError) -> None:
+        self.owner.lost(self, error)
 
 
 class EarlyRequests:
@@ -109,165 +122,102 @@ class EarlyRequests:
         self.metrics = requests.metrics
         self.enabled = enabled
         self.connections: Connections | None = None  # set by the server before the first request
-        self._lock = threading.Condition()
-        # the client's socket -> its request, until the reader thread ended it or a thread adopted it
-        self._sent: dict[socket.socket, EarlyRequest] = {}
-        self._watch: threading.Thread | None = None
 
-    def send(self, conn: Any, close: bool, data: bytes) -> Owner | Partial:
+    def may_take(self, start: bytes) -> bool:
+        """Whether a connection whose next request begins with ``start`` may be handed over once
+        its head is whole (its head is then peeked, not read, while it comes)."""
+        path = request_path(start)
+        if path:
+            return path in ROUTES
+        start = start.lstrip(b"\r\n")
+        return any(method.startswith(start[: len(method)]) or start.startswith(method) for method in _METHODS)
+
+    def send(self, conn: Any, close: bool, data: bytes) -> bool:
         """gthread's main loop, a connection whose next request's head is there (``data``, peeked):
-        hand it to a group unread if that request may be read early (``TAKEN``: the connection is
-        this module's until it gives it back; ``SERVER``: it is not). A ``Partial``: it may be, once
-        the rest of its body came. ``close``: gunicorn would close the connection after the answer."""
-        if not self.enabled or self.connections is None or self.router.draining or self.router.poison.refused:
-            return Owner.SERVER
-        if type(conn.sock) is not socket.socket:
-            return Owner.SERVER  # TLS: gunicorn's to read
-        readable = may_be_read(data)
-        if isinstance(readable, Partial):
-            return readable
-        return Owner.TAKEN if readable and self._hand_off(conn, close) else Owner.SERVER
-
-    def _hand_off(self, conn: Any, close: bool) -> bool:
-        sock = conn.sock
-        try:
-            self.router.admit()
-        except ServingError:
-            return False  # refused by its thread, as any other request
-        try:
-            group = self.router.pick()
-        except ServingError:
-            self.router.release()
+        hand it to a group unread if that request may be (True: the connection is this module's
+        until it gives it back). ``close``: gunicorn would close the connection after the answer."""
+        router = self.router
+        if not self.enabled or self.connections is None or router.draining or router.poison.refused:
             return False
-        early = EarlyRequest(group, time.monotonic(), conn, close)
-        with self._lock:
-            self._sent[sock] = early
-            self._lock.notify()
-        head = ResponseHead("HTTP/1.1", SERVER, close, {GROUP_HEADER: group.name})
-        sock.setblocking(True)  # the mode a request thread serves it in, which rank 0's writes keep
-        try:
-            pending = group.hand_off(
-                sock, head, self.launch.max_payload_bytes, lambda pending: self._heard(early, pending)
-            )
-        except ServingError:
-            with self._lock:
-                self._sent.pop(sock, None)
-            self.router.release()
+        if type(conn.sock) is not socket.socket:  # TLS: gunicorn's to read
             return False
-        early.pending = pending
-        self._start_watch()
-        return True
-
-    def adopt(self, sock: socket.socket | None) -> EarlyRequest | None:
-        """The request sent early on ``sock`` (a request thread, once gunicorn read it), which the
-        caller follows from here and whose admission it releases; ``None`` if there is none."""
-        if sock is None:
-            return None
-        with self._lock:
-            return self._sent.pop(sock, None)
-
-    def abandon_sock(self, sock: socket.socket, why: str) -> bool:
-        """``abandon`` the request sent early on ``sock``, if it was not adopted; True if so."""
-        with self._lock:
-            early = self._sent.get(sock)
-            if early is None or early.owner is not Owner.THREAD:
+        head = parse_head(data)
+        if head is None or head.version != "1.1" or ROUTES.get(head.path) != head.method:
+            return False
+        for name, value in head.headers:
+            lowered = name.lower()
+            if lowered in _DECLINED:
                 return False
-            del self._sent[sock]
-        early.abandon(self.router, why)
-        return True
-
-    def _claim(self, early: EarlyRequest, owner: Owner) -> bool:
-        """Make ``owner`` the one that ends ``early`` (once)."""
-        with self._lock:
-            if early.owner is not Owner.TAKEN:
-                return False
-            early.owner = owner
-            if owner is not Owner.THREAD:  # a request thread adopts it (by its socket)
-                self._sent.pop(early.conn.sock, None)
-            return True
-
-    def _heard(self, early: EarlyRequest, pending: PendingRequest) -> None:
-        """The reader thread of the group's connection: rank 0 read the request or declined it,
-        the request's head was left to the frontend, or it ended (a request already handed to a
-        thread is that thread's)."""
-        early.pending = pending
-        if pending.declined is not None:
-            self._give_back(early, pending.declined.raw)
-            return
-        if pending.taken is not None and not early.path:
-            self._read(early, pending.taken)
-        if not pending.done and (pending.head is None or pending.head.written):
-            return
-        if not early.path:  # the group went away before it said it read the request
-            self._give_back(early, None)
-        elif not pending.clean_end:
-            self._hand_to_thread(early)
-        elif self._claim(early, Owner.READER):
-            self._finish(early)
-
-    def _read(self, early: EarlyRequest, taken: Taken) -> None:
-        """What the frontend keeps of a request rank 0 read: what its fallback and its completion
-        line need (its bytes are read again by a request thread that takes it over)."""
-        early.request_id, early.raw, early.close = taken.request_id, taken.raw, taken.close
-        body = taken.raw[taken.raw.find(b"\r\n\r\n") + 4 :]
-        early.print_ = fingerprint(f"{taken.path}?", body)  # as Invocation.run makes it
-        early.pending.tag = (early.print_, taken.request_id, taken.path)
-        early.path = taken.path
+            if lowered == "connection" and {t.strip().lower() for t in value.split(",")} - {"close", "keep-alive"}:
+                return False  # an upgrade or a hop-by-hop header list: gunicorn's to read
+        try:
+            router.admit()
+        except ServingError:
+            return False  # refused by a request thread, as any other request
+        try:
+            group = router.pick()
+        except ServingError:
+            router.release()
+            return False
+        request_id = head.header(INFERENCE_ID) or uuid.uuid4().hex
+        record = HandedOff(self, group, conn, head.method, head.path, request_id)
+        end = head.size + (head.length or 0)
+        if len(data) >= end:  # the whole request was peeked: its fingerprint is known before rank 0 reads it
+            record.tag = (fingerprint(f"{head.path}?{head.query}", data[head.size : end]), request_id, head.path)
+            record.stage = Stage.READ
+        given = ResponseHead("HTTP/1.1", SERVER, close, {GROUP_HEADER: group.name, INFERENCE_ID: request_id})
+        conn.sock.setblocking(True)  # the mode a request thread serves it in, which rank 0's writes keep
+        try:
+            group.hand_off(conn.sock, given, self.launch.max_payload_bytes, record, seen=record.tag is not None)
+        except ServingError:
+            router.release()
+            return False
         self.metrics.read_early.inc()
+        return True
 
-    def _give_back(self, early: EarlyRequest, raw: bytes | None) -> None:
-        """The request is the server's again, as if it had never been taken: a request thread
-        reads it, after ``raw`` (what rank 0 read of it). ``None``: nobody knows what rank 0 read;
-        the connection is served again only if the client's bytes are still there, else closed."""
-        if not self._claim(early, Owner.SERVER):
+    def finish(self, record: HandedOff, end: End) -> None:
+        """The reader thread: rank 0 ended the answer and let go of the connection."""
+        outcome = end.outcome or "completed"
+        self._done(record, end.code or (499 if outcome == "client_gone" else 400), outcome, end)
+
+    def lost(self, record: HandedOff, error: ServingError) -> None:
+        """The reader thread: the group went away before the answer's end."""
+        if record.stage is Stage.ENDED:
             return
-        self.router.release()
-        assert self.connections is not None  # send() took it
-        if raw is None and not client_waiting(early.conn.sock):
-            log.error("a connection handed to worker group %s, which went away: closing it", early.group.name)
-            self.connections.let_go(early.conn, False)
+        head = record.head
+        sock = record.conn.sock
+        if head is None:
+            data = json_answer(record.path, *describe(error))
+            code = describe(error)[0]
+        elif head.stream and not record.torn:
+            content_type = next((v for k, v in head.headers.items() if k.lower() == "content-type"), "")
+            data = chunk(in_band_error(record.path, content_type, error)) + END_OF_CHUNKS
+            code = head.code
         else:
-            self.connections.requeue(early.conn, raw or b"")
-
-    def _hand_to_thread(self, early: EarlyRequest) -> None:
-        if self._claim(early, Owner.THREAD):
-            assert self.connections is not None  # send() took it
-            self.connections.requeue(early.conn, early.raw)
-
-    def _finish(self, early: EarlyRequest) -> None:
-        """The answer went out whole, written by the group: what its request thread would have
-        done after it (the completion line, the metrics, the admission, the connection)."""
-        pending = early.pending
-        head = pending.head
-        assert head is not None  # clean_end: the group wrote the head
-        answer = Answer(streamed=True, outcome="completed", bytes=pending.body_bytes)
-        if pending.tokens is not None:
-            answer.prompt_tokens, answer.completion_tokens = pending.tokens
-        if head.started:
-            answer.queue_wait = head.started - early.admitted
-        exchange = Exchange(early.request_id, "POST", early.path, early.path, early.admitted, answer=answer)
+            data, code = b"", head.code  # a whole answer, or a torn chunk: only the close is left to say
+        log.error("request %s: worker group %s went away during it", record.request_id, record.group.name)
         try:
-            self.requests.finish(exchange, head.code, None, pending.head_at)()
+            if data:
+                sock.send(data, socket.MSG_DONTWAIT)
+        except OSError:
+            pass
+        self._done(record, code, "error", None)
+
+    def _done(self, record: HandedOff, code: int, outcome: str, end: End | None) -> None:
+        if record.stage is Stage.ENDED:
+            return
+        record.stage = Stage.ENDED
+        head = record.head
+        answer = Answer(streamed=bool(head and head.stream), outcome=outcome, bytes=end.body_bytes if end else 0)
+        if end is not None:
+            answer.prompt_tokens, answer.completion_tokens = end.prompt_tokens, end.completion_tokens
+        if head is not None and head.started:
+            answer.queue_wait = head.started - record.admitted
+        exchange = Exchange(record.request_id, record.method, record.path, record.path, record.admitted, answer=answer)
+        whole = None if head is None or head.stream else answer.bytes
+        try:
+            self.requests.finish(exchange, code, whole, record.head_at)()
         finally:
             self.router.release()
-            assert self.connections is not None
-            self.connections.let_go(early.conn, not early.close)
-
-    def _start_watch(self) -> None:
-        if self._watch is None:
-            self._watch = threading.Thread(target=self._watching, name="early-watch", daemon=True)
-            self._watch.start()
-
-    def _watching(self) -> None:
-        """Every ``CLIENT_CHECK_INTERVAL`` while requests are taken early: hand to a thread those
-        whose group said nothing for ``predict_timeout`` or whose client left (the thread
-        answers 504 or 499 as for any request)."""
-        while True:
-            with self._lock:
-                self._lock.wait_for(lambda: bool(self._sent))
-                watched = [early for early in self._sent.values() if early.owner is Owner.TAKEN and early.path]
-            now = time.monotonic()
-            for early in watched:
-                if now >= early.pending.progress_at + self.launch.predict_timeout or client_gone(early.conn.sock):
-                    self._hand_to_thread(early)
-            time.sleep(CLIENT_CHECK_INTERVAL)
+            assert self.connections is not None  # send() took it
+            self.connections.let_go(record.conn, end is not None and not end.close)

@@ -31,11 +31,9 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import cast
+from typing import Protocol, cast
 
-import msgspec
-
-from container.core.errors import GatewayTimeout, ServiceUnavailable
+from container.core.errors import GatewayTimeout, ServiceUnavailable, ServingError
 from container.core.protocol import (
     METRICS_PATH,
     Attach,
@@ -60,6 +58,19 @@ from container.core.protocol import (
 )
 from container.frontend.pending import PendingRequest, Sink, WorkerFailed
 
+
+class Answered(Protocol):
+    """What the reader thread hands a request's answers to: a ``PendingRequest``, or a connection
+    rank 0 answers itself (``container.frontend.early.HandedOff``)."""
+
+    id: str
+    tag: tuple[str, str, str] | None
+
+    def deliver(self, messages: list) -> None: ...
+
+    def fail(self, error: ServingError) -> None: ...
+
+
 log = logging.getLogger("sagelmi.group")
 
 RECONNECT_INTERVAL = 0.1
@@ -81,7 +92,7 @@ class GroupClient:
         self._outbox: list[tuple[socket.socket, bytes]] = []  # frames for the sender thread, in order
         self._writing = False  # a thread is writing to the socket: the others queue behind it
         self._outbox_ready = threading.Condition()
-        self._pending: dict[str, PendingRequest] = {}
+        self._pending: dict[str, Answered] = {}
         self._stopped = threading.Event()
         self._channel: socket.socket | None = None  # the group's descriptor channel, while connected
         self._channel_lock = threading.Lock()
@@ -118,41 +129,28 @@ class GroupClient:
 
     # -- requests
     def submit(
-        self,
-        invoke: Invoke,
-        require_ready: bool = True,
-        tag: tuple[str, str, str] | None = None,
-        client: tuple[socket.socket, bool, ResponseHead] | None = None,
-        client_required: bool = False,
+        self, invoke: Invoke, require_ready: bool = True, tag: tuple[str, str, str] | None = None
     ) -> PendingRequest:
         """Send ``invoke``; raises ``ServiceUnavailable`` if the group is not
-        ready (or, with ``require_ready=False``, not connected). ``tag``: see ``on_lost``.
-        ``client`` (the client's socket, whether its body is chunked, the frontend's part of the
-        HTTP head): hand the socket over first, so that the group writes a streamed answer's
-        head and body itself (``Invoke.client``; ``pending.handed_over`` says whether it went;
-        with ``client_required``, nothing is sent and ``ServiceUnavailable`` raised if it did not)."""
+        ready (or, with ``require_ready=False``, not connected). ``tag``: see ``on_lost``."""
         pending = PendingRequest(invoke.id, tag)
         sock = self._register(pending, require_ready)
-        if client is not None:
-            client_sock, chunked, head = client
-            message = Attach(id=invoke.id, direct=True, chunked=chunked, head=head)
-            if self._hand_over_with(pending, message, client_sock, client_required):
-                invoke = msgspec.structs.replace(invoke, client=True)
         self._send(sock, encode(invoke))  # a connection that drops fails the request (503) in _lost
         return pending
 
-    def hand_off(self, client: socket.socket, head: ResponseHead, max_body: int, watcher: Callable) -> PendingRequest:
-        """Hand a client's connection to the group with its next request unread (an ``Attach`` with ``max_body``):
-        rank 0 reads the request and answers ``Taken`` (then as for an ``Invoke`` with ``client``)
-        or declines it (``watcher`` is the pending request's from the start). Raises
-        ``ServiceUnavailable`` if the group is not ready or its descriptor channel did not take it."""
-        pending = PendingRequest(uuid.uuid4().hex)
-        pending.watcher = watcher
-        self._register(pending, require_ready=True)
-        self._hand_over_with(pending, Attach(id=pending.id, head=head, max_body=max_body), client, required=True)
-        return pending
+    def hand_off(
+        self, client: socket.socket, head: ResponseHead, max_body: int, answered: Answered, seen: bool = False
+    ) -> None:
+        """Hand a client's connection to the group with its next request unread (an ``Attach`` with
+        ``head``): rank 0 reads the request and answers it on that connection; ``answered`` learns
+        what rank 0 says of it. Raises ``ServiceUnavailable`` if the group is not ready or its
+        descriptor channel did not take it. ``seen``: the frontend saw the whole request (no ``Taken``)."""
+        self._register(answered, require_ready=True)
+        if not self._hand_over(Attach(id=answered.id, head=head, max_body=max_body, seen=seen), client):
+            self._pending.pop(answered.id, None)
+            raise ServiceUnavailable(f"worker group {self.name}'s descriptor channel is not available")
 
-    def _register(self, pending: PendingRequest, require_ready: bool) -> socket.socket:
+    def _register(self, pending: Answered, require_ready: bool) -> socket.socket:
         """Expect answers for ``pending`` on the group's connection, which is returned; raises
         ``ServiceUnavailable`` if the group is not ready (or, without ``require_ready``, not connected)."""
         with self._lock:
@@ -160,18 +158,6 @@ class GroupClient:
                 raise ServiceUnavailable(f"worker group {self.name} is {self.state.value}")
             self._pending[pending.id] = pending
             return self._sock
-
-    def _hand_over_with(self, pending: PendingRequest, message: Attach, client: socket.socket, required: bool) -> bool:
-        """``_hand_over`` for ``pending``'s request (``pending.handed_over`` says it went); with
-        ``required``, a hand-over that cannot be done forgets the request and raises
-        ``ServiceUnavailable``."""
-        if self._hand_over(message, client):
-            pending.handed_over = True
-            return True
-        if required:
-            self._pending.pop(pending.id, None)
-            raise ServiceUnavailable(f"worker group {self.name}'s descriptor channel is not available")
-        return False
 
     def fetch_metrics(self, timeout: float) -> str:
         """The group's Prometheus metrics (text format)."""

@@ -35,28 +35,20 @@ from container.core.errors import (
     ServingError,
     describe,
     envelope_for,
-    is_openai_path,
+    in_band_error,
 )
-from container.core.ingress import GROUP_HEADER, STREAM_ASKED, request_properties
+from container.core.ingress import DEFAULT_CONTENT_TYPE, GROUP_HEADER, fingerprint, request_properties
 from container.core.launch import FrontendLaunch
 from container.core.logs import request_id_var
 from container.core.protocol import Invoke
 from container.core.sessions import SESSION_ID
 from container.core.tracing import Headers, Tracer
-from container.frontend.body import WSGI_RESPONSE, read_body
-from container.frontend.client import (
-    CLIENT_CHECK_INTERVAL,
-    ClientSink,
-    HeadWrittenByGroup,
-    body_ended_by_group,
-    client_gone,
-    head_written_by_group,
-)
+from container.frontend.body import read_body
+from container.frontend.client import CLIENT_CHECK_INTERVAL, ClientSink, client_gone
 from container.frontend.completion import INFERENCE_ID, Answer, Completion, Exchange, RequestLog
-from container.frontend.early import EarlyRequest, EarlyRequests
 from container.frontend.group_client import GroupClient
 from container.frontend.pending import PendingRequest, WorkerFailed
-from container.frontend.poison import RequestStoppedEngine, fingerprint
+from container.frontend.poison import RequestStoppedEngine
 from container.frontend.router import Router
 
 log = logging.getLogger("sagelmi.frontend")
@@ -76,11 +68,7 @@ ROUTES = {
     "/v1/messages": "POST",
     "/v1/messages/count_tokens": "POST",
 }
-# The routes whose server-sent events are named (``event:`` lines), as vLLM's Responses and Messages
-# streams are: an error after the stream began goes out as an ``error`` event, without ``data: [DONE]``
-NAMED_EVENT_ROUTES = ("/v1/responses", "/v1/messages")
 STOP_CONFIRM_TIMEOUT = 2.0  # how long a timed-out stream waits for its group to stop writing to the client
-DEFAULT_CONTENT_TYPE = "text/html; charset=utf-8"  # what an answer without one is sent with (Flask's default)
 
 
 @dataclass
@@ -91,7 +79,6 @@ class Reply:
     headers: dict[str, str] = field(default_factory=dict)
     body: bytes | Iterator[bytes] = b""
     after: Callable[[], None] | None = None  # called after the completion line (_Closing)
-    first_byte_at: float = 0.0  # when the group wrote the status line itself (Head.written); 0: now
 
 
 def error_reply(path: str, exc: BaseException) -> Reply:
@@ -107,23 +94,6 @@ def count_refusal(metrics, exc: ServingError) -> None:
         metrics.poison_refused.inc()
     elif isinstance(exc, QueueFull):
         metrics.queue_full.inc()
-
-
-def _in_band_error(exc: ServingError, content_type: str, path: str) -> bytes:
-    """An error after a 200 stream began: sent as the stream's last item, in the route's envelope.
-    A server-sent-events stream on an OpenAI route then ends as vLLM's does: the error event, then
-    ``data: [DONE]``; on a route of named events (Responses, Messages) it is an ``error`` event, as
-    Anthropic's API sends one."""
-    status, message, error = describe(exc)
-    line = json.dumps(envelope_for(path, status, message, error))
-    if not content_type.startswith("text/event-stream"):
-        return f"{line}\n".encode()
-    if path in NAMED_EVENT_ROUTES:
-        return f"event: error\ndata: {line}\n\n".encode()
-    event = f"data: {line}\n\n"
-    if is_openai_path(path):
-        event += "data: [DONE]\n\n"
-    return event.encode()
 
 
 class Invocation:
@@ -142,10 +112,8 @@ class Invocation:
         headers: Headers,
         request_id: str,
         trace_headers: dict[str, str] | None = None,
-        early: EarlyRequest | None = None,
     ) -> None:
         self.router = router
-        self.early = early  # sent to its group already (container.frontend.early)
         self.launch = launch
         self.environ = environ  # the stream is written after the request's call returned
         self.headers = headers
@@ -188,26 +156,15 @@ class Invocation:
             self.environ, get_content_length(self.environ), self.launch.max_payload_bytes, self.launch.body_read_timeout
         )
         print_ = fingerprint(f"{self.path}?{self.query}", body)
-        early = self.early
-        if early is not None and early.print_ != print_:
-            early.abandon(self.router, "was read by gunicorn with another body")
-            raise HeadWrittenByGroup(400)
-        if early is None:
-            self.router.poison.check(print_)
-            self.router.admit()
-            admitted = time.monotonic()
-        else:
-            admitted = early.admitted
+        self.router.poison.check(print_)
+        self.router.admit()
+        admitted = time.monotonic()
         streaming = False
         try:
             session_id = self.headers.get(SESSION_ID)
-            if early is None:
-                incarnation = self._submit(body, print_, session_id)
-            else:  # the same request the group has (HandlerRoutes checked its route and fingerprint)
-                self.group, self.pending, self.wire_id = early.group, early.pending, early.pending.id
-                incarnation = early.group.incarnation
+            incarnation = self._submit(body, print_, session_id)
             group, pending = self.group, self.submitted
-            assert group is not None  # picked by _submit, or the early request's
+            assert group is not None  # picked by _submit
             try:
                 self._await(pending.wait_head_for, "no answer from the model")
                 head = pending.wait_head(0)
@@ -221,8 +178,8 @@ class Invocation:
                 headers[GROUP_HEADER] = group.name
                 if head.stream:
                     streaming = self.answer.streamed = True
-                    relay = self._relay(headers.get("content-type", ""), head.written)
-                    return Reply(head.code, headers, relay, self._let_go, pending.head_at)
+                    relay = self._relay(headers.get("content-type", ""))
+                    return Reply(head.code, headers, relay)
                 body = self._body()
                 self._count_tokens()
                 return Reply(head.code, headers, body)
@@ -237,10 +194,6 @@ class Invocation:
         """Send the request to a group; which start of the group that is (its incarnation)."""
         self.group = group = self.router.pick_for(session_id)
         incarnation = group.incarnation
-        client = None
-        if STREAM_ASKED.search(body):
-            ours = {GROUP_HEADER: self.group.name, INFERENCE_ID: self.request_id}  # as respond() adds them
-            client = ClientSink.before_head(self.environ, ours)
         self.pending = self.group.submit(
             Invoke(
                 id=self.wire_id,
@@ -250,20 +203,13 @@ class Invocation:
                 query=self.query,
             ),
             tag=(print_, self.request_id, self.path),
-            client=client,
         )
         return incarnation
 
     def _abandon_before_head(self) -> None:
-        """The request failed, timed out or lost its client before the frontend took its head.
-        Where the client's socket went with the ``Invoke``, the group may be writing to it: the
-        error is written only once the group said it stopped without writing (its ``Fail``);
-        otherwise the connection is closed (``HeadWrittenByGroup``)."""
-        pending = self.submitted
-        if not pending.done:
-            self.abandon(confirm=pending.handed_over)
-        if pending.handed_over and (not self._group_stopped_writing() or pending.direct):
-            raise HeadWrittenByGroup(499 if client_gone(self.client) else GatewayTimeout.status)
+        """The request failed, timed out or lost its client before the frontend took its head."""
+        if not self.submitted.done:
+            self.abandon()
 
     def _await(self, wait: Callable[[float], bool], what: str) -> None:
         """Wait (``wait(seconds)``, True once ready) up to ``predict_timeout``;
@@ -294,41 +240,23 @@ class Invocation:
             parts.append(data)
         return b"".join(parts)
 
-    def _let_go(self) -> None:
-        """After a stream whose group ended the body itself (an ending ``End``), once the completion
-        line is written: wait until the group has let go of the client's socket (its ``End``)
-        before gunicorn may write to it again (the answer to a request the client sent
-        before this one's end, on a kept-alive connection). A group that does not say so in
-        ``STOP_CONFIRM_TIMEOUT``, or failed meanwhile, has the connection closed instead."""
-        pending = self.submitted
-        if pending.ending is None or (self._group_stopped_writing() and pending.end is not None):
-            return
-        response = self.environ.get(WSGI_RESPONSE)
-        if response is not None:
-            response.force_close()
-
     def _count_tokens(self) -> None:
         counted = self.submitted.tokens
         if counted is not None:
             self.answer.prompt_tokens, self.answer.completion_tokens = counted
 
-    def _relay(self, content_type: str, written: bool) -> Iterator[bytes]:
+    def _relay(self, content_type: str) -> Iterator[bytes]:
         request_id_var.set(self.request_id)
         finished = False
         in_band = b""
         pending = self.submitted
         try:
-            if written:  # the group wrote the headers (Head.written): gunicorn must not
-                head_written_by_group(self.environ)
-            else:
-                yield b""  # gunicorn sends the headers and nothing else: the body is the group's to write
-                assert self.group is not None  # run() picked it
-                self.group.attach(pending, ClientSink.of(self.environ))
+            yield b""  # gunicorn sends the headers and nothing else: the body is the group's to write
+            assert self.group is not None  # run() picked it
+            self.group.attach(pending, ClientSink.of(self.environ))
             while (data := self._next()) is not None:
                 yield data
             finished = True
-            if pending.ending is not None:
-                body_ended_by_group(self.environ)
             self.answer.outcome = "completed"
         except ClientClosedRequest:
             pass  # cancelled below, as when a write finds the client gone
@@ -353,7 +281,7 @@ class Invocation:
             except ClientClosedRequest:
                 self.answer.outcome = "client_gone"
                 return  # the client is gone too
-            in_band = _in_band_error(exc, content_type, self.path)
+            in_band = in_band_error(self.path, content_type, exc)
             yield in_band
         finally:
             if not finished:
@@ -404,10 +332,8 @@ class HandlerRoutes:
         requests: RequestLog,
         tracer: Tracer | None,
         fallback: Callable,
-        early: EarlyRequests | None = None,
     ) -> None:
         self.router = router
-        self.early = early  # requests sent to their group before gunicorn read them
         self.launch = launch
         self.requests = requests
         self.tracer = tracer
@@ -416,21 +342,13 @@ class HandlerRoutes:
     def __call__(self, environ: dict, start_response: Callable) -> Iterable[bytes]:
         path = environ.get("PATH_INFO", "")
         method = environ["REQUEST_METHOD"]
-        early = self.early.adopt(environ.get("gunicorn.socket")) if self.early is not None else None
-        if early is not None and (method != "POST" or path != early.path or environ.get("QUERY_STRING")):
-            early.abandon(self.router, f"was read by gunicorn as {method} {path}")
-            raise BrokenPipeError(errno.EPIPE, "the group may have written to the client")
         if ROUTES.get(path) != method:
             return self.fallback(environ, start_response)
         headers = EnvironHeaders(environ)
-        arrival = (early.request_id, early.admitted) if early is not None else None
-        exchange = self.requests.begin(headers, method, path, path, early=arrival)
+        exchange = self.requests.begin(headers, method, path, path)
         try:
             try:
-                reply = self.serve(environ, headers, exchange, early)
-            except HeadWrittenByGroup as exc:
-                self.requests.finish(exchange, exc.status, None)()
-                raise BrokenPipeError(errno.EPIPE, "the group may have written to the client") from None
+                reply = self.serve(environ, headers, exchange)
             except ServingError as exc:
                 count_refusal(self.requests.metrics, exc)
                 reply = error_reply(path, exc)
@@ -441,12 +359,11 @@ class HandlerRoutes:
         finally:
             request_id_var.set("-")
 
-    def serve(self, environ: dict, headers: Headers, exchange: Exchange, early: EarlyRequest | None = None) -> Reply:
-        """Relay the request to a worker group (or follow it there, ``early``): its answer, or its
-        stream (raises what the relay refuses)."""
+    def serve(self, environ: dict, headers: Headers, exchange: Exchange) -> Reply:
+        """Relay the request to a worker group: its answer, or its stream (raises what the relay refuses)."""
         span = exchange.span
         trace_headers = self.tracer.headers_of(span) if self.tracer is not None and span is not None else None
-        invocation = Invocation(self.router, self.launch, environ, headers, exchange.request_id, trace_headers, early)
+        invocation = Invocation(self.router, self.launch, environ, headers, exchange.request_id, trace_headers)
         exchange.answer = invocation.answer
         return invocation.run()
 
@@ -462,7 +379,7 @@ class HandlerRoutes:
         else:
             body, length = reply.body, None
         headers.append((INFERENCE_ID, exchange.request_id))
-        completion = self.requests.finish(exchange, reply.status, length, reply.first_byte_at)
+        completion = self.requests.finish(exchange, reply.status, length)
         status = f"{reply.status} {HTTP_STATUS_CODES.get(reply.status, 'unknown').upper()}"
         try:
             start_response(status, headers)

@@ -87,7 +87,7 @@ def _writable(sock: socket.socket) -> bool:
     return bool(poll.poll(0))
 
 
-def _close(conn: Any) -> None:
+def close_read(conn: Any) -> None:
     """Close a connection after reading off what its client sent and nobody will read: a close
     with it unread would reset the connection, and the client could lose the answer written."""
     try:
@@ -285,7 +285,7 @@ class HeadWaitingWorker(ThreadWorker):
                 conn.sock.send(json_answer(request_path(seen), *describe(error)), socket.MSG_DONTWAIT)
             except OSError:
                 pass
-        _close(conn)
+        close_read(conn)
 
     def _drop(self, conn, close: bool = True) -> None:
         """The connection waits no more and is counted no more (closed, unless ``close`` is False)."""

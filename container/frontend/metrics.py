@@ -63,7 +63,7 @@ class FrontendMetrics:
         )
         self.read_early = Counter(
             "sagelmi_requests_read_early",
-            "Streamed requests read by their worker group's rank 0, handed the connection by the frontend's "
+            "Requests read and answered by their worker group's rank 0, handed the connection by the frontend's "
             "accepting thread, without a request thread",
             registry=self.registry,
         )

@@ -8,11 +8,10 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Callable
 from typing import Protocol
 
 from container.core.errors import ClientClosedRequest, GatewayTimeout, ServingError
-from container.core.protocol import Chunk, End, Fail, Head, Taken
+from container.core.protocol import Chunk, End, Fail, Head
 
 
 class WorkerFailed(ServingError):
@@ -66,25 +65,16 @@ class PendingRequest:
         self.progress = 0  # batches delivered: a stream written by the reader still shows it is alive
         self.body_bytes = 0  # body bytes received, whoever writes them to the client
         self.end: End | None = None  # the answer's End (with the tokens the group counted)
-        self.ending: End | None = None  # the group ends the body it writes itself (protocol: End.ending)
         self.direct = False  # the group writes the body to the client's socket itself (GroupClient.attach)
         self.torn = False  # ... and the client's socket holds part of an HTTP chunk (protocol: Chunk.torn)
-        self.handed_over = False  # the client's socket went to the group with the Invoke (GroupClient.submit)
-        self.taken: Taken | None = None  # rank 0 read the request itself (GroupClient.hand_off) ...
-        self.declined: Taken | None = None  # ... or left it to the frontend (not Taken.served)
-        self.head_at = 0.0  # when a Head the group wrote itself came (Head.written): the time to the first byte
         self.progress_at = time.monotonic()  # when the group last said something of this request
-        # Called (by the reader thread, outside the lock) when a Taken (served or not), a Head the group did
-        # not write, the End or an error comes: a request nobody waits on (container.frontend.early)
-        # learns of it so
-        self.watcher: Callable[[PendingRequest], None] | None = None
 
     # -- reader thread side
     def deliver(self, messages: list) -> None:
         """Take a batch of this request's messages; wake its thread once, and
         only if it has something to do."""
-        head, data, ending, last, told = None, [], None, None, False
-        # a Taken first, a Head, then chunks (empty: progress), an ending End, at most one other End or Fail
+        head, data, last = None, [], None
+        # a Head, then chunks (empty: progress), at most one End or Fail
         for message in messages:
             if isinstance(message, Chunk):
                 if message.data:
@@ -93,14 +83,6 @@ class PendingRequest:
                     self.torn = message.torn
             elif isinstance(message, Head):
                 head = message
-            elif isinstance(message, End) and message.ending:
-                ending = message
-            elif isinstance(message, Taken):
-                told = True
-                if message.served:
-                    self.taken = message
-                else:
-                    self.declined = message
             else:
                 last = message
         with self._cond:
@@ -108,19 +90,11 @@ class PendingRequest:
             self.progress_at = time.monotonic()
             if head is not None:
                 self._head = head
-                if head.written:
-                    self.direct = True
-                    self.head_at = self.progress_at
-                    if not (data or ending or last or told):
-                        return  # the group writes the stream: the request thread can wait for its end
             if data:  # the batch's chunks of this request go out in one write
                 joined = b"".join(data)  # one item: joined is that item, no copy
                 self.body_bytes += len(joined)
                 if not self._write_direct(joined):
                     self._chunks.append(joined)
-            if ending is not None:
-                self.ending = ending
-                self.body_bytes += ending.body_bytes
             if isinstance(last, End):
                 self._finished = True
                 self.end = last
@@ -130,8 +104,6 @@ class PendingRequest:
                 self.body_bytes += last.body_bytes
             if self._sink is None or self.has_data():
                 self._cond.notify_all()
-        if self.watcher is not None and (told or last is not None or (head is not None and not head.written)):
-            self.watcher(self)
 
     def _write_direct(self, data: bytes) -> bool:
         """Write a chunk to the attached sink now if nothing is queued before it;
@@ -157,8 +129,6 @@ class PendingRequest:
             if not self._finished and self._error is None:
                 self._error = error
             self._cond.notify_all()
-        if self.watcher is not None:
-            self.watcher(self)
 
     @property
     def head(self) -> Head | None:
@@ -166,15 +136,9 @@ class PendingRequest:
 
     @property
     def tokens(self) -> tuple[int | None, int | None] | None:
-        """(prompt, completion) tokens as the group counted them (its ending ``End``, else its last)."""
-        last = self.ending or self.end
+        """(prompt, completion) tokens as the group counted them (its ``End``)."""
+        last = self.end
         return None if last is None else (last.prompt_tokens, last.completion_tokens)
-
-    @property
-    def clean_end(self) -> bool:
-        """The group wrote the whole answer to the client itself, head to the chunked body's end,
-        and let go of the client's socket (``direct``, an ending ``End``, then the last)."""
-        return self.direct and self._finished and self._error is None and self.ending is not None
 
     @property
     def done(self) -> bool:
@@ -184,9 +148,7 @@ class PendingRequest:
         return self._head is not None or self._error is not None
 
     def has_data(self) -> bool:
-        if self._chunks or self._unsent or self._finished:
-            return True
-        return self._error is not None or self.ending is not None
+        return bool(self._chunks or self._unsent or self._finished or self._error is not None)
 
     def wait_head_for(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for the ``Head`` (or an error); False if it did not come."""
@@ -270,8 +232,6 @@ class PendingRequest:
                 self._chunks.clear()
                 self._writing = True
                 return data
-            elif self.ending is not None:  # the group writes the body's end; its End follows
-                return None
             elif self._error is not None:
                 raise self._error
             elif self._finished:

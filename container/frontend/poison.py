@@ -11,7 +11,6 @@ again and again. Every other request is served as before.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
@@ -32,10 +31,6 @@ class RequestStoppedEngine(ServingError):
 
     status = 422
     message = "request stopped the engine"
-
-
-def fingerprint(path: str, body: bytes) -> str:
-    return hashlib.blake2b(path.encode() + b"\0" + body, digest_size=16).hexdigest()
 
 
 class PoisonRequests:

@@ -21,7 +21,6 @@ import signal
 import ssl
 import sys
 import threading
-import time
 from functools import partial
 from pathlib import Path
 from typing import cast
@@ -34,18 +33,15 @@ from gunicorn.workers.gthread import ThreadWorker
 
 from container.core import logs, proc
 from container.core.errors import InputError, scrub
-from container.core.ingress import Partial, may_be_read
 from container.core.launch import FrontendLaunch, decode_frontend_launch
 from container.frontend.app import create_app
 from container.frontend.body import CLOSE_CONNECTION, WSGI_RESPONSE
 from container.frontend.client import client_waiting
-from container.frontend.early import EarlyRequests, Owner
-from container.frontend.main_loop import HeadWaitingWorker, json_answer
+from container.frontend.early import EarlyRequests
+from container.frontend.main_loop import HeadWaitingWorker, close_read, json_answer
 
 log = logging.getLogger("sagelmi.frontend")
 
-EARLY_WAITS = 3  # how many times a request that may be read early is waited for before a thread reads it
-EARLY_WAIT = 0.5  # seconds such a request may take to arrive whole
 # Threads beyond the queue bound, so rejections never wait for a thread (/ping has threads of its own).
 SPARE_THREADS = 32
 FD_RESERVE = 128  # file descriptors the frontend keeps for itself (its groups' sockets, logs, pipes ...)
@@ -115,7 +111,7 @@ def _nothing_read_ahead(conn) -> bool:
 
 class DrainingWorker(HeadWaitingWorker):
     """A gthread worker whose main loop keeps connections until their request heads are whole
-    (``container.frontend.main_loop``), hands streamed requests to their group unread
+    (``container.frontend.main_loop``), hands the handler's requests to their group unread
     (``container.frontend.early``), answers 503 while draining instead of refusing
     connections, stops once its requests are done, and answers the requests it rejects itself
     in JSON."""
@@ -140,9 +136,8 @@ class DrainingWorker(HeadWaitingWorker):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # what came while booting is handled now
 
     def serve(self, conn, head: bytes) -> None:
-        """A connection whose request head is whole: to its group unread if the request is taken
-        early (``container.frontend.early``), followed by no thread unless something goes wrong;
-        else to a thread."""
+        """A connection whose request head is whole: to its group unread if it may go
+        (``container.frontend.early``), followed by no thread; else to a thread."""
         if self.early is not None and (not conn.initialized or _nothing_read_ahead(conn)):
             close = (  # gthread's handle_request closes it after this answer
                 not self.alive
@@ -150,67 +145,27 @@ class DrainingWorker(HeadWaitingWorker):
                 or self.nr + 1 >= self.max_requests
                 or len(self.keepalived_conns) >= self.max_keepalived
             )
-            waited = getattr(conn, "early_waits", 0)
-            taken = self.early.send(conn, close, head)
-            if taken is Owner.TAKEN:
-                return
-            if isinstance(taken, Partial) and waited < EARLY_WAITS:
-                # Until its body is there (a client may send it apart from its head), the
-                # connection waits in gthread's poller, woken by the kernel only once ``need``
-                # bytes came (SO_RCVLOWAT); a thread reads what is still not whole after
-                # EARLY_WAIT seconds (pending_expired) or EARLY_WAITS wake-ups.
-                conn.early_waits = waited + 1
-                self.set_lowat(conn, taken.need)
-                conn.timeout = time.monotonic() + EARLY_WAIT
-                self.pending_conns.append(conn)
-                self.poller.register(conn.sock, selectors.EVENT_READ, partial(self.on_pending_socket_readable, conn))
+            if self.early.send(conn, close, head):
                 return
         super().serve(conn, head)
 
     def peek_for(self, conn, seen: bytes) -> bool:
-        """The start of a request the early hand-off may take is peeked at, not read, while its
-        head comes: it must be on the socket when it is whole."""
+        """The start of a request the hand-off may take is peeked at, not read, while its head
+        comes: it must be on the socket when it is whole."""
         return (
             self.early is not None
             and self.early.enabled
             and (not conn.initialized or _nothing_read_ahead(conn))
-            and isinstance(may_be_read(seen), Partial)
+            and self.early.may_take(seen)
         )
 
-    def pending_expired(self, conn) -> None:
-        """A connection whose body did not come whole within ``EARLY_WAIT`` goes to a thread."""
-        if getattr(conn, "early_waits", 0):
-            conn.early_waits = EARLY_WAITS
-            self.enqueue_req(conn)
-        else:
-            super().pending_expired(conn)
-
-    def idle(self, conn) -> None:
-        conn.early_waits = 0
-        super().idle(conn)
-
     # -- container.frontend.early.Connections: called from any thread, run here (the main loop)
-    def requeue(self, conn, raw: bytes) -> None:
-        self.method_queue.defer(self._requeue, conn, raw)
-
     def let_go(self, conn, keep: bool) -> None:
         self.method_queue.defer(self._let_go, conn, keep)
-
-    def _requeue(self, conn, raw: bytes) -> None:
-        try:
-            conn.init()
-        except Exception:
-            log.exception("could not serve a connection taken early")
-            self._let_go(conn, False)
-            return
-        conn.parser.unreader.unread(raw)
-        conn.data_ready = True
-        self.to_thread(conn)
 
     def _let_go(self, conn, keep: bool) -> None:
         """As gthread's ``finish_request`` after an answer: wait for the client's next request
         on the poller, or close the connection (at once when the client closed it already)."""
-        conn.early_waits = 0
         waiting = client_waiting(conn.sock) if keep and self.alive else False
         if waiting:
             self.enqueue_req(conn)  # its next request is coming already
@@ -223,7 +178,7 @@ class DrainingWorker(HeadWaitingWorker):
             self.idle(conn)
             return
         self.nr_conns -= 1
-        conn.close()
+        close_read(conn)
 
     def handle(self, conn):
         """gthread's, then a look at what the client of a kept-alive connection did meanwhile.
@@ -234,8 +189,6 @@ class DrainingWorker(HeadWaitingWorker):
         whole is served in this thread, without the main loop's wake-up and another thread's;
         one not whole yet waits in the main loop. /ping's threads serve one request and go back."""
         keepalive = super().handle(conn)
-        if self.early is not None and self.early.abandon_sock(conn.sock, "was not read as a request"):
-            return False  # the application was not called: the group's answer is stopped, the connection closed
         if getattr(conn, "ping", False):
             conn.ping = False
             return keepalive
@@ -252,8 +205,6 @@ class DrainingWorker(HeadWaitingWorker):
         """A request gunicorn could not read (bad bytes 400, a head too large 431 ...), or an error
         past the app: answered in the error envelope of the route called (LMI's when the path is not
         known) instead of gunicorn's HTML."""
-        if self.early is not None and self.early.abandon_sock(client, f"could not be read by gunicorn ({exc})"):
-            return  # its group may have written to the client: no error after it
         path = getattr(req or getattr(exc, "req", None), "path", None) or ""
         answer = rejection(exc)
         if answer is None:

@@ -30,15 +30,11 @@ from dataclasses import dataclass
 from container.core.errors import InputError, ServiceUnavailable
 from container.core.protocol import WorkerState
 from container.core.sessions import (
-    CLOSED_SESSION_ID,
     NEW_SESSION,
-    NEW_SESSION_ID,
-    SESSION_CLOSED,
     SESSION_ID,
     ExpiryIndex,
+    answer_sessions,
     expires_text,
-    new_session_value,
-    parse_new_session,
     valid_session_id,
 )
 from container.frontend.group_client import GroupClient
@@ -51,11 +47,6 @@ class _Held:
     group: GroupClient
     incarnation: int
     expires_at: float
-
-
-def _header(headers: dict[str, str], name: str) -> str | None:
-    wanted = name.lower()
-    return next((v for k, v in headers.items() if k.lower() == wanted), None)
 
 
 class SessionRoutes:
@@ -113,26 +104,15 @@ class SessionRoutes:
         named session ``asked``; returns the headers to send, with SageMaker's
         ``New-Session-Id`` / ``Closed-Session-Id`` added where the handler answered
         in LMI's or DJL's form only."""
-        headers = dict(headers)
         if not self.enabled or code >= 300:
-            return headers
-        opened = _header(headers, NEW_SESSION_ID)
-        if opened is None and (lmi_form := _header(headers, SESSION_ID)) is not None:
-            opened = lmi_form if parse_new_session(lmi_form)[0] != asked else None
+            return dict(headers)
+        headers, opened, closed = answer_sessions(asked, headers, self.expiration)
         if opened is not None:
-            session_id, expires_at = parse_new_session(opened)
-            if valid_session_id(session_id):
-                expires_at = expires_at or time.time() + self.expiration
-                self._open(session_id, _Held(group, incarnation, expires_at))
-                if _header(headers, NEW_SESSION_ID) is None:
-                    headers[NEW_SESSION_ID] = new_session_value(session_id, expires_at)
-        closed = _header(headers, CLOSED_SESSION_ID)
-        if closed is None and asked and (_header(headers, SESSION_CLOSED) or "").lower() == "true":
-            closed = headers[CLOSED_SESSION_ID] = asked
+            self._open(opened[0], _Held(group, incarnation, opened[1]))
         if closed is not None:
             with self._lock:
-                if self._held.pop(closed.strip()) is not None:
-                    self._remember(closed.strip(), "was closed")
+                if self._held.pop(closed) is not None:
+                    self._remember(closed, "was closed")
         return headers
 
     @property

@@ -170,33 +170,37 @@ class Calls:
         headers = {k: v for k, v in output.headers().items() if k.lower() not in HOP_BY_HOP}
         streaming = output.stream_content is not None
         started = seen.started if seen is not None else 0.0
-        # A stream's body waits for the frontend's Attach (container.worker.direct), unless its head
-        # and body are written here to the client's socket that came with the request
-        if streaming:
-            written = conn.expect_stream(rid, output.code, headers)
-        else:  # the frontend writes a whole answer: the client's socket that came with it is let go first
-            written = False
-            conn.release_client(rid)
-        head = Head(id=rid, code=output.code, headers=headers, stream=streaming, started=started, written=written)
+        # A request read by rank 0 has its answer written here (container.worker.handoff); a stream of
+        # the frontend's waits for its Attach (container.worker.direct)
+        client = conn.has_client(rid)
+        if client:
+            headers = conn.answer_headers(output.code, headers)
+        if streaming and not client:
+            conn.expect_stream(rid)
+        body = b"" if streaming else output.body()
+        head = Head(id=rid, code=output.code, headers=headers, stream=streaming, started=started, written=client)
         await conn.send(head)
+        if client:
+            await conn.delivered()
+            conn.open_client(rid, output.code, headers, None if streaming else len(body))
         body_bytes = 0
         if streaming:
             try:
                 await self._send_stream(conn, rid, output, cancelled)
             except Exception:
-                await conn.finish_stream(rid)  # what came before the handler's error goes out first
+                if not client:
+                    await conn.finish_stream(rid)  # what came before the handler's error goes out first
                 raise
-            prompt, completion = _tokens(seen)
-
-            def ending(whole: int) -> End:
-                return End(id=rid, prompt_tokens=prompt, completion_tokens=completion, body_bytes=whole, ending=True)
-
-            body_bytes = await conn.finish_stream(rid, ending)
-        else:
-            body = output.body()
-            if body:
-                await conn.send(Chunk(id=rid, data=body))
+            if not client:
+                body_bytes = await conn.finish_stream(rid)
+        elif body and client:
+            conn.add_chunk(rid, body)
+        elif body:
+            await conn.send(Chunk(id=rid, data=body))
         prompt, completion = _tokens(seen)
+        if client:
+            await conn.end_client(rid, None, (prompt, completion))
+            return
         await conn.send(End(id=rid, prompt_tokens=prompt, completion_tokens=completion, body_bytes=body_bytes))
 
     async def _send_stream(

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from time import monotonic
 
-from container.core.ingress import response_head
+from container.core.errors import ClientClosedRequest
+from container.core.ingress import framing, response_head
 from container.core.protocol import (
     FRAME_HEADER,
     Attach,
@@ -24,7 +24,9 @@ from container.core.protocol import (
     frame_length,
     progress,
 )
+from container.core.sessions import answer_sessions
 from container.worker.direct import WRITE_HIGH_WATER, DescriptorChannel, DirectBody, peer_pid
+from container.worker.handoff import SWEEP_INTERVAL, ClientRequest, Phase, end, sweep
 
 log = logging.getLogger("sagelmi.worker")
 
@@ -63,14 +65,12 @@ class Connection:
 
     A streamed answer's ``Head`` leaves at once, with the frames queued before it (the bodies
     written to clients here still wait for the pass): the frontend's hand-over of the client's
-    socket then runs while the handler starts the answer. Its body
-    (``expect_stream``) waits for the frontend's ``Attach``; with the client's socket it is
-    written there on the same passes (``container.worker.direct``). Where the client's socket
-    came with the request (``claim_client``), the head goes there too, on the next pass, and
-    no ``Attach`` is waited for (``Head.written``). Its ending ``End`` and the last
-    leave at once too (``finish_stream``): the frontend's work for the request (the
-    response's end, the completion line) is then done sooner, before the client's next
-    request rather than during it. A whole answer's ``End`` waits for the quiet pass."""
+    socket then runs while the handler starts the answer. Its body (``expect_stream``) waits for
+    the frontend's ``Attach``; with the client's socket it is written there on the same passes
+    (``container.worker.direct``). A request rank 0 read itself (``clients``,
+    ``container.worker.handoff``) has its whole answer written here: its ``Head`` (``written``)
+    leaves at once, before the client gets anything (``open_client``), its ``End`` once the
+    socket is let go (``end_client``)."""
 
     def __init__(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, channel: DescriptorChannel | None = None
@@ -80,8 +80,11 @@ class Connection:
         self.tasks: dict[str, asyncio.Task] = {}
         self._loop = asyncio.get_running_loop()
         self._channel = channel  # where the frontend hands clients' sockets over
-        self._clients: dict[str, tuple[Attach, int]] = {}  # sockets that came with their Invoke, until the Head
-        self._bodies: dict[str, DirectBody] = {}  # streamed answers not relayed to the frontend
+        self.clients: dict[str, ClientRequest] = {}  # requests read here, answered here (handoff)
+        self.predict_timeout = 0.0  # set by the worker: a handler silent this long has its request stopped
+        self.sessions_expiration: float | None = None  # set by the worker when stateful sessions are on
+        self._sweeping = False
+        self.bodies: dict[str, DirectBody] = {}  # streamed answers not relayed to the frontend
         self._touched: list[DirectBody] = []  # bodies with pieces for the next write
         self._queue: list[bytes | _Body] = []  # frames, and bodies still open to more chunks
         self._quiet: list[bytes] = []  # frames that leave first with the next write (queue_quietly)
@@ -115,7 +118,9 @@ class Connection:
         frame = encode(message)
         self._queue.append(frame)
         self._queued += len(frame)
-        if (type(message) is Head and message.stream) or (type(message) is End and request_id in self._bodies):
+        if (type(message) is Head and (message.stream or message.written)) or (
+            type(message) is End and (request_id in self.bodies or message.outcome)
+        ):
             # a stream's head or end, at once: on the head the frontend sends the headers and hands
             # the client's socket over while the handler goes on (vLLM's add_request, the prefill);
             # on the end it ends the client's response (a body's record stays until drop_stream)
@@ -137,7 +142,7 @@ class Connection:
         come here: ``Calls.send_output``). True when the caller must ``wait_writable``
         before the next one: the frontend (or the client) reads too slowly, or the
         connection closed."""
-        body = self._bodies.get(request_id)
+        body = self.bodies.get(request_id)
         if body is not None:
             if body.state == DirectBody.DIRECT:
                 if not body.parts:
@@ -168,57 +173,93 @@ class Connection:
         self._queued += len(data)
         return self.writer.transport.get_write_buffer_size() > WRITE_HIGH_WATER or self.writer.is_closing()
 
-    # -- streamed answers' bodies
-    def claim_client(self, request_id: str) -> None:
-        """Take the client's socket the frontend handed over before request ``request_id``'s
-        ``Invoke`` (``Invoke.client``), for its ``Head``."""
-        found = self._channel.claim(request_id) if self._channel is not None else None
-        if found is not None:
-            self._clients[request_id] = found
+    # -- answers written to the client here
+    def has_client(self, request_id: str) -> bool:
+        return request_id in self.clients
 
-    def give_client(self, attach: Attach, fd: int) -> None:
-        """Hold the client's socket ``fd`` of request ``attach.id``, read by rank 0 itself
-        (``container.worker.handoff``), as ``claim_client`` does."""
-        self._clients[attach.id] = (attach, fd)
+    def add_client(self, request: ClientRequest) -> None:
+        self.clients[request.id] = request
+        self._schedule_sweep()
+
+    def stop_reason(self, request_id: str) -> Exception | None:
+        """Why request ``request_id``, read here, was stopped (``handoff.sweep``: a timeout, its client
+        gone; else the worker stopping); ``None`` for a request of the frontend's."""
+        request = self.clients.get(request_id)
+        if request is None:
+            return None
+        return request.stopped or ClientClosedRequest("cancelled")
+
+    async def delivered(self) -> None:
+        """Wait until what was queued for the frontend has left (a ``Head`` the frontend must have
+        before the client gets anything); raises ``PeerGone`` once the connection is closed."""
+        while self.writer.transport.get_write_buffer_size():
+            if self.writer.is_closing():
+                raise PeerGone("the connection to the frontend is closed")
+            await asyncio.sleep(0.001)
+
+    def answer_headers(self, code: int, headers: dict[str, str]) -> dict[str, str]:
+        """The headers of an answer written here, with SageMaker's session headers where the
+        handler opened a session in LMI's form only (as the frontend completes its answers'; it
+        learns the session from the ``Head``)."""
+        if self.sessions_expiration is None or code >= 300:
+            return headers
+        return answer_sessions(None, headers, self.sessions_expiration)[0]
+
+    def open_client(self, request_id: str, code: int, headers: Mapping[str, str], length: int | None) -> None:
+        """Start writing the answer of request ``request_id``, read here: its HTTP head (``code``, the
+        handler's ``headers``; ``length``: a whole body's, ``None``: a stream) goes to the client on
+        the next pass, after the ``Head`` the caller sent. Its body follows (``add_chunk``)."""
+        request = self.clients[request_id]
+        content_type = next((v for k, v in headers.items() if k.lower() == "content-type"), "")
+        request.code, request.content_type, request.phase = code, content_type, Phase.WRITING
+        request.chunked = framing(request.answer_head, length is not None)[0]
+        self.bodies[request_id] = body = DirectBody(request_id, self._loop, self._torn)
+        body.open(request.take_fd(), request.chunked, response_head(request.answer_head, code, headers, length))
+        self._touch(body)
+
+    async def end_client(
+        self, request_id: str, error: Exception | None = None, tokens: tuple[int | None, int | None] = (None, None)
+    ) -> None:
+        """End request ``request_id``, read here (``container.worker.handoff.end``)."""
+        request = self.clients.get(request_id)
+        if request is not None and request.phase is not Phase.ENDED:
+            await end(self, request, error, tokens)
+
+    def queue_end_unanswered(self, request_id: str) -> None:
+        """A hand-off rank 0 could not read: the frontend closes the connection."""
+        self.queue(End(id=request_id, close=True, outcome="error"))
 
     def release_client(self, request_id: str) -> bool:
-        """Let go of the client's socket that came with the request, unused (before its ``Head``
-        or ``Fail``: the frontend may close the connection then); True if there was one."""
-        found = self._clients.pop(request_id, None)
-        if found is not None:
-            os.close(found[1])
-        return found is not None
-
-    def expect_stream(self, request_id: str, code: int = 200, headers: Mapping[str, str] | None = None) -> bool:
-        """Hold request ``request_id``'s body until the frontend's ``Attach`` says where it goes;
-        or, True, write its HTTP head (``code``, the handler's ``headers``) and body to the
-        client's socket that came with the request (the ``Head`` says ``written``). The head
-        leaves on the next pass, with the body's first pieces if they came by then, and after
-        the ``Head`` (which ``send`` writes at once): the frontend always knows of it first."""
-        self._bodies[request_id] = body = DirectBody(request_id, self._loop, self._torn)
-        found = self._clients.pop(request_id, None)
-        if found is None:
+        """A request read here, stopped before its answer (its batch was cancelled): the client's
+        connection is closed; True if there was one."""
+        if request_id not in self.clients:
             return False
-        attach, fd = found
-        assert attach.head is not None  # claim_client keeps only those
-        # Not while the Head could not reach the frontend before the client had the head
-        queued = self.writer.transport.get_write_buffer_size()
-        head = None if queued else response_head(attach.head, attach.chunked, code, headers or {})
-        if head is None:  # the frontend writes this head, then attaches as without the socket
-            os.close(fd)
-            return False
-        body.open(fd, attach.chunked, head)
-        self._touch(body)
+        self._loop.create_task(self.end_client(request_id, ClientClosedRequest("cancelled")))
         return True
+
+    def _sweep(self) -> None:
+        self._sweeping = False
+        sweep(self)
+        self._schedule_sweep()
+
+    def _schedule_sweep(self) -> None:
+        if self.clients and not self._sweeping:
+            self._sweeping = True
+            self._loop.call_later(SWEEP_INTERVAL, self._sweep)
+
+    # -- streamed answers' bodies for the frontend's requests (it writes their heads)
+    def expect_stream(self, request_id: str) -> None:
+        """Hold request ``request_id``'s body until the frontend's ``Attach`` says where it goes."""
+        self.bodies[request_id] = DirectBody(request_id, self._loop, self._torn)
 
     def attach(self, message: Attach, fd: int | None) -> bool:
         """Send the body where ``message`` says: to the client's socket ``fd`` (which this
         connection then owns), or to the frontend. False when no body waits for it."""
-        body = self._bodies.get(message.id)
+        body = self.bodies.get(message.id)
         if body is None or body.state != DirectBody.WAITING:
             return False
         if fd is None:
-            del self._bodies[message.id]
+            del self.bodies[message.id]
             for data in body.relay():
                 self._relay_chunk(message.id, data)
             return True
@@ -227,60 +268,49 @@ class Connection:
             self._touch(body)
         return True
 
-    async def finish_stream(self, request_id: str, ending: Callable[[int], End] | None = None) -> int:
+    async def finish_stream(self, request_id: str) -> int:
         """Once the frontend said where the body goes, write the rest of it, wait until the
         client took it and let go of its socket: the body bytes written to the client here
-        (0 when relayed). The record stays for ``direct_bytes`` until ``drop_stream``.
-
-        With ``ending`` (the answer is whole), where the rest goes out at once
-        (``DirectBody.ends_at_once``), the frontend gets ``ending(the body's bytes)`` first
-        and rank 0 writes the rest with the chunked body's end itself (``write(last=True)``);
-        0 is returned then (the ending ``End`` counted the bytes). The frontend's work at the end
-        of a request (its completion line) then runs while the last bytes go out, not after
-        them: the client has them before the frontend learns of them."""
-        body = self._bodies.get(request_id)
+        (0 when relayed). The record stays for ``direct_bytes`` until ``drop_stream``."""
+        body = self.bodies.get(request_id)
         if body is None:
             return 0
         await body.until_attached()
-        if self._bodies.get(request_id) is not body:
+        if self.bodies.get(request_id) is not body:
             return 0  # relayed meanwhile
-        told = False  # the ending End counted the bytes
-        if ending is not None and body.ends_at_once():
-            await self.send(ending(body.sent + body.pending))  # written at once (send)
-            body.write(last=True)
-            told = True
         await body.drain()
         body.close()
-        return 0 if told else body.sent
+        return body.sent
 
     def direct_bytes(self, request_id: str) -> int:
         """The body bytes of ``request_id`` written to the client here so far."""
-        body = self._bodies.get(request_id)
+        body = self.bodies.get(request_id)
         return body.sent if body is not None else 0
 
     def stop_stream(self, request_id: str) -> bool:
         """Stop writing a body at once (the request is cancelled); True if it went to the client
-        from here, or the client's socket came with the request (the frontend waits for a last
-        word then)."""
-        held = self.release_client(request_id)
-        body = self._bodies.get(request_id)
+        from here (the frontend waits for a last word then)."""
+        body = self.bodies.get(request_id)
         if body is None:
-            return held
+            return False
         body.close()
-        return body.sock_used or held
+        return body.sock_used
 
     def drop_stream(self, request_id: str) -> None:
-        """Forget a body once its request is over (stopping it first, if it is still written),
-        and the client's socket that came with the request, if it is still held."""
-        self.release_client(request_id)
-        body = self._bodies.pop(request_id, None)
+        """Forget a body once its request is over (stopping it first, if it is still written); a
+        request read here that was not ended (its connection to the frontend broke) lets go of
+        the client's socket."""
+        request = self.clients.pop(request_id, None)
+        if request is not None:
+            request.release()
+        body = self.bodies.pop(request_id, None)
         if body is not None:
             body.close()
 
     async def wait_writable(self, request_id: str | None = None) -> None:
         """Wait until the frontend (or, for a body written here, the client) has read enough;
         raises ``PeerGone`` once the connection is closed, ``ClientGone`` once the client is."""
-        body = self._bodies.get(request_id) if request_id is not None else None
+        body = self.bodies.get(request_id) if request_id is not None else None
         if body is not None:
             await body.wait_room()
             return
@@ -352,7 +382,7 @@ class Connection:
         return decode(await self.reader.readexactly(frame_length(header)))
 
     def close(self) -> None:
-        for request_id in list(self._bodies) + list(self._clients):
+        for request_id in list(self.bodies) + list(self.clients):
             self.drop_stream(request_id)
         self.writer.close()
 
@@ -370,16 +400,33 @@ class DroppedAnswers:
     def add_chunk(self, request_id: str, data: bytes) -> bool:
         return False
 
-    def claim_client(self, request_id: str) -> None:
+    def has_client(self, request_id: str) -> bool:
+        return False
+
+    def stop_reason(self, request_id: str) -> Exception | None:
+        return None
+
+    def answer_headers(self, code: int, headers: dict[str, str]) -> dict[str, str]:
+        return headers
+
+    async def delivered(self) -> None:
+        pass
+
+    def open_client(self, request_id: str, code: int, headers: Mapping[str, str], length: int | None) -> None:
+        pass
+
+    async def end_client(
+        self, request_id: str, error: Exception | None = None, tokens: tuple[int | None, int | None] = (None, None)
+    ) -> None:
         pass
 
     def release_client(self, request_id: str) -> bool:
         return False
 
-    def expect_stream(self, request_id: str, code: int = 200, headers: Mapping[str, str] | None = None) -> bool:
-        return False
+    def expect_stream(self, request_id: str) -> None:
+        pass
 
-    async def finish_stream(self, request_id: str, ending: Callable[[int], End] | None = None) -> int:
+    async def finish_stream(self, request_id: str) -> int:
         return 0
 
     def direct_bytes(self, request_id: str) -> int:

@@ -1,7 +1,7 @@
-"""A streamed answer's body written by rank 0 straight to the client's socket, which the
-frontend hands over once it has sent the HTTP headers (``Attach`` with the socket, on the
-descriptor channel; ``container.core.protocol``), or, for a request that asked for a stream,
-with the request, rank 0 then writing the HTTP head too (``container.core.ingress.response_head``).
+"""An answer's body written by rank 0 straight to the client's socket: the frontend hands the
+socket over once it has sent a stream's HTTP headers (``Attach`` with the socket, on the descriptor
+channel; ``container.core.protocol``), or hands over a connection unread, whose request rank 0
+reads and answers itself (``container.worker.handoff``), head included.
 
 Tokens do not cross the frontend: a hop through it per token would cost its CPU and wake-ups
 that preempt the engine. The frontend wakes at the stream's start and end only.
@@ -9,7 +9,8 @@ that preempt the engine. The frontend wakes at the stream's start and end only.
 ``DirectBody`` is one answer's body: held until the frontend says where it goes, then
 written to the socket without blocking (what the client has not taken waits for the socket
 to be writable; past ``WRITE_HIGH_WATER`` the handler's stream waits too), framed as HTTP/1.1
-chunks or raw for an HTTP/1.0 client. ``DescriptorChannel`` is rank 0's end of the channel.
+chunks, or raw (a whole body, or a stream to an HTTP/1.0 client). ``DescriptorChannel`` is rank
+0's end of the channel.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ log = logging.getLogger("sagelmi.worker")
 
 WRITE_HIGH_WATER = 1 << 16  # bytes not yet taken by the client before the stream waits (vLLM merges deltas)
 PROGRESS_INTERVAL = 1.0  # seconds between two progress messages (empty Chunks) of a body written directly
-UNCLAIMED_TIMEOUT = 60.0  # seconds a socket handed over before its Invoke waits for it (then closed)
 
 _CREDENTIALS = struct.Struct("3i")  # SO_PEERCRED's pid, uid, gid
 
@@ -82,7 +82,7 @@ class DirectBody:
 
     def open(self, fd: int, chunked: bool, preamble: bytes = b"") -> None:
         """Write to the client's socket ``fd`` (a duplicate this body now owns) from now on,
-        ``preamble`` (the HTTP head) first. Its blocking mode is the frontend's too (one open
+        ``preamble`` (an HTTP head) first. Its blocking mode is the frontend's too (one open
         file): sends never wait here."""
         self.sock = socket.socket(fileno=fd)
         self.preamble = preamble
@@ -123,11 +123,6 @@ class DirectBody:
             self.backlog += frame
             return
         self._send(frame)
-
-    def ends_at_once(self) -> bool:
-        """Whether the rest of the body and the chunked body's end go out now, in one write:
-        attached, chunked (HTTP/1.1), the client there and nothing of ours waiting for it."""
-        return self.state == self.DIRECT and self.chunked and not self.gone and not self.backlog
 
     def progress_due(self, now: float) -> bool:
         if self.state != self.DIRECT or now - self.last_progress < PROGRESS_INTERVAL:
@@ -228,9 +223,9 @@ class DescriptorChannel:
     """Rank 0's end of the descriptor channel (``SOCK_SEQPACKET`` beside its socket at
     ``socket_path``: the frontend hands over clients' sockets there). Each message is an
     ``Attach`` with the client's socket: for the one of ``connections`` whose answer waits for
-    it (``Connection.attach``; with none, the descriptor is closed), or, with a ``head``, for a
-    request whose ``Invoke`` comes next (``claim``); or a hand-off (``max_body``): a connection whose request
-    rank 0 reads itself (``on_handoff``, told the process that sent it)."""
+    it (``Connection.attach``; with none, the descriptor is closed), or, with a ``head``, a
+    hand-off: a connection whose request rank 0 reads itself (``on_handoff``, told the process
+    that sent it)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, socket_path: str, connections: Collection[Attachable]) -> None:
         self.loop = loop
@@ -243,20 +238,7 @@ class DescriptorChannel:
         self.sock.setblocking(False)
         self.peers: dict[socket.socket, int] = {}  # -> the process at its other end
         self.on_handoff: Callable[[Attach, int, int], None] | None = None
-        self.unclaimed: dict[str, tuple[Attach, int, float]] = {}  # request id -> a socket before its Invoke
         loop.add_reader(self.sock.fileno(), self._accept)
-
-    def claim(self, request_id: str) -> tuple[Attach, int] | None:
-        """The socket handed over for request ``request_id`` (an ``Invoke`` with ``client``), which
-        the caller then owns. The frontend sent it before the ``Invoke``, so when the loop has
-        not read it yet, it is read now."""
-        found = self.unclaimed.pop(request_id, None)
-        if found is None:
-            self._accept()
-            for peer in list(self.peers):
-                self._read(peer)
-            found = self.unclaimed.pop(request_id, None)
-        return None if found is None else (found[0], found[1])
 
     def _accept(self) -> None:
         while True:
@@ -283,22 +265,10 @@ class DescriptorChannel:
             message, fd = received
             if fd is None:
                 log.warning("ignoring a descriptor-channel message without a descriptor")
-            elif isinstance(message, Attach) and message.max_body and self.on_handoff is not None:
+            elif isinstance(message, Attach) and message.head is not None and self.on_handoff is not None:
                 self.on_handoff(message, fd, self.peers.get(peer, 0))
-            elif isinstance(message, Attach) and message.head is not None and not message.max_body:
-                self._keep(message, fd)
             elif not isinstance(message, Attach) or not any(c.attach(message, fd) for c in list(self.connections)):
                 os.close(fd)  # the answer has ended or was cancelled meanwhile: the frontend writes
-
-    def _keep(self, message: Attach, fd: int) -> None:
-        """Keep a socket until its request's ``Invoke`` claims it; one whose ``Invoke`` never
-        came (its connection dropped in between) is closed after ``UNCLAIMED_TIMEOUT``."""
-        now = monotonic()
-        for request_id, (_, old, since) in list(self.unclaimed.items()):
-            if request_id == message.id or now - since > UNCLAIMED_TIMEOUT:
-                del self.unclaimed[request_id]
-                os.close(old)
-        self.unclaimed[message.id] = (message, fd, now)
 
     def _drop(self, peer: socket.socket) -> None:
         self.loop.remove_reader(peer.fileno())
@@ -308,9 +278,6 @@ class DescriptorChannel:
     def close(self) -> None:
         for peer in list(self.peers):
             self._drop(peer)
-        for _, fd, _ in self.unclaimed.values():
-            os.close(fd)
-        self.unclaimed.clear()
         self.loop.remove_reader(self.sock.fileno())
         self.sock.close()
         Path(self.path).unlink(missing_ok=True)

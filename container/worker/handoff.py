@@ -1,85 +1,142 @@
-"""Requests rank 0 reads itself: the frontend hands it a client's connection unread
-(an ``Attach`` with ``max_body``, on the descriptor channel) when its next request, all there, looks like a
-streamed completion, chat or LMI request (``container.core.ingress.may_be_read``).
+"""Requests rank 0 reads and answers itself: the frontend hands it a client's connection unread
+(an ``Attach`` with a ``head``, on the descriptor channel) once the connection's next request has
+a plain head (``container.core.ingress.parse_head``) on one of the handler's routes.
 
-Rank 0 looks at what the client sent without reading it (``MSG_PEEK``) and takes only what
-``read_request`` takes, so that the frontend's gunicorn would read the same bytes the same way.
-It then reads the request off the socket, tells the frontend (``Taken``, with the bytes: a
-request thread that takes the request over reads them again), and serves it as an ``Invoke``
-whose client's socket came with it: its HTTP head and body are written here. Anything else is
-a ``Taken`` not ``served``, with nothing read, and the frontend serves it as any other request.
+Rank 0 reads the request (its body within ``body_read_timeout``, at most ``max_body`` bytes), tells
+the frontend what it read (``Taken``) and serves it as an ``Invoke`` whose answer it writes to
+the client's socket itself (``Connection.open_client``): the head for any status, a whole body
+with its length, a stream as HTTP/1.1 chunks. It also answers what it refuses, a handler's error
+(in band once a stream began) and a handler silent for ``predict_timeout`` (504), and stops the
+request when the client leaves (499). Its ``End`` says what was written and whether the
+connection stays open: the connection is the frontend's again then.
 
-Why: the frontend's reading of the request, before its group has it, would be on the path to
-the first token.
+A request's ``ClientRequest`` is its state on rank 0, in one ``Phase`` at a time.
 """
 
 from __future__ import annotations
 
+import asyncio
+import enum
 import logging
 import os
 import socket
 import uuid
 from collections.abc import Callable, Collection
+from time import monotonic
+from typing import TYPE_CHECKING
 
-from container.core.ingress import INFERENCE_ID, PEEK_BYTES, ReadRequest, read_request, request_properties
-from container.core.protocol import Attach, Invoke, ResponseHead, Taken
-from container.worker.connection import Connection
+from container.core.errors import (
+    ClientClosedRequest,
+    GatewayTimeout,
+    ServingError,
+    body_cut,
+    body_late,
+    describe,
+    error_body,
+    in_band_error,
+    too_large,
+)
+from container.core.ingress import INFERENCE_ID, PEEK_BYTES, RequestHead, fingerprint, parse_head, request_properties
+from container.core.protocol import Attach, End, Head, Invoke, ResponseHead, Taken
+
+if TYPE_CHECKING:
+    from container.worker.connection import Connection
 
 log = logging.getLogger("sagelmi.worker")
 
-TAKEN_LATEST = 0.25  # seconds a Taken waits for other frames to leave with, at most
+SWEEP_INTERVAL = 0.5  # how often requests read here are looked at (predict_timeout, a client gone)
+READ_BYTES = 1 << 16
+
+
+class Phase(enum.Enum):
+    """Where a request rank 0 reads itself stands; each phase has one owner of the socket."""
+
+    READING = "reading"  # its body is being read (the reader task)
+    SERVING = "serving"  # the handler has it; nothing written to the client yet
+    WRITING = "writing"  # its head went out; the body follows (the connection's DirectBody)
+    ENDED = "ended"  # rank 0 let go of the socket and sent the End
+
+
+class ClientRequest:
+    """One request rank 0 read off a client's connection: its route, the frontend's part of the
+    answer's head, its phase, when the handler last produced something (``predict_timeout``
+    counts from then) and why rank 0 stopped it, if it did."""
+
+    def __init__(self, attach: Attach, given: ResponseHead, sock: socket.socket, head: RequestHead) -> None:
+        self.id = attach.id
+        self.sock: socket.socket | None = sock  # until the answer's body takes it (Connection.open_client)
+        self.path = head.path
+        self.query = head.query
+        self.request_id = given.headers.get(INFERENCE_ID) or head.header(INFERENCE_ID) or uuid.uuid4().hex
+        close = given.close or not head.keep_alive
+        ours = {**given.headers, INFERENCE_ID: self.request_id}
+        self.answer_head = ResponseHead(given.version, given.server, close, ours)
+        self.phase = Phase.READING
+        self.seen = attach.seen  # the frontend knows the request's fingerprint
+        self.code = 0  # the status written
+        self.content_type = ""
+        self.chunked = False
+        self.stopped: ServingError | None = None
+        self.produced = -1  # body bytes produced when last looked at (sweep)
+        self.produced_at = monotonic()
+
+    @property
+    def close(self) -> bool:
+        return self.answer_head.close
+
+    def must_close(self) -> None:
+        """The connection closes after this answer (its request was not read to its end)."""
+        given = self.answer_head
+        self.answer_head = ResponseHead(given.version, given.server, True, given.headers)
+
+    def take_fd(self) -> int:
+        assert self.sock is not None  # taken once, by the answer's body
+        fd, self.sock = self.sock.detach(), None
+        return fd
+
+    def release(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
 
 
 class Handoffs:
     """Rank 0's side of a hand-off: ``receive`` is the descriptor channel's ``on_handoff``;
-    ``start`` serves a request read here (the worker's dispatch of an ``Invoke``), while the
-    group is ``ready``."""
+    ``start`` serves a request read here (the worker's dispatch of an ``Invoke``)."""
 
     def __init__(
         self,
         connections: Collection[Connection],
         start: Callable[[Connection, Invoke], None],
-        ready: Callable[[], bool],
+        loop: asyncio.AbstractEventLoop,
+        body_read_timeout: float,
     ) -> None:
         self.connections = connections
         self.start = start
-        self.ready = ready
+        self.loop = loop
+        self.body_read_timeout = body_read_timeout
 
     def receive(self, message: Attach, fd: int, pid: int) -> None:
         """A connection handed over by the process ``pid``: answered on that process's
         connection to rank 0; with none, the descriptor is closed unread (the frontend's
-        connection dropped: it serves the request again itself)."""
+        connection dropped: it closes the client's connection)."""
         conn = self._connection(pid)
-        if conn is None:
+        if conn is None or message.head is None:
             log.warning("a connection handed over by a process without a connection to this rank: closed unread")
             os.close(fd)
             return
         sock = socket.socket(fileno=fd)
         try:
-            read = self._read(sock, message.max_body)
-        except OSError:  # the client's connection broke: the frontend finds it so
-            read = None
-        given = message.head  # a hand-off always comes with one
-        if not isinstance(read, tuple) or given is None:
+            head = parse_head(sock.recv(PEEK_BYTES, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+        except OSError:  # nothing there (the client left already), or the connection broke
+            head = None
+        if head is None:
             sock.close()
-            conn.queue(Taken(id=message.id, served=False, raw=read if isinstance(read, bytes) else b""))
+            conn.queue_end_unanswered(message.id)
             return
-        raw, request = read
-        request_id = request.header(INFERENCE_ID) or uuid.uuid4().hex
-        close = given.close or request.close
-        head = ResponseHead(given.version, given.server, close, {**given.headers, INFERENCE_ID: request_id})
-        invoke = Invoke(
-            id=message.id,
-            properties=request_properties(request.headers, request_id),
-            body=request.body,
-            path=request.path,
-        )
-        # With the request's Head (or anything written sooner): the frontend is not woken for it
-        # during the engine's first step; it needs it only for what follows the Head
-        taken = Taken(id=message.id, served=True, request_id=request_id, path=request.path, raw=raw, close=close)
-        conn.queue_quietly(taken, TAKEN_LATEST)
-        conn.give_client(Attach(id=message.id, direct=True, chunked=True, head=head), sock.detach())
-        self.start(conn, invoke)
+        request = ClientRequest(message, message.head, sock, head)
+        conn.add_client(request)
+        self.loop.create_task(self._read(conn, request, head, message.max_body))
 
     def _connection(self, pid: int) -> Connection | None:
         found = None
@@ -88,31 +145,177 @@ class Handoffs:
                 found = conn  # a set: any of two at once (an old one closes soon)
         return found
 
-    def _read(self, sock: socket.socket, max_body: int) -> tuple[bytes, ReadRequest] | bytes | None:
-        """The request, read off ``sock``, and its bytes, if rank 0 may take it; ``None`` (nothing
-        read) if not. Bytes alone: what was read of a request the socket then gave less of than
-        it had shown (which cannot happen)."""
+    async def _read(self, conn: Connection, request: ClientRequest, head: RequestHead, max_body: int) -> None:
         try:
-            data = sock.recv(PEEK_BYTES, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-        except BlockingIOError:
-            return None
-        request = read_request(data, max_body) if data and self.ready() else None
-        if not isinstance(request, ReadRequest):
-            return None
-        raw = data[: request.size]
-        read = _consume(sock, request.size)
-        return (raw, request) if read == request.size else raw[:read]
-
-
-def _consume(sock: socket.socket, size: int) -> int:
-    """Read ``size`` bytes already waiting on ``sock``; how many it read."""
-    taken = 0
-    while taken < size:
-        try:
-            data = sock.recv(size - taken, socket.MSG_DONTWAIT)
+            body = await self._body(request, head, max_body)
+        except ServingError as exc:
+            request.must_close()
+            await conn.end_client(request.id, exc)
+            return
         except OSError:
-            break
-        if not data:
-            break
-        taken += len(data)
-    return taken
+            request.must_close()
+            await conn.end_client(request.id, ClientClosedRequest("the client closed the connection"))
+            return
+        request.phase = Phase.SERVING
+        request.produced_at = monotonic()
+        if not request.seen:  # what the frontend must know before the handler can stop the group
+            print_ = fingerprint(f"{head.path}?{head.query}", body)
+            conn.queue(Taken(request.id, request.request_id, head.path, print_))
+        invoke = Invoke(
+            id=request.id,
+            properties=request_properties(head.headers, request.request_id),
+            body=body,
+            path=head.path,
+            query=head.query,
+        )
+        self.start(conn, invoke)
+
+    async def _body(self, request: ClientRequest, head: RequestHead, max_body: int) -> bytes:
+        """The request's body, read off the socket after its head (which was peeked); raises the
+        error the client gets for a body too large (413, nothing of it read), late (408) or cut
+        short (400)."""
+        sock = request.sock
+        assert sock is not None  # READING
+        length = head.length or 0
+        if length > max_body:
+            raise too_large(length, max_body)
+        wanted = head.size + length
+        data = bytearray()
+        deadline = monotonic() + self.body_read_timeout
+        while len(data) < wanted:
+            try:
+                part = sock.recv(min(wanted - len(data), READ_BYTES), socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                if not await self._readable(sock, deadline):
+                    raise body_late(length, self.body_read_timeout) from None
+                continue
+            if not part:
+                raise body_cut(max(len(data) - head.size, 0), length)
+            data += part
+        return bytes(data[head.size :])
+
+    async def _readable(self, sock: socket.socket, deadline: float) -> bool:
+        """Wait until ``sock`` has something to read (or its client closed it); False past ``deadline``."""
+        ready = self.loop.create_future()
+        fd = sock.fileno()
+
+        def woken() -> None:
+            if not ready.done():
+                ready.set_result(None)
+
+        self.loop.add_reader(fd, woken)
+        try:
+            await asyncio.wait_for(ready, max(deadline - monotonic(), 0))
+            return True
+        except asyncio.TimeoutError:
+            return False
+        finally:
+            self.loop.remove_reader(fd)
+            os.set_blocking(fd, True)  # the loop's poller made it non-blocking, for the frontend too
+
+
+def timed_out(request: ClientRequest, timeout: float) -> GatewayTimeout:
+    """Why a request whose handler said nothing for ``timeout`` seconds is stopped."""
+    if request.phase is Phase.WRITING:
+        return GatewayTimeout(f"the model sent nothing for {timeout:g}s (option.predict_timeout)")
+    return GatewayTimeout(f"no answer from the model within {timeout:g}s (option.predict_timeout)")
+
+
+async def end(
+    conn: Connection, request: ClientRequest, error: Exception | None, tokens: tuple[int | None, int | None]
+) -> None:
+    """End ``request``: with ``error``, written to the client as the route's error (whole when
+    nothing went out yet, in band after a stream's head, nothing for a client gone or a body that
+    cannot take more); then let go of the socket and tell the frontend (``End``)."""
+    outcome = "completed"
+    if error is not None:
+        gone = isinstance(error, ClientClosedRequest)
+        outcome = "client_gone" if gone else "timeout" if isinstance(error, GatewayTimeout) else "error"
+        if request.phase is Phase.WRITING:
+            await _in_band(conn, request, error)
+        elif gone or request.sock is None:
+            request.must_close()
+            request.code = ClientClosedRequest.status
+        else:
+            body, json_type = error_body(request.path, error), {"Content-Type": "application/json"}
+            status = describe(error)[0]
+            conn.queue(Head(id=request.id, code=status, headers=json_type, stream=False, written=True))
+            await conn.delivered()  # the frontend knows of the answer before the client gets any of it
+            conn.open_client(request.id, status, json_type, len(body))
+            conn.add_chunk(request.id, body)
+    body_bytes = 0
+    stream = conn.bodies.get(request.id)
+    if stream is not None:
+        if error is None and request.chunked:
+            stream.write(last=True)
+        await stream.drain()
+        stream.close()
+        body_bytes = stream.sent
+        if stream.gone:
+            request.must_close()
+            outcome = "client_gone" if outcome == "completed" else outcome
+    request.release()
+    request.phase = Phase.ENDED
+    conn.clients.pop(request.id, None)
+    conn.bodies.pop(request.id, None)
+    prompt, completion = tokens
+    conn.queue(
+        End(
+            id=request.id,
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            body_bytes=body_bytes,
+            code=request.code,
+            outcome=outcome,
+            close=request.close,
+        )
+    )
+
+
+async def _in_band(conn: Connection, request: ClientRequest, error: Exception) -> None:
+    """An error after the head went out: the stream's last item, then (chunked) the body's end;
+    a client gone closes the connection instead, as does the end of a stream not chunked."""
+    body = conn.bodies.get(request.id)
+    if body is None or body.gone or isinstance(error, ClientClosedRequest):
+        request.must_close()
+        return
+    await body.drain()  # the rest of a chunk the client has not taken goes first
+    if body.gone:
+        request.must_close()
+        return
+    body.add(in_band_error(request.path, request.content_type, error))
+    body.write(last=request.chunked)
+    if not request.chunked:
+        request.must_close()
+
+
+def sweep(conn: Connection) -> None:
+    """Every ``SWEEP_INTERVAL`` while requests read here are answered: stop those whose handler
+    produced nothing for ``predict_timeout`` (504) and those whose client left (499)."""
+    now = monotonic()
+    for request in list(conn.clients.values()):
+        task = conn.tasks.get(request.id)
+        if task is None or request.phase not in (Phase.SERVING, Phase.WRITING) or request.stopped is not None:
+            continue
+        body = conn.bodies.get(request.id)
+        produced = body.sent + body.pending if body is not None else -1
+        if produced != request.produced:
+            request.produced, request.produced_at = produced, now
+        elif conn.predict_timeout and now - request.produced_at >= conn.predict_timeout:
+            request.stopped = timed_out(request, conn.predict_timeout)
+            task.cancel()
+            continue
+        sock = request.sock if request.sock is not None else body.sock if body is not None else None
+        if sock is not None and _client_left(sock):
+            request.stopped = ClientClosedRequest("the client closed the connection before the answer was ready")
+            task.cancel()
+
+
+def _client_left(sock: socket.socket) -> bool:
+    """Whether the client closed its connection (one non-blocking peek)."""
+    try:
+        return not sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True

@@ -119,8 +119,8 @@ class Worker:
             self.loop.add_signal_handler(sig, self.stopping.set)
         if self.context.rank == 0:  # before the socket: a connection's Invoke may claim a client's socket at once
             self.channel = DescriptorChannel(self.loop, self.context.launch.socket_path, self.connections)
-            ready = lambda: self.status.state is WorkerState.READY  # noqa: E731
-            self.channel.on_handoff = Handoffs(self.connections, self._dispatch, ready).receive
+            handoffs = Handoffs(self.connections, self._dispatch, self.loop, self.settings.body_read_timeout)
+            self.channel.on_handoff = handoffs.receive
         server = await self._listen() if self.context.rank == 0 else None
         code = 0
         loading = asyncio.create_task(self._load())
@@ -323,6 +323,9 @@ class Worker:
     # -- requests
     async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn = Connection(reader, writer, self.channel)
+        conn.predict_timeout = self.settings.predict_timeout
+        if self.settings.enable_stateful_sessions:
+            conn.sessions_expiration = self.settings.sessions_expiration
         self.connections.add(conn)
         try:
             await conn.send(self.status)
@@ -341,8 +344,6 @@ class Worker:
     def _dispatch(self, conn: Connection | DroppedAnswers, message: Message) -> None:
         """Handle one message from the frontend (or, on another rank, from rank 0)."""
         if isinstance(message, Invoke):
-            if message.client:  # its client's socket came before it (container.worker.direct)
-                conn.claim_client(message.id)
             if message.path == METRICS_PATH:
                 if self.follower is not None:  # rank 0 collects every rank's metrics
                     self.follower.send_metrics(message.id, generate_latest().decode())
@@ -367,8 +368,6 @@ class Worker:
             if task is None:
                 if self.batcher is not None:
                     self.batcher.cancel(message.id)
-                if conn.release_client(message.id):  # waiting for its batch: the frontend waits for this
-                    self.loop.create_task(self._fail(conn, message.id, ClientClosedRequest("cancelled"), quiet=True))
                 return
             if (leader := self._relay()) is not None:
                 leader.send(message)
@@ -419,9 +418,10 @@ class Worker:
             await self.calls.send_output(conn, rid, output, cancelled, seen)
         except asyncio.CancelledError:
             cancelled.set()
-            log.info("request abandoned: cancelled by the frontend")
-            if conn.stop_stream(rid):  # the frontend writes to the client again once it knows this stopped
-                await self._fail(conn, rid, ClientClosedRequest("cancelled by the frontend"), quiet=True)
+            reason = conn.stop_reason(rid)  # a request read here: timed out, its client gone, the worker stopping
+            log.info("request stopped: %s", reason or "cancelled by the frontend")
+            if reason is not None or conn.stop_stream(rid):  # the frontend writes again once it knows this stopped
+                await self._fail(conn, rid, reason or ClientClosedRequest("cancelled by the frontend"), quiet=True)
         except PeerGone as exc:
             cancelled.set()
             log.warning("connection lost while answering: %s", exc)
@@ -476,13 +476,15 @@ class Worker:
 
     async def _fail(self, conn: Connection | DroppedAnswers, rid: str, exc: Exception, quiet: bool = False) -> None:
         self._check_health()  # an engine that died fails its requests first: restart at once
-        conn.release_client(rid)  # before the Fail: the frontend may close the connection then
         status, summary, detail = describe(exc)
         if not quiet:
             if status >= 500 or status == 424:
                 log.error("handler failed (%s): %s", status, detail, exc_info=exc)
             else:
                 log.info("rejected with %s: %s", status, detail)
+        if conn.has_client(rid):  # read here: the error goes to the client from here
+            await conn.end_client(rid, exc)
+            return
         try:
             await conn.send(Fail(id=rid, code=status, message=summary, error=detail, body_bytes=conn.direct_bytes(rid)))
         except PeerGone:

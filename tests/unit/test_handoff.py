@@ -1,6 +1,6 @@
-"""Rank 0 reading a request whose connection the frontend handed over unread
-(container/worker/handoff.py): a real TCP connection, a real ``Connection`` to a frontend over a
-socket pair, on uvloop (the worker's loop)."""
+"""Rank 0 reading a request whose connection the frontend handed over unread, and answering it
+on that connection (container/worker/handoff.py): a real TCP connection, a real ``Connection`` to a
+frontend over a socket pair, on uvloop (the worker's loop)."""
 
 import asyncio
 import json
@@ -9,23 +9,24 @@ import socket
 
 import uvloop
 
-from container.core.protocol import Attach, FrameBuffer, Head, Invoke, ResponseHead, Taken
-from container.worker import handoff
+from container.core.ingress import fingerprint
+from container.core.protocol import Attach, End, FrameBuffer, Head, Invoke, ResponseHead, Taken
 from container.worker.connection import Connection
 from container.worker.handoff import Handoffs
 
 BODY = json.dumps({"inputs": "hi", "stream": True}).encode()
+BODY_READ_TIMEOUT = 0.3
 
 
-def request(body: bytes = BODY, extra: bytes = b"") -> bytes:
+def request(body: bytes = BODY, extra: bytes = b"", length: int | None = None) -> bytes:
     return (
-        b"POST /invocations HTTP/1.1\r\nHost: t\r\nX-Amzn-SageMaker-Inference-Id: rid-1\r\n%s"
-        b"Content-Length: %d\r\n\r\n%s" % (extra, len(body), body)
+        b"POST /invocations?x=1 HTTP/1.1\r\nHost: t\r\n%s"
+        b"Content-Length: %d\r\n\r\n%s" % (extra, len(body) if length is None else length, body)
     )
 
 
-def run(scenario, ready: bool = True):
-    """``scenario(hand, client, server, frames, started)``: ``hand(wait, pid=ours)`` hands the
+def run(scenario, max_body: int = 1 << 20):
+    """``scenario(hand, client, server, frames, started, conn)``: ``hand(pid=ours)`` hands the
     server side of a TCP connection to rank 0; ``client`` is its other end; ``frames()`` what
     reached the frontend; ``started`` the Invokes rank 0 started, with their connection."""
 
@@ -36,15 +37,17 @@ def run(scenario, ready: bool = True):
         conn = Connection(reader, writer)
         connections = {conn}
         started: list[tuple[Connection, Invoke]] = []
-        handoffs = Handoffs(connections, lambda c, i: started.append((c, i)), lambda: ready)
+        loop = asyncio.get_running_loop()
+        handoffs = Handoffs(connections, lambda c, i: started.append((c, i)), loop, BODY_READ_TIMEOUT)
         listener = socket.create_server(("127.0.0.1", 0))
         client = socket.create_connection(listener.getsockname())
         server, _ = listener.accept()
+        server.setblocking(True)  # as the frontend hands it over
         buffer = FrameBuffer()
 
         def hand(pid: int = os.getpid()) -> None:
-            head = ResponseHead("HTTP/1.1", "gunicorn", False, {"X-Sagelmi-Group": "0"})
-            handoffs.receive(Attach(id="w1", head=head, max_body=1 << 20), os.dup(server.fileno()), pid)
+            head = ResponseHead("HTTP/1.1", "gunicorn", False, {"X-Sagelmi-Group": "0", "X-Amzn-SageMaker-Inference-Id": "rid-1"})
+            handoffs.receive(Attach(id="w1", head=head, max_body=max_body), os.dup(server.fileno()), pid)
 
         async def frames(wait: float = 0.01) -> list:
             await asyncio.sleep(wait)  # the connection's coalescing pass
@@ -73,74 +76,124 @@ def waiting(sock: socket.socket) -> bytes:
         return b""
 
 
-def test_a_whole_streamed_request_is_read_and_started_with_its_clients_socket():
+def answer(client: socket.socket) -> tuple[bytes, bytes]:
+    """What the client got: the answer's head and the body after it."""
+    client.settimeout(2)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += client.recv(1 << 16)
+    head, _, body = data.partition(b"\r\n\r\n")
+    return head, body
+
+
+def test_a_request_is_read_to_its_end_and_started_and_the_next_one_stays_on_the_socket():
     async def scenario(hand, client, server, frames, started, conn):
         client.sendall(request() + b"POST /next")
         await asyncio.sleep(0.05)
         hand()
-        assert await frames() == []  # not alone: the frontend is not woken for it during the first step
-        head = Head(id="w1", code=200, headers={}, stream=True, written=True)
-        conn.queue(head)
-        taken = Taken(id="w1", served=True, request_id="rid-1", path="/invocations", raw=request(), close=False)
-        assert await frames() == [taken, head]
+        await asyncio.sleep(0.01)  # the read task
         ((on, invoke),) = started
-        assert on is conn and (invoke.id, invoke.path, invoke.body) == ("w1", "/invocations", BODY)
+        assert on is conn and (invoke.id, invoke.path, invoke.query, invoke.body) == ("w1", "/invocations", "x=1", BODY)
         assert invoke.properties["requestId"] == "rid-1" and invoke.properties["Host"] == "t"
-        attach, fd = conn._clients["w1"]
-        assert attach.head.headers == {"X-Sagelmi-Group": "0", "X-Amzn-SageMaker-Inference-Id": "rid-1"}
-        os.close(fd)
+        # at once: the frontend did not see the whole request (Attach.seen), and the handler may stop the group
+        assert await frames() == [Taken("w1", "rid-1", "/invocations", fingerprint("/invocations?x=1", BODY))]
         assert waiting(server) == b"POST /next"  # its request read, nothing more
+        await conn.end_client("w1")
 
     run(scenario)
 
 
-def test_what_rank_0_may_not_read_is_declined_with_nothing_read():
-    async def scenario(hand, client, server, frames, started, conn):
-        data = request(extra=b"Accept: a\r\nAccept: b\r\n")
-        client.sendall(data)
-        await asyncio.sleep(0.05)
-        hand()
-        assert await frames() == [Taken(id="w1", served=False)]
-        assert started == [] and waiting(server) == data
-
-    run(scenario)
-
-
-def test_a_request_not_all_there_is_declined_with_nothing_read():
-    """The frontend hands over only a request all there (``may_be_read``); rank 0 does not wait."""
-
-    async def scenario(hand, client, server, frames, started, conn):
-        data = request()
-        client.sendall(data[:-5])
-        await asyncio.sleep(0.05)
-        hand()
-        assert await frames() == [Taken(id="w1", served=False)]
-        assert started == [] and waiting(server) == data[:-5]
-
-    run(scenario)
-
-
-def test_taken_leaves_alone_when_nothing_else_does_soon():
+def test_a_whole_answer_goes_to_the_client_with_its_length_after_the_frontend_heard_of_it():
     async def scenario(hand, client, server, frames, started, conn):
         client.sendall(request())
         await asyncio.sleep(0.05)
         hand()
-        got = await frames(handoff.TAKEN_LATEST + 0.05)
-        assert [type(m) for m in got] == [Taken] and got[0].raw == request()
-        assert os.get_blocking(server.fileno())  # as the frontend handed it over
-        os.close(conn._clients["w1"][1])
+        await asyncio.sleep(0.01)
+        await conn.send(Head(id="w1", code=201, headers={"Content-Type": "text/plain"}, stream=False, written=True))
+        heard = await frames(0)
+        conn.open_client("w1", 201, {"Content-Type": "text/plain"}, 5)
+        conn.add_chunk("w1", b"hello")
+        await conn.end_client("w1", None, (3, 2))
+        head, body = answer(client)
+        return heard, head, body, await frames(0.05)
 
-    run(scenario)
+    heard, head, body, later = run(scenario)
+    assert [type(m) for m in heard] == [Taken, Head]  # the Head leaves at once, before the client's bytes
+    lines = head.split(b"\r\n")
+    assert lines[0] == b"HTTP/1.1 201 CREATED" and b"Content-Length: 5" in lines and b"Connection: keep-alive" in lines
+    assert b"X-Amzn-SageMaker-Inference-Id: rid-1" in lines and body == b"hello"
+    assert later == [End(id="w1", prompt_tokens=3, completion_tokens=2, body_bytes=5, code=201, outcome="completed")]
 
 
-def test_a_group_not_ready_declines_and_an_unknown_process_gets_nothing():
+def test_a_handlers_error_mid_stream_ends_the_chunked_body_with_the_routes_error():
     async def scenario(hand, client, server, frames, started, conn):
         client.sendall(request())
         await asyncio.sleep(0.05)
         hand()
-        assert await frames() == [Taken(id="w1", served=False)]
-        hand(pid=1)  # not the process of any connection to rank 0: closed unread
-        assert await frames() == []
-        assert started == [] and waiting(server) == request()
+        await asyncio.sleep(0.01)
+        headers = {"Content-Type": "application/jsonlines"}
+        await conn.send(Head(id="w1", code=200, headers=headers, stream=True, written=True))
+        conn.open_client("w1", 200, headers, None)
+        conn.add_chunk("w1", b'{"token": 1}\n')
+        await asyncio.sleep(0.01)
+        await conn.end_client("w1", RuntimeError("boom"))
+        await asyncio.sleep(0.01)
+        head, body = answer(client)
+        return head, body, await frames(0.05)
 
-    run(scenario, ready=False)
+    head, body, frames = run(scenario)
+    assert b"Transfer-Encoding: chunked" in head
+    first, error, rest = body.split(b"\r\n", 4)[1], body.split(b"\r\n")[3], body.split(b"\r\n")[4:]
+    assert first == b'{"token": 1}\n' and json.loads(error)["code"] == 424 and rest == [b"0", b"", b""]
+    assert frames[-1].outcome == "error" and frames[-1].code == 200 and not frames[-1].close
+
+
+def test_a_body_past_the_limit_is_413_without_reading_it_and_the_connection_closes():
+    async def scenario(hand, client, server, frames, started, conn):
+        client.sendall(request(b"x" * 100))
+        await asyncio.sleep(0.05)
+        hand()
+        got = await frames(0.1)
+        head, body = answer(client)
+        return head, body, started, got
+
+    head, body, started, frames = run(scenario, max_body=10)
+    assert head.startswith(b"HTTP/1.1 413 ") and b"Connection: close" in head
+    assert "the limit is 10 bytes" in json.loads(body)["error"] and started == []
+    assert frames[-1] == End(id="w1", code=413, outcome="error", close=True, body_bytes=len(body))
+
+
+def test_a_body_that_does_not_come_in_time_is_408_and_one_cut_short_is_400():
+    async def scenario(hand, client, server, frames, started, conn):
+        client.sendall(request()[:-5])
+        await asyncio.sleep(0.05)
+        hand()
+        await asyncio.sleep(BODY_READ_TIMEOUT + 0.1)
+        late = answer(client)
+        return late, started
+
+    (head, body), started = run(scenario)
+    assert head.startswith(b"HTTP/1.1 408 ") and b"did not arrive within 0.3s (body_read_timeout)" in body
+    assert started == []
+
+    async def cut(hand, client, server, frames, started, conn):
+        client.sendall(request()[:-5])
+        client.shutdown(socket.SHUT_WR)
+        await asyncio.sleep(0.05)
+        hand()
+        await asyncio.sleep(0.1)
+        return answer(client)
+
+    head, body = run(cut)
+    assert head.startswith(b"HTTP/1.1 400 ") and b"ended after" in body
+
+
+def test_an_unknown_process_gets_nothing_and_its_connection_is_closed_unread():
+    async def scenario(hand, client, server, frames, started, conn):
+        client.sendall(request())
+        await asyncio.sleep(0.05)
+        hand(pid=1)  # not the process of any connection to rank 0
+        return await frames(), started, waiting(server)
+
+    frames, started, left = run(scenario)
+    assert frames == [] and started == [] and left == request()

@@ -1,4 +1,4 @@
-"""``container.core.ingress.read_request``: what it takes, gunicorn reads the same way (the same
+"""``container.core.ingress.parse_head``: what it takes, gunicorn reads the same way (the same
 route, headers as the frontend's WSGI environ names them, body), and what it cannot be sure of
 it leaves to gunicorn."""
 
@@ -11,14 +11,15 @@ from gunicorn.http.parser import RequestParser
 from werkzeug.datastructures import EnvironHeaders
 
 from container.core.ingress import (
-    Partial,
+    framing,
     head_ready,
     is_bare_ping,
-    may_be_read,
-    read_request,
+    parse_head,
     request_path,
     request_properties,
+    response_head,
 )
+from container.core.protocol import ResponseHead
 
 BODY = b'{"model": "m", "prompt": "hi", "stream": true}'
 
@@ -51,6 +52,8 @@ def gunicorn_reads(data: bytes) -> tuple[str, str, list[tuple[str, str]], bytes]
         request(b"Host: x\r\nX-Amzn-SageMaker-Custom-Attributes: a=1; b=2\r\nAccept: */*\r\n"),
         request(b"host: x\r\nconnection: keep-alive\r\nuser-agent: OpenAI/Python 1.0\r\n"),
         request(b"Host: x\r\nConnection: close\r\n", line=b"POST /v1/chat/completions HTTP/1.1"),
+        request(b"Host: x\r\n", line=b"POST /invocations?x=1&y=%20 HTTP/1.1"),
+        request(b"Host: x\r\n", b"", line=b"GET /v1/models HTTP/1.1"),
         request(
             b"Host: x\r\nX-Amzn-SageMaker-Inference-Id: abc\r\n",
             b'{"inputs": "a", "stream":true}',
@@ -58,28 +61,20 @@ def gunicorn_reads(data: bytes) -> tuple[str, str, list[tuple[str, str]], bytes]
         ),
     ],
 )
-def test_what_it_takes_gunicorn_reads_the_same(data: bytes) -> None:
-    taken = read_request(data + b"POST /next", 1 << 20)  # the next request's start is not this one's
-    assert taken is not None
+def test_a_head_it_takes_gunicorn_reads_the_same(data: bytes) -> None:
+    head = parse_head(data + b"POST /next")  # the next request's start is not this one's
+    assert head is not None
     method, path, headers, body = gunicorn_reads(data)
-    assert (method, path, body) == ("POST", taken.path, taken.body)
-    assert sorted(headers) == sorted(taken.headers)
-    assert request_properties(headers, "r") == request_properties(taken.headers, "r")
-    assert taken.size == len(data)
-    assert taken.close == (b"onnection: close" in data)
+    assert (method, path) == (head.method, head.path)
+    assert sorted(headers) == sorted(head.headers)
+    assert request_properties(headers, "r") == request_properties(head.headers, "r")
+    assert head.size + (head.length or 0) == len(data) and data[head.size :] == body
+    assert head.keep_alive == (b"onnection: close" not in data)
 
 
 @pytest.mark.parametrize(
     ("why", "data"),
     [
-        ("no stream asked", request(b"Host: x\r\n", b'{"prompt": "hi"}')),
-        ("stream false", request(b"Host: x\r\n", b'{"prompt": "hi", "stream": false}')),
-        ("another route", request(b"Host: x\r\n", line=b"POST /v1/embeddings HTTP/1.1")),
-        ("a query", request(b"Host: x\r\n", line=b"POST /invocations?x=1 HTTP/1.1")),
-        ("another method", request(b"Host: x\r\n", line=b"PUT /v1/completions HTTP/1.1")),
-        ("HTTP/1.0", request(b"Host: x\r\n", line=b"POST /v1/completions HTTP/1.0")),
-        ("chunked", b"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"),
-        ("no length", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n\r\n" + BODY),
         ("two lengths", request(b"Content-Length: 3\r\n")),
         ("a repeated header", request(b"Accept: a\r\nAccept: b\r\n")),
         ("a folded header", request(b"X-A: a\r\n b\r\n")),
@@ -87,64 +82,30 @@ def test_what_it_takes_gunicorn_reads_the_same(data: bytes) -> None:
         ("a control byte", request(b"X-A: a\x01b\r\n")),
         ("a non-ASCII value", request("X-A: é\r\n".encode())),
         ("a line without a colon", request(b"X-A\r\n")),
-        ("a session", request(b"X-Amzn-SageMaker-Session-Id: s\r\n")),
-        ("an interim answer asked", request(b"Expect: 100-continue\r\n")),
-        ("an upgrade", request(b"Connection: Upgrade\r\nUpgrade: h2c\r\n")),
+        ("a bare LF", b"POST /v1/completions HTTP/1.1\nHost: x\r\n\r\n"),
         ("a signed length", request(b"", line=b"POST /v1/completions HTTP/1.1").replace(b"Length: ", b"Length: +")),
         ("too long a field", request(b"X-A: " + b"a" * 5000 + b"\r\n")),
         ("too many fields", request(b"".join(b"X-%d: a\r\n" % i for i in range(70)))),
+        ("not whole", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"),
+        ("an upgrade", request(b"Connection: Upgrade\r\nUpgrade: h2c\r\n")),
     ],
 )
-def test_what_it_leaves_to_gunicorn(why: str, data: bytes) -> None:
-    assert read_request(data, 1 << 20) is None, why
+def test_a_head_it_leaves_to_gunicorn(why: str, data: bytes) -> None:
+    assert parse_head(data) is None, why
 
 
-@pytest.mark.parametrize(
-    ("why", "data", "need"),
-    [
-        ("the body not all there", request(b"Host: x\r\n")[:-3], len(request(b"Host: x\r\n"))),
-        ("the head not all there", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n", 41),
-        ("the request line not all there", b"POST /v1/chat", 14),
-        ("nothing yet", b"", 1),
-    ],
-)
-def test_the_start_of_a_request_it_may_take_says_how_much_it_needs(why: str, data: bytes, need: int) -> None:
-    assert read_request(data, 1 << 20) == Partial(need), why
-
-
-def test_the_start_of_another_request_is_left_to_gunicorn() -> None:
-    assert read_request(b"POST /v1/embeddings", 1 << 20) is None
-    assert read_request(b"GET /ping HTTP/1.1\r\n", 1 << 20) is None
-
-
-def test_a_body_over_the_limit_is_left_to_gunicorn() -> None:
-    data = request(b"Host: x\r\n")
-    assert read_request(data, len(BODY)) is not None
-    assert read_request(data, len(BODY) - 1) is None
-
-
-@pytest.mark.parametrize(
-    ("data", "expected"),
-    [
-        (request(b"Host: x\r\n"), True),
-        (request(b"host: x\r\ncontent-type: a\r\n").replace(b"Content-Length", b"content-length"), True),
-        (request(b"Host: x\r\n", b'{"prompt": "hi"}'), False),
-        (request(b"Host: x\r\n", line=b"POST /v1/embeddings HTTP/1.1"), False),
-        (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n\r\n" + BODY, False),  # no length: gunicorn's
-        (b"POST /v1/comp", Partial(14)),
-        (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n", Partial(41)),
-        (request(b"Host: x\r\n")[: -len(BODY)], Partial(len(request(b"Host: x\r\n")))),
-        (request(b"Host: x\r\n")[:-3], Partial(len(request(b"Host: x\r\n")))),
-        (request(b"Host: x\r\n", b"x" * (1 << 16)), False),  # larger than what is peeked
-    ],
-)
-def test_the_main_loops_look_hands_over_only_what_is_there_and_asks_for_a_stream(data, expected) -> None:
-    """``may_be_read``: gthread's main loop hands a connection to rank 0 unread only for a request
-    all there that asks for a stream (rank 0's ``read_request`` then decides); it waits for one not
-    all there, as ``read_request`` would."""
-    assert may_be_read(data) == expected
-    if expected is True:
-        assert read_request(data, 1 << 20) is not None
+def test_an_answers_head_frames_its_body_and_keeps_the_frontends_headers_last() -> None:
+    given = ResponseHead("HTTP/1.1", "gunicorn", False, {"X-Sagelmi-Group": "0"})
+    whole = response_head(given, 404, {"Content-Type": "application/json", "Content-Length": "9", "X-Bad": "a\r\nb"}, 7)
+    lines = whole.split(b"\r\n")
+    assert lines[0] == b"HTTP/1.1 404 NOT FOUND" and b"Connection: keep-alive" in lines
+    assert lines.count(b"Content-Length: 7") == 1 and not any(line.startswith(b"X-Bad") for line in lines)
+    assert lines[-3:] == [b"X-Sagelmi-Group: 0", b"", b""]
+    stream = response_head(given, 200, {}, None)
+    assert b"Transfer-Encoding: chunked\r\n" in stream and b"Content-Type: text/html; charset=utf-8\r\n" in stream
+    old = response_head(ResponseHead("HTTP/1.0", "gunicorn", False, {}), 200, {"Content-Type": "a/b"}, None)
+    assert b"Connection: close" in old and b"Transfer-Encoding" not in old  # a stream's end is the close
+    assert framing(given, whole=False) == (True, False) and framing(given, whole=True) == (False, False)
 
 
 @pytest.mark.parametrize(

@@ -2,8 +2,9 @@
 
 import pytest
 
+from container.core.ingress import fingerprint
 from container.frontend import poison
-from container.frontend.poison import PoisonRequests, RequestStoppedEngine, fingerprint
+from container.frontend.poison import PoisonRequests, RequestStoppedEngine
 
 A = fingerprint("/invocations?", b'{"inputs": "a"}')
 B = fingerprint("/invocations?", b'{"inputs": "b"}')

@@ -7,9 +7,28 @@ import msgspec
 import pytest
 
 from container.core.launch import WorkerLaunch, decode_worker_launch, encode_launch
-from container.core.protocol import (FRAME_HEADER, Attach, Cancel, Chunk, End, Fail, FrameBuffer, Head,
-                                Invoke, InvokeBatch, Message, ProtocolError, ResponseHead, SetAdapter, Status, Taken,
-                                WorkerState, decode, encode, progress)
+from container.core.protocol import (
+    FRAME_HEADER,
+    Attach,
+    Cancel,
+    Chunk,
+    End,
+    Fail,
+    FrameBuffer,
+    Head,
+    Invoke,
+    InvokeBatch,
+    Message,
+    ProtocolError,
+    ResponseHead,
+    SetAdapter,
+    Status,
+    Taken,
+    WorkerState,
+    decode,
+    encode,
+    progress,
+)
 from container.core.settings import Settings
 
 MESSAGES = [
@@ -23,9 +42,9 @@ MESSAGES = [
     InvokeBatch(items=[Invoke(id="r2", properties={}, body=b"{}")]),
     Attach(id="r1", direct=True),
     Attach(id="r3", head=ResponseHead("HTTP/1.1", "sagelmi", False, {"x-group": "0"}), max_body=1 << 20),
-    Taken(id="r3", served=True, raw=b"POST / HTTP/1.1\r\n\r\n", request_id="abc", path="/invocations"),
-    Taken(id="r3", served=False),
-    End(id="r1", completion_tokens=3, body_bytes=9, ending=True),
+    Taken(id="r3", request_id="abc", path="/invocations", fingerprint="f00d"),
+    End(id="r3", completion_tokens=3, body_bytes=9, code=200, outcome="completed", close=True),
+    Head(id="r3", code=404, headers={}, stream=False, written=True),
     progress("r1"),
     SetAdapter(id="a1", name="fr", path="/tmp/fr"),
     SetAdapter(id="a2", name="fr"),
@@ -33,8 +52,8 @@ MESSAGES = [
 
 
 def test_the_wire_has_at_most_twelve_kinds_and_each_is_exercised_here():
-    """One struct per kind of conversation: a variant is a field (End.ending, Taken.served, an
-    Attach's max_body, an empty Chunk), not another kind."""
+    """One struct per kind of conversation: a variant is a field (an End's outcome, a Head rank 0
+    writes itself, an Attach's head, an empty Chunk), not another kind."""
     kinds = set(typing.get_args(Message))
     assert len(kinds) <= 12, sorted(kind.__name__ for kind in kinds)
     assert kinds == {type(message) for message in MESSAGES}

@@ -11,9 +11,9 @@ from gunicorn.http import wsgi
 from gunicorn.http.parser import RequestParser
 
 from container.core.errors import ClientClosedRequest
-from container.core.protocol import Chunk, End, Fail, Head
-from container.frontend import invocations
-from container.frontend.client import ClientSink, body_ended_by_group
+from container.core.ingress import framing, response_head
+from container.core.protocol import Chunk, End, Fail, Head, ResponseHead
+from container.frontend.client import ClientSink
 from container.frontend.pending import PendingRequest
 from container.frontend.server import GunicornBridge
 
@@ -168,44 +168,11 @@ def test_after_take_over_the_reader_leaves_every_chunk_to_the_request_thread():
     assert pending.wait_data_for(0) and pending.next_data(0) == b"late\n"
 
 
-def test_a_body_the_group_ends_itself_gets_no_second_end_and_keeps_the_connection(monkeypatch):
-    """On the group's ending End the relay ends (the group writes the rest and the chunked body's
-    end to the client): gunicorn's response then writes nothing more and keeps the connection,
-    once the group's End says it let go of the socket; without that End in time the
-    connection is closed instead (nothing of the next answer may land before the group's
-    last bytes)."""
-    monkeypatch.setattr(invocations, "STOP_CONFIRM_TIMEOUT", 0.05)
-    results = []
-    for end_comes in (True, False):
-        resp, environ, client = gunicorn_stream()
-        resp.write(b"")  # the headers
-        headers = read_until(client, b"\r\n\r\n")
-        pending = PendingRequest("r1")
-        head = Head(id="r1", code=200, headers={}, stream=True)
-        pending.deliver([head, End(id="r1", completion_tokens=3, body_bytes=9, ending=True)])
-        assert pending.next_data(0) is None and not pending.done  # the relay ends; the request is not over
-        assert pending.body_bytes == 9 and pending.ending.completion_tokens == 3
-        invocation = invocations.Invocation(None, None, environ, {}, "r1")  # type: ignore[arg-type]
-        invocation.pending = pending
-        body_ended_by_group(environ)
-        resp.close()
-        if end_comes:
-            pending.deliver([End(id="r1", completion_tokens=3)])
-        invocation._let_go()
-        client.settimeout(0.2)
-        with pytest.raises(TimeoutError):
-            client.recv(16)  # gunicorn wrote nothing after the headers
-        results.append((headers.startswith(b"HTTP/1.1 200"), pending.body_bytes, resp.should_close()))
-    assert results == [(True, 9, False), (True, 9, True)]
-
-
 @pytest.mark.parametrize(("http_version", "request_header"), [("1.1", ""), ("1.0", ""), ("1.1", "Connection: close\r\n")])
 def test_the_head_the_worker_writes_for_a_request_is_the_one_gunicorn_writes_for_it(http_version, request_header):
-    """``ClientSink.before_head`` takes from gunicorn's response what its head will say
-    (version, server, keep-alive), and ``response_head`` (the worker's writer) makes the same
-    bytes as gunicorn's own ``send_headers``, the date aside."""
-    from container.core.ingress import response_head
-
+    """``response_head`` (the worker's writer, given what the frontend puts in a head: version,
+    server, keep-alive, its headers) makes the same bytes as gunicorn's own ``send_headers`` for
+    a streamed answer, the date aside."""
     server_end, client_end = socket.socketpair()
     client_end.sendall(
         f"POST /invocations HTTP/{http_version}\r\nHost: x\r\n{request_header}Content-Length: 0\r\n\r\n".encode()
@@ -213,60 +180,16 @@ def test_the_head_the_worker_writes_for_a_request_is_the_one_gunicorn_writes_for
     cfg = Config()
     req = next(iter(RequestParser(cfg, server_end, ("127.0.0.1", 1))))
     resp, environ = wsgi.create(req, server_end, ("127.0.0.1", 1), ("127.0.0.1", 8080), cfg)
-    environ["gunicorn.socket"] = server_end
-    environ["sagelmi.wsgi_response"] = resp
-    handed = ClientSink.before_head(environ, {"X-Ours": "1"})
-    assert handed is not None
-    sock, chunked_body, head = handed
-    ours = response_head(head, chunked_body, 200, {"Content-Type": "application/jsonlines"})
+    given = ResponseHead(f"HTTP/{http_version}", resp.version, bool(req.should_close()), {"X-Ours": "1"})
+    ours = response_head(given, 200, {"Content-Type": "application/jsonlines"}, None)
     resp.start_response("200 OK", [("Content-Type", "application/jsonlines"), ("X-Ours", "1")])
     resp.send_headers()
     theirs = read_until(client_end, b"\r\n\r\n")
-    assert ClientSink.before_head(environ, {}) is None  # its head is out: the worker's no more
 
     def undated(head: bytes) -> list[bytes]:
         return [line for line in head.split(b"\r\n") if not line.startswith(b"Date: ")]
 
-    assert sock is server_end and chunked_body == (http_version == "1.1") == resp.chunked
-    assert ours is not None and undated(ours) == undated(theirs)
+    assert framing(given, whole=False)[0] == (http_version == "1.1") == resp.chunked
+    assert undated(ours) == undated(theirs)
     server_end.close()
     client_end.close()
-
-
-class _Group:
-    """What ``Invocation._abandon_before_head`` asks of its group: cancel, then forget."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple] = []
-
-    def cancel(self, request_id: str, confirm: bool = False) -> None:
-        self.calls.append(("cancel", request_id, confirm))
-
-    def forget(self, request_id: str) -> None:
-        self.calls.append(("forget", request_id))
-
-
-@pytest.mark.parametrize("last_word", ["fail", "head then fail", "none"])
-def test_a_request_ending_before_its_head_closes_the_connection_where_the_group_may_have_written(
-    monkeypatch, last_word
-):
-    """A request whose client's socket went with the Invoke and that times out before the frontend
-    took its head: the group is told to stop and to say so; the frontend writes its error only
-    when the group stopped without writing, and closes the connection otherwise."""
-    monkeypatch.setattr(invocations, "STOP_CONFIRM_TIMEOUT", 0.05)
-    _, environ, _ = gunicorn_stream()
-    invocation = invocations.Invocation(None, None, environ, {}, "r1")  # type: ignore[arg-type]
-    invocation.group = group = _Group()  # type: ignore[assignment]
-    invocation.pending = pending = PendingRequest(invocation.wire_id)
-    pending.handed_over = True
-    fail = Fail(id=pending.id, code=499, message="cancelled", error="cancelled by the frontend")
-    if last_word == "fail":
-        threading.Timer(0.01, pending.deliver, [[fail]]).start()
-        invocation._abandon_before_head()  # the caller writes the error
-    else:
-        if last_word == "head then fail":
-            head = Head(id=pending.id, code=200, headers={}, stream=True, written=True)
-            threading.Timer(0.01, pending.deliver, [[head, fail]]).start()
-        with pytest.raises(invocations.HeadWrittenByGroup):
-            invocation._abandon_before_head()
-    assert group.calls == [("cancel", pending.id, True), ("forget", pending.id)]
