@@ -174,6 +174,8 @@ class Calls:
         # the frontend's waits for its Attach (container.worker.direct)
         client = conn.has_client(rid)
         if client:
+            if (stopped := conn.stopped(rid)) is not None:
+                raise stopped  # rank 0 stopped it (a timeout, its client gone): the handler's late answer is not sent
             headers = conn.answer_headers(output.code, headers)
         if streaming and not client:
             conn.expect_stream(rid)

@@ -189,6 +189,11 @@ class Connection:
             return None
         return request.stopped or ClientClosedRequest("cancelled")
 
+    def stopped(self, request_id: str) -> Exception | None:
+        """Why rank 0 stopped request ``request_id``, read here, itself (``handoff.sweep``), if it did."""
+        request = self.clients.get(request_id)
+        return request.stopped if request is not None else None
+
     async def delivered(self) -> None:
         """Wait until what was queued for the frontend has left (a ``Head`` the frontend must have
         before the client gets anything); raises ``PeerGone`` once the connection is closed."""
@@ -408,6 +413,9 @@ class DroppedAnswers:
 
     def answer_headers(self, code: int, headers: dict[str, str]) -> dict[str, str]:
         return headers
+
+    def stopped(self, request_id: str) -> Exception | None:
+        return None
 
     async def delivered(self) -> None:
         pass

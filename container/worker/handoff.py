@@ -228,6 +228,7 @@ async def end(
     nothing went out yet, in band after a stream's head, nothing for a client gone or a body that
     cannot take more); then let go of the socket and tell the frontend (``End``)."""
     outcome = "completed"
+    error = error or request.stopped  # a handler that answered once stopped (vLLM's servers may) is still stopped
     if error is not None:
         gone = isinstance(error, ClientClosedRequest)
         outcome = "client_gone" if gone else "timeout" if isinstance(error, GatewayTimeout) else "error"
