@@ -13,22 +13,9 @@ import socket
 
 from container.core.ingress import chunk
 from container.frontend.body import WSGI_RESPONSE
+from container.frontend.main_loop import client_waiting
 
 CLIENT_CHECK_INTERVAL = 0.5  # how often a request that waits on its group looks whether its client is still there
-
-
-def client_waiting(sock: socket.socket) -> bool | None:
-    """What the client of a connection did that the server has not read yet: True when it sent
-    more (a next request), False when it closed the connection, None when neither (or the
-    socket cannot be peeked without gunicorn: TLS). One non-blocking peek."""
-    if type(sock) is not socket.socket:
-        return None
-    try:
-        return bool(sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
-    except BlockingIOError:
-        return None
-    except OSError:
-        return False
 
 
 def client_gone(sock: socket.socket | None) -> bool:

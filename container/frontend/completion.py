@@ -90,7 +90,8 @@ class RequestLog:
         group): observe the time to it, and return what to call once the response is closed
         (``body_bytes``: a whole body's length)."""
         first_byte = (sent_at or time.monotonic()) - exchange.started
-        self.metrics.observe(exchange.route, status, first_byte)
+        self.metrics.requests.labels(exchange.route, str(status)).inc()
+        self.metrics.first_byte.labels(exchange.route).observe(first_byte)
         return Completion(
             self.metrics,
             exchange.request_id,

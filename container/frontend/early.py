@@ -44,6 +44,7 @@ from container.core.ingress import (
 )
 from container.core.launch import FrontendLaunch
 from container.core.protocol import Chunk, End, Fail, Head, ResponseHead, Taken
+from container.core.sessions import SESSION_HEADERS
 from container.frontend.completion import Answer, Exchange, RequestLog
 from container.frontend.invocations import ROUTES
 from container.frontend.main_loop import json_answer
@@ -101,8 +102,10 @@ class HandedOff:
                 self.stage = Stage.READ
             elif isinstance(message, Head):
                 self.head, self.head_at, self.stage = message, time.monotonic(), Stage.ANSWERING
-                # the session an answer opened (rank 0 completed its headers as the frontend would)
-                self.owner.router.sessions.observe(None, self.group, self.incarnation, message.code, message.headers)
+                if any(name.lower() in SESSION_HEADERS for name in message.headers):  # an answer that opened a session
+                    self.owner.router.sessions.observe(
+                        None, self.group, self.incarnation, message.code, message.headers
+                    )
             elif isinstance(message, Chunk):
                 self.torn = message.torn  # progress of the body rank 0 writes
             elif isinstance(message, End):
@@ -137,7 +140,9 @@ class EarlyRequests:
         hand it to a group unread if that request may be (True: the connection is this module's
         until it gives it back). ``close``: gunicorn would close the connection after the answer."""
         router = self.router
-        if not self.enabled or self.connections is None or router.draining or router.poison.refused:
+        if not self.enabled or self.connections is None or router.draining:
+            return False
+        if router.poison.refusing and router.poison.refused:
             return False
         if type(conn.sock) is not socket.socket:  # TLS: gunicorn's to read
             return False

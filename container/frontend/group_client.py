@@ -10,7 +10,7 @@ writes whatever is queued in one write. Request threads wait on their own
 ``PendingRequest``, which merges the chunks that arrive while its reader is
 busy, so a slow client never makes a queue grow one entry per token. Once a
 stream's headers are out, ``attach`` hands the client's socket to the group, which writes
-the body itself (``container.worker.direct``); where it cannot, the reader thread writes
+the body itself (``container.worker.handoff``); where it cannot, the reader thread writes
 the chunks to the client as they come.
 
 When the connection drops, every request in flight on it fails at once with

@@ -81,6 +81,25 @@ def client_address(conn: Any) -> str:
     return str(conn.client[0] if isinstance(conn.client, tuple) else conn.client)
 
 
+def client_waiting(sock: socket.socket) -> bool | None:
+    """What the client of a connection did that the server has not read yet: True when it sent
+    more (a next request), False when it closed the connection, None when neither (or the
+    socket cannot be peeked without gunicorn: TLS). One non-blocking peek."""
+    if type(sock) is not socket.socket:
+        return None
+    try:
+        return bool(sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+    except BlockingIOError:
+        return None
+    except OSError:
+        return False
+
+
+def _nothing_read_ahead(conn: Any) -> bool:
+    """Whether gunicorn holds nothing of a connection's next request (the socket has it all)."""
+    return not conn.initialized or (not conn.is_http2 and not conn.parser.unreader.buf.getvalue())
+
+
 def _writable(sock: socket.socket) -> bool:
     poll = select.poll()
     poll.register(sock, select.POLLOUT)
@@ -106,6 +125,7 @@ class HeadWaitingWorker(ThreadWorker):
 
     header_read_timeout = 10.0
     closed_metric: Any = None  # a Prometheus counter by reason, once the app is loaded
+    early: Any = None  # the hand-off to worker groups (container.frontend.early), once the app is loaded
 
     def hold(self, header_read_timeout: float, per_client: int) -> None:
         """The limits of waiting connections; called before ``init_process``."""
@@ -145,11 +165,21 @@ class HeadWaitingWorker(ThreadWorker):
 
     def serve(self, conn, head: bytes) -> None:
         """A connection whose next request's head is whole, ``head`` being what the client sent
-        (as far as a peek sees it): to /ping's threads or the request threads."""
+        (as far as a peek sees it): to /ping's threads, to its worker group unread
+        (``container.frontend.early``), or to the request threads."""
         if is_bare_ping(head):
             self._ping(conn)
-        else:
+        elif not (self.early is not None and _nothing_read_ahead(conn) and self.early.send(conn, self._closes(), head)):
             self.to_thread(conn)
+
+    def _closes(self) -> bool:
+        """Whether gthread's ``handle_request`` would close the connection after its next answer."""
+        return (
+            not self.alive
+            or not self.cfg.keepalive
+            or self.nr + 1 >= self.max_requests
+            or len(self.keepalived_conns) >= self.max_keepalived
+        )
 
     def to_thread(self, conn) -> None:
         """To the request threads (gthread's own ``enqueue_req``)."""
@@ -157,8 +187,9 @@ class HeadWaitingWorker(ThreadWorker):
 
     def peek_for(self, conn, seen: bytes) -> bool:
         """Whether a head that came in part (``seen``) is peeked at again (up to ``PEEKS`` times)
-        rather than read off the socket."""
-        return False
+        rather than read off the socket: the start of a request the hand-off may take, which must
+        be on the socket when it is whole."""
+        return self.early is not None and self.early.enabled and _nothing_read_ahead(conn) and self.early.may_take(seen)
 
     def look(self, conn) -> tuple[bytes, int] | None:
         """What the client sent of its next request, without reading it: what gunicorn read
@@ -187,7 +218,8 @@ class HeadWaitingWorker(ThreadWorker):
         return True if head_ready(look[0]) else None
 
     def _wait_for_head(self, conn, seen: bytes, peeked: int) -> None:
-        if not self.waits.waiting_for_head(conn):
+        if not getattr(conn, "waiting_head", False):  # as self.waits says, without a call per request
+            conn.waiting_head = True
             conn.peeks = 0
             self._wait(conn, time.monotonic() + self.header_read_timeout)
             self.poller.register(conn.sock, selectors.EVENT_READ, partial(self._on_head_readable, conn))
@@ -227,7 +259,8 @@ class HeadWaitingWorker(ThreadWorker):
             self.to_thread(conn)
 
     def _head_came(self, conn) -> None:
-        if self.waits.waiting_for_head(conn):
+        if getattr(conn, "waiting_head", False):
+            conn.waiting_head = False
             self.waits.done(conn)
             self.poller.unregister(conn.sock)
         self.set_lowat(conn, 1)  # a thread's reads must not wait for more than there is
@@ -237,6 +270,27 @@ class HeadWaitingWorker(ThreadWorker):
         if getattr(conn, "lowat", 1) != size:
             conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, size)
             conn.lowat = size
+
+    # -- after an answer rank 0 wrote (container.frontend.early.Connections; called from any thread)
+    def let_go(self, conn, keep: bool) -> None:
+        self.method_queue.defer(self._let_go, conn, keep)
+
+    def _let_go(self, conn, keep: bool) -> None:
+        """As gthread's ``finish_request`` after an answer: wait for the client's next request
+        on the poller, or close the connection (at once when the client closed it already)."""
+        waiting = client_waiting(conn.sock) if keep and self.alive else False
+        if waiting:
+            self.enqueue_req(conn)  # its next request is coming already
+            return
+        if waiting is None:
+            conn.sock.setblocking(False)
+            conn.set_timeout()
+            self.keepalived_conns.append(conn)
+            self.poller.register(conn.sock, selectors.EVENT_READ, partial(self.on_client_socket_readable, conn))
+            self.idle(conn)
+            return
+        self.nr_conns -= 1
+        close_read(conn)
 
     def _ping(self, conn) -> None:
         if not _writable(conn.sock):
@@ -296,6 +350,7 @@ class HeadWaitingWorker(ThreadWorker):
             except (KeyError, ValueError, OSError):
                 pass  # not registered (yet)
         conn.head = None
+        conn.waiting_head = False
         self.nr_conns -= 1
         if close:
             conn.close()

@@ -79,10 +79,6 @@ class FrontendMetrics:
             "sagelmi_worker_ready", "1 when the worker group is ready", ["group"], registry=self.registry
         )
 
-    def observe(self, route: str, status: int, seconds: float) -> None:
-        self.requests.labels(route, str(status)).inc()
-        self.first_byte.labels(route).observe(seconds)
-
     def render(self, group_texts: dict[str, str]) -> bytes:
         """The frontend's metrics followed by the groups', merged per family."""
         return generate_latest(self.registry) + merge(group_texts, "group")

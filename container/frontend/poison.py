@@ -40,6 +40,7 @@ class PoisonRequests:
         self._lock = threading.Lock()
         self._deaths: dict[str, list[float]] = {}  # fingerprint -> when groups died with it in flight
         self._refused_until: dict[str, float] = {}
+        self.refusing = False  # some request was refused lately (``refused`` says whether still): a look without a call
 
     def check(self, print_: str, now: float | None = None) -> None:
         """Raise ``RequestStoppedEngine`` if copies of this request are refused now."""
@@ -70,6 +71,7 @@ class PoisonRequests:
                 self._deaths[print_] = deaths  # re-inserted: the dict's order is the order of use
                 if len(deaths) >= DEATHS_TO_REFUSE and print_ not in self._refused_until:
                     self._refused_until[print_] = now + REFUSE_FOR
+                    self.refusing = True
                     log.error(
                         "request %s (%s) was in flight at %d deaths of worker groups within %.0f s, the last of "
                         "group %s: copies of it are refused with 422 for %.0f s",
@@ -88,4 +90,6 @@ class PoisonRequests:
     def refused(self) -> int:
         """How many requests are refused now."""
         now = time.monotonic()
-        return sum(1 for until in self._refused_until.values() if until > now)
+        count = sum(1 for until in self._refused_until.values() if until > now)
+        self.refusing = count > 0
+        return count

@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import logging
 import resource
-import selectors
 import signal
 import ssl
 import sys
 import threading
-from functools import partial
 from pathlib import Path
 from typing import cast
 
@@ -36,9 +34,7 @@ from container.core.errors import InputError, scrub
 from container.core.launch import FrontendLaunch, decode_frontend_launch
 from container.frontend.app import create_app
 from container.frontend.body import CLOSE_CONNECTION, WSGI_RESPONSE
-from container.frontend.client import client_waiting
-from container.frontend.early import EarlyRequests
-from container.frontend.main_loop import HeadWaitingWorker, close_read, json_answer
+from container.frontend.main_loop import HeadWaitingWorker, json_answer
 
 log = logging.getLogger("sagelmi.frontend")
 
@@ -104,11 +100,6 @@ def rejection(exc: BaseException) -> tuple[int, str, str] | None:
     return status, reason, str(exc)
 
 
-def _nothing_read_ahead(conn) -> bool:
-    """Whether gunicorn holds nothing of a served connection's next request (the socket has it all)."""
-    return not conn.is_http2 and not conn.parser.unreader.buf.getvalue()
-
-
 class DrainingWorker(HeadWaitingWorker):
     """A gthread worker whose main loop keeps connections until their request heads are whole
     (``container.frontend.main_loop``), hands the handler's requests to their group unread
@@ -123,8 +114,6 @@ class DrainingWorker(HeadWaitingWorker):
         self.hold(launch.header_read_timeout, launch.max_connections_per_client)
         super().init_process()
 
-    early: EarlyRequests | None = None
-
     def load_wsgi(self) -> None:
         super().load_wsgi()
         self.early = self.wsgi.extensions.get("sagelmi.early")
@@ -134,51 +123,6 @@ class DrainingWorker(HeadWaitingWorker):
         if metrics is not None:
             self.closed_metric = metrics.connections_closed
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # what came while booting is handled now
-
-    def serve(self, conn, head: bytes) -> None:
-        """A connection whose request head is whole: to its group unread if it may go
-        (``container.frontend.early``), followed by no thread; else to a thread."""
-        if self.early is not None and (not conn.initialized or _nothing_read_ahead(conn)):
-            close = (  # gthread's handle_request closes it after this answer
-                not self.alive
-                or not self.cfg.keepalive
-                or self.nr + 1 >= self.max_requests
-                or len(self.keepalived_conns) >= self.max_keepalived
-            )
-            if self.early.send(conn, close, head):
-                return
-        super().serve(conn, head)
-
-    def peek_for(self, conn, seen: bytes) -> bool:
-        """The start of a request the hand-off may take is peeked at, not read, while its head
-        comes: it must be on the socket when it is whole."""
-        return (
-            self.early is not None
-            and self.early.enabled
-            and (not conn.initialized or _nothing_read_ahead(conn))
-            and self.early.may_take(seen)
-        )
-
-    # -- container.frontend.early.Connections: called from any thread, run here (the main loop)
-    def let_go(self, conn, keep: bool) -> None:
-        self.method_queue.defer(self._let_go, conn, keep)
-
-    def _let_go(self, conn, keep: bool) -> None:
-        """As gthread's ``finish_request`` after an answer: wait for the client's next request
-        on the poller, or close the connection (at once when the client closed it already)."""
-        waiting = client_waiting(conn.sock) if keep and self.alive else False
-        if waiting:
-            self.enqueue_req(conn)  # its next request is coming already
-            return
-        if waiting is None:
-            conn.sock.setblocking(False)
-            conn.set_timeout()
-            self.keepalived_conns.append(conn)
-            self.poller.register(conn.sock, selectors.EVENT_READ, partial(self.on_client_socket_readable, conn))
-            self.idle(conn)
-            return
-        self.nr_conns -= 1
-        close_read(conn)
 
     def handle(self, conn):
         """gthread's, then a look at what the client of a kept-alive connection did meanwhile.

@@ -19,8 +19,9 @@ from typing import Any, cast
 
 from container.core.ingress import HOP_BY_HOP
 from container.core.protocol import Chunk, End, Head
-from container.worker.connection import Connection, DroppedAnswers
+from container.worker.connection import Connection
 from container.worker.observe import Observation
+from container.worker.ranks import DroppedAnswers
 from container.worker.requests import chunk_of
 from handlers.api import Input, Output, json_line, prepend
 
@@ -171,7 +172,7 @@ class Calls:
         streaming = output.stream_content is not None
         started = seen.started if seen is not None else 0.0
         # A request read by rank 0 has its answer written here (container.worker.handoff); a stream of
-        # the frontend's waits for its Attach (container.worker.direct)
+        # the frontend's waits for its Attach (container.worker.handoff.DirectBody)
         client = conn.has_client(rid)
         if client:
             if (stopped := conn.stopped(rid)) is not None:

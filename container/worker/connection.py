@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+import os
+import socket
+import struct
+from collections.abc import Callable, Collection, Mapping
+from pathlib import Path
 from time import monotonic
+from typing import Protocol
 
 from container.core.errors import ClientClosedRequest
 from container.core.ingress import framing, response_head
@@ -15,18 +20,18 @@ from container.core.protocol import (
     Attach,
     Chunk,
     End,
-    Fail,
     Head,
     Message,
     ProtocolError,
     decode,
     encode,
+    fd_channel_path,
     frame_length,
     progress,
+    receive_with_fd,
 )
-from container.core.sessions import answer_sessions
-from container.worker.direct import WRITE_HIGH_WATER, DescriptorChannel, DirectBody, peer_pid
-from container.worker.handoff import SWEEP_INTERVAL, ClientRequest, Phase, end, sweep
+from container.core.sessions import SESSION_HEADERS, answer_sessions
+from container.worker.handoff import SWEEP_INTERVAL, WRITE_HIGH_WATER, ClientRequest, DirectBody, Phase, end, sweep
 
 log = logging.getLogger("sagelmi.worker")
 
@@ -67,7 +72,7 @@ class Connection:
     written to clients here still wait for the pass): the frontend's hand-over of the client's
     socket then runs while the handler starts the answer. Its body (``expect_stream``) waits for
     the frontend's ``Attach``; with the client's socket it is written there on the same passes
-    (``container.worker.direct``). A request rank 0 read itself (``clients``,
+    (``container.worker.handoff.DirectBody``). A request rank 0 read itself (``clients``,
     ``container.worker.handoff``) has its whole answer written here: its ``Head`` (``written``)
     leaves at once, before the client gets anything (``open_client``), its ``End`` once the
     socket is let go (``end_client``)."""
@@ -207,6 +212,8 @@ class Connection:
         handler opened a session in LMI's form only (as the frontend completes its answers'; it
         learns the session from the ``Head``)."""
         if self.sessions_expiration is None or code >= 300:
+            return headers
+        if not any(name.lower() in SESSION_HEADERS for name in headers):
             return headers
         return answer_sessions(None, headers, self.sessions_expiration)[0]
 
@@ -392,62 +399,83 @@ class Connection:
         self.writer.close()
 
 
-class DroppedAnswers:
-    """Where the answers of a rank other than 0 go: nowhere (rank 0's answer is the group's)."""
+_CREDENTIALS = struct.Struct("3i")  # SO_PEERCRED's pid, uid, gid
 
-    def __init__(self) -> None:
-        self.tasks: dict[str, asyncio.Task] = {}
 
-    async def send(self, message: Message) -> None:
-        if isinstance(message, Fail):
-            log.warning("this rank's answer was an error (rank 0 answers the client): %s", message.error)
-
-    def add_chunk(self, request_id: str, data: bytes) -> bool:
-        return False
-
-    def has_client(self, request_id: str) -> bool:
-        return False
-
-    def stop_reason(self, request_id: str) -> Exception | None:
-        return None
-
-    def answer_headers(self, code: int, headers: dict[str, str]) -> dict[str, str]:
-        return headers
-
-    def stopped(self, request_id: str) -> Exception | None:
-        return None
-
-    async def delivered(self) -> None:
-        pass
-
-    def open_client(self, request_id: str, code: int, headers: Mapping[str, str], length: int | None) -> None:
-        pass
-
-    async def end_client(
-        self, request_id: str, error: Exception | None = None, tokens: tuple[int | None, int | None] = (None, None)
-    ) -> None:
-        pass
-
-    def release_client(self, request_id: str) -> bool:
-        return False
-
-    def expect_stream(self, request_id: str) -> None:
-        pass
-
-    async def finish_stream(self, request_id: str) -> int:
+def peer_pid(sock: object) -> int:
+    """The process at the other end of a Unix socket (0 when it cannot be told)."""
+    try:
+        pid, _, _ = _CREDENTIALS.unpack(
+            sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDENTIALS.size)  # type: ignore[attr-defined]
+        )
+    except (AttributeError, OSError, struct.error):
         return 0
+    return pid
 
-    def direct_bytes(self, request_id: str) -> int:
-        return 0
 
-    def stop_stream(self, request_id: str) -> bool:
-        return False
+class Attachable(Protocol):
+    def attach(self, message: Attach, fd: int | None) -> bool: ...
 
-    def drop_stream(self, request_id: str) -> None:
-        pass
 
-    async def wait_writable(self, request_id: str | None = None) -> None:
-        pass
+class DescriptorChannel:
+    """Rank 0's end of the descriptor channel (``SOCK_SEQPACKET`` beside its socket at
+    ``socket_path``: the frontend hands over clients' sockets there). Each message is an
+    ``Attach`` with the client's socket: for the one of ``connections`` whose answer waits for
+    it (``Connection.attach``; with none, the descriptor is closed), or, with a ``head``, a
+    hand-off: a connection whose request rank 0 reads itself (``on_handoff``, told the process
+    that sent it)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, socket_path: str, connections: Collection[Attachable]) -> None:
+        self.loop = loop
+        self.path = path = fd_channel_path(socket_path)
+        self.connections = connections
+        Path(path).unlink(missing_ok=True)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.sock.bind(path)
+        self.sock.listen(16)
+        self.sock.setblocking(False)
+        self.peers: dict[socket.socket, int] = {}  # -> the process at its other end
+        self.on_handoff: Callable[[Attach, int, int], None] | None = None
+        loop.add_reader(self.sock.fileno(), self._accept)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                peer, _ = self.sock.accept()
+            except BlockingIOError:
+                return
+            peer.setblocking(False)
+            self.peers[peer] = peer_pid(peer)
+            self.loop.add_reader(peer.fileno(), self._read, peer)
+
+    def _read(self, peer: socket.socket) -> None:
+        while True:
+            try:
+                received = receive_with_fd(peer)
+            except BlockingIOError:
+                return
+            except (OSError, ProtocolError) as exc:
+                log.error("closing a descriptor channel that failed: %s", exc)
+                received = None
+            if received is None:
+                self._drop(peer)
+                return
+            message, fd = received
+            if fd is None:
+                log.warning("ignoring a descriptor-channel message without a descriptor")
+            elif isinstance(message, Attach) and message.head is not None and self.on_handoff is not None:
+                self.on_handoff(message, fd, self.peers.get(peer, 0))
+            elif not isinstance(message, Attach) or not any(c.attach(message, fd) for c in list(self.connections)):
+                os.close(fd)  # the answer has ended or was cancelled meanwhile: the frontend writes
+
+    def _drop(self, peer: socket.socket) -> None:
+        self.loop.remove_reader(peer.fileno())
+        self.peers.pop(peer, None)
+        peer.close()
 
     def close(self) -> None:
-        pass
+        for peer in list(self.peers):
+            self._drop(peer)
+        self.loop.remove_reader(self.sock.fileno())
+        self.sock.close()
+        Path(self.path).unlink(missing_ok=True)

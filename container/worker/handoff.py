@@ -1,16 +1,20 @@
-"""Requests rank 0 reads and answers itself: the frontend hands it a client's connection unread
-(an ``Attach`` with a ``head``, on the descriptor channel) once the connection's next request has
-a plain head (``container.core.ingress.parse_head``) on one of the handler's routes.
+"""Rank 0's side of HTTP: requests it reads and answers itself, and the bodies it writes to
+clients' sockets.
 
-Rank 0 reads the request (its body within ``body_read_timeout``, at most ``max_body`` bytes), tells
-the frontend what it read (``Taken``) and serves it as an ``Invoke`` whose answer it writes to
-the client's socket itself (``Connection.open_client``): the head for any status, a whole body
-with its length, a stream as HTTP/1.1 chunks. It also answers what it refuses, a handler's error
-(in band once a stream began) and a handler silent for ``predict_timeout`` (504), and stops the
-request when the client leaves (499). Its ``End`` says what was written and whether the
-connection stays open: the connection is the frontend's again then.
+The frontend hands rank 0 a client's connection unread (an ``Attach`` with a ``head``, on the
+descriptor channel) once its next request has a plain head (``ingress.parse_head``) on a handler
+route. ``Handoffs`` reads the request (its body within ``body_read_timeout``, at most ``max_body``
+bytes), tells the frontend what it read (``Taken``, unless it saw it whole) and starts it as an
+``Invoke``; ``Connection.open_client`` writes its head (any status), ``end`` its end: the route's
+error where the handler failed (in band once a stream began), 504 where it was silent for
+``predict_timeout`` and nothing where the client left (``sweep``), then one ``End``. A request's
+state here is one ``ClientRequest`` in one ``Phase``.
 
-A request's ``ClientRequest`` is its state on rank 0, in one ``Phase`` at a time.
+``DirectBody`` is one answer's body on the client's socket (a hand-off's, or a stream whose head
+the frontend wrote, handed over with an ``Attach``): written without blocking on the loop's
+passes (what the client has not taken waits for the socket to be writable; past
+``WRITE_HIGH_WATER`` the handler's stream waits too), as HTTP/1.1 chunks or raw. Tokens do not
+cross the frontend: a hop per token would cost its CPU and wake-ups that preempt the engine.
 """
 
 from __future__ import annotations
@@ -36,7 +40,16 @@ from container.core.errors import (
     in_band_error,
     too_large,
 )
-from container.core.ingress import INFERENCE_ID, PEEK_BYTES, RequestHead, fingerprint, parse_head, request_properties
+from container.core.ingress import (
+    END_OF_CHUNKS,
+    INFERENCE_ID,
+    PEEK_BYTES,
+    RequestHead,
+    chunk,
+    fingerprint,
+    parse_head,
+    request_properties,
+)
 from container.core.protocol import Attach, End, Head, Invoke, ResponseHead, Taken
 
 if TYPE_CHECKING:
@@ -45,7 +58,176 @@ if TYPE_CHECKING:
 log = logging.getLogger("sagelmi.worker")
 
 SWEEP_INTERVAL = 0.5  # how often requests read here are looked at (predict_timeout, a client gone)
+WRITE_HIGH_WATER = 1 << 16  # bytes not yet taken by the client before the stream waits (vLLM merges deltas)
+PROGRESS_INTERVAL = 1.0  # seconds between two progress messages (empty Chunks) of a body written directly
 READ_BYTES = 1 << 16
+
+
+class ClientGone(ClientClosedRequest):
+    """The client closed its connection while rank 0 was writing its answer's body (499, like
+    a client the frontend found gone)."""
+
+
+class DirectBody:
+    """The body of one streamed answer: ``WAITING`` for the frontend's ``Attach``, then
+    ``DIRECT`` (written to the client's socket here) or ``RELAY`` (sent to the frontend as
+    Chunks: the connection takes what was held), ``CLOSED`` at the end."""
+
+    WAITING, DIRECT, RELAY, CLOSED = "waiting", "direct", "relay", "closed"
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, on_torn: Callable[[DirectBody], None]) -> None:
+        self.id = request_id
+        self.loop = loop
+        # Told, in the send's own call, when ``torn`` turns true and when it turns false again: the
+        # frontend must know before this process can die.
+        self.on_torn = on_torn
+        self.state = self.WAITING
+        self.parts: list[bytes] = []  # body pieces not yet written
+        self.pending = 0  # their bytes
+        self.backlog = b""  # framed bytes the socket did not take yet
+        self.sock: socket.socket | None = None
+        self.sock_used = False  # the body went (or goes) to the client's socket from here
+        self.preamble = b""  # the HTTP head, written here before the body (Head.written)
+        self.chunked = True
+        self.sent = 0  # body bytes written (without the chunk framing)
+        self.gone = False
+        self.last_progress = monotonic()
+        self._polling = False  # waiting for the socket to take the backlog
+        self._wake: asyncio.Future | None = None
+
+    def open(self, fd: int, chunked: bool, preamble: bytes = b"") -> None:
+        """Write to the client's socket ``fd`` (a duplicate this body now owns) from now on,
+        ``preamble`` (an HTTP head) first. Its blocking mode is the frontend's too (one open
+        file): sends never wait here."""
+        self.sock = socket.socket(fileno=fd)
+        self.preamble = preamble
+        self.sock_used = True
+        self.chunked = chunked
+        self.state = self.DIRECT
+        self._notify()
+
+    def relay(self) -> list[bytes]:
+        """The frontend takes the body: what was held goes to it."""
+        self.state = self.RELAY
+        held, self.parts, self.pending = self.parts, [], 0
+        self._notify()
+        return held
+
+    def add(self, data: bytes) -> bool:
+        """Hold or queue ``data``; True when the stream must ``wait_room`` before the next piece."""
+        self.parts.append(data)
+        self.pending += len(data)
+        return self.gone or self.pending + len(self.backlog) > WRITE_HIGH_WATER
+
+    def write(self, last: bool = False) -> None:
+        """Write what is queued (one chunk for all of it), without waiting for the client;
+        ``last``: with the chunked body's end after it, in the same write."""
+        if self.state != self.DIRECT or self.gone or not (self.parts or last or self.preamble):
+            return
+        data = self.parts[0] if len(self.parts) == 1 else b"".join(self.parts)
+        self.parts, self.pending = [], 0
+        self.sent += len(data)
+        frame = data
+        if self.chunked:
+            frame = chunk(data) if data else b""
+            if last:
+                frame += END_OF_CHUNKS
+        if self.preamble:
+            frame, self.preamble = self.preamble + frame, b""
+        if self.backlog:  # behind what the client has not taken yet
+            self.backlog += frame
+            return
+        self._send(frame)
+
+    def progress_due(self, now: float) -> bool:
+        if self.state != self.DIRECT or now - self.last_progress < PROGRESS_INTERVAL:
+            return False
+        self.last_progress = now
+        return True
+
+    def _send(self, frame: bytes) -> None:
+        assert self.sock is not None  # DIRECT
+        try:
+            taken = self.sock.send(frame, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            taken = 0
+        except OSError:
+            self._lose()
+            return
+        if taken < len(frame):
+            self.backlog = frame[taken:]
+            self.on_torn(self)
+            if not self._polling:
+                self._polling = True
+                self.loop.add_writer(self.sock.fileno(), self._writable)
+
+    def _writable(self) -> None:
+        assert self.sock is not None
+        try:
+            taken = self.sock.send(self.backlog, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return
+        except OSError:
+            self._lose()
+            return
+        self.backlog = self.backlog[taken:]
+        if not self.backlog:
+            self.on_torn(self)
+            self._stop_polling()
+            self._notify()
+
+    @property
+    def torn(self) -> bool:
+        """Whether the client's socket may hold part of a frame: a send left some of it waiting here
+        (counted from the first send that did not take everything, even one that took nothing)."""
+        return bool(self.backlog)
+
+    def _lose(self) -> None:
+        self.gone = True
+        self.backlog, self.parts, self.pending = b"", [], 0
+        self._stop_polling()
+        self._notify()
+
+    def _stop_polling(self) -> None:
+        if self._polling and self.sock is not None:
+            self._polling = False
+            self.loop.remove_writer(self.sock.fileno())
+            # The loop's poller made the socket non-blocking, for the frontend too: undo that
+            os.set_blocking(self.sock.fileno(), True)
+
+    def _notify(self) -> None:
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
+
+    async def _until(self, ready: Callable[[], bool]) -> None:
+        while not ready():
+            self._wake = self.loop.create_future()
+            await self._wake
+
+    async def wait_room(self) -> None:
+        """Wait until the client has taken enough (and the body is attached); raises
+        ``ClientGone`` once the client is gone."""
+        self.write()
+        await self._until(lambda: self.gone or (self.state != self.WAITING and not self.backlog))
+        if self.gone:
+            raise ClientGone("the client closed the connection during the stream")
+
+    async def until_attached(self) -> None:
+        await self._until(lambda: self.state != self.WAITING)
+
+    async def drain(self) -> None:
+        """Write the rest and wait until the client's socket has taken all of it (or the client is gone)."""
+        self.write()
+        await self._until(lambda: self.gone or not self.backlog)
+
+    def close(self) -> None:
+        """Stop writing at once and let go of the socket (the frontend keeps its own)."""
+        self._stop_polling()
+        self.state = self.CLOSED
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+        self._notify()
 
 
 class Phase(enum.Enum):
@@ -214,13 +396,6 @@ class Handoffs:
             os.set_blocking(fd, True)  # the loop's poller made it non-blocking, for the frontend too
 
 
-def timed_out(request: ClientRequest, timeout: float) -> GatewayTimeout:
-    """Why a request whose handler said nothing for ``timeout`` seconds is stopped."""
-    if request.phase is Phase.WRITING:
-        return GatewayTimeout(f"the model sent nothing for {timeout:g}s (option.predict_timeout)")
-    return GatewayTimeout(f"no answer from the model within {timeout:g}s (option.predict_timeout)")
-
-
 async def end(
     conn: Connection, request: ClientRequest, error: Exception | None, tokens: tuple[int | None, int | None]
 ) -> None:
@@ -303,7 +478,8 @@ def sweep(conn: Connection) -> None:
         if produced != request.produced:
             request.produced, request.produced_at = produced, now
         elif conn.predict_timeout and now - request.produced_at >= conn.predict_timeout:
-            request.stopped = timed_out(request, conn.predict_timeout)
+            what = "the model sent nothing for" if request.phase is Phase.WRITING else "no answer from the model within"
+            request.stopped = GatewayTimeout(f"{what} {conn.predict_timeout:g}s (option.predict_timeout)")
             task.cancel()
             continue
         sock = request.sock if request.sock is not None else body.sock if body is not None else None

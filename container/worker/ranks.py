@@ -26,13 +26,14 @@ supervisor restarts the whole group.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import secrets
 import socket
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -42,6 +43,7 @@ from container.core.cluster import HANDSHAKE_TIMEOUT, Channel, ClusterError
 from container.core.protocol import (
     METRICS_PATH,
     Chunk,
+    Fail,
     FrameBuffer,
     Invoke,
     Message,
@@ -314,3 +316,64 @@ class Follower:
             self._peer.send(encode(message))
         except OSError as exc:
             log.warning("could not send %s to rank 0: %s", type(message).__name__, exc)
+
+
+class DroppedAnswers:
+    """Where the answers of a rank other than 0 go: nowhere (rank 0's answer is the group's)."""
+
+    def __init__(self) -> None:
+        self.tasks: dict[str, asyncio.Task] = {}
+
+    async def send(self, message: Message) -> None:
+        if isinstance(message, Fail):
+            log.warning("this rank's answer was an error (rank 0 answers the client): %s", message.error)
+
+    def add_chunk(self, request_id: str, data: bytes) -> bool:
+        return False
+
+    def has_client(self, request_id: str) -> bool:
+        return False
+
+    def stop_reason(self, request_id: str) -> Exception | None:
+        return None
+
+    def answer_headers(self, code: int, headers: dict[str, str]) -> dict[str, str]:
+        return headers
+
+    def stopped(self, request_id: str) -> Exception | None:
+        return None
+
+    async def delivered(self) -> None:
+        pass
+
+    def open_client(self, request_id: str, code: int, headers: Mapping[str, str], length: int | None) -> None:
+        pass
+
+    async def end_client(
+        self, request_id: str, error: Exception | None = None, tokens: tuple[int | None, int | None] = (None, None)
+    ) -> None:
+        pass
+
+    def release_client(self, request_id: str) -> bool:
+        return False
+
+    def expect_stream(self, request_id: str) -> None:
+        pass
+
+    async def finish_stream(self, request_id: str) -> int:
+        return 0
+
+    def direct_bytes(self, request_id: str) -> int:
+        return 0
+
+    def stop_stream(self, request_id: str) -> bool:
+        return False
+
+    def drop_stream(self, request_id: str) -> None:
+        pass
+
+    async def wait_writable(self, request_id: str | None = None) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -60,11 +60,11 @@ from container.core.protocol import (
 from container.worker.adapters import AdapterTable
 from container.worker.batching import Batcher
 from container.worker.calls import Calls
-from container.worker.connection import Connection, DroppedAnswers, PeerGone
-from container.worker.direct import DescriptorChannel
+from container.worker.connection import Connection, DescriptorChannel, PeerGone
 from container.worker.handoff import Handoffs
 from container.worker.observe import Observer, metrics_text
 from container.worker.priority import EnginePriority
+from container.worker.ranks import DroppedAnswers
 from container.worker.requests import Inputs, split_batch, to_output
 from handlers.api import Input, Output
 from handlers.api.context import Formatters, WorkerContext, set_current
@@ -92,7 +92,7 @@ class Worker:
         self.engine: Engine | None = None  # the built-in engine this process runs, once started
         self.executor = ThreadPoolExecutor(max_workers=self.settings.sync_handler_threads, thread_name_prefix="handler")
         self.connections: set[Connection] = set()
-        self.channel: DescriptorChannel | None = None  # rank 0's descriptor channel (container.worker.direct)
+        self.channel: DescriptorChannel | None = None  # rank 0's descriptor channel (container.worker.connection)
         self.dropped = DroppedAnswers()
         self.batcher: Batcher[Connection | DroppedAnswers] | None = None
         self.inputs = Inputs(max_parts=self.settings.max_multipart_parts)  # the handler's, once it is loaded

@@ -41,8 +41,8 @@ from container.core.settings import Settings
 from handlers.api import Input, Output
 from handlers.api.context import WorkerContext
 from handlers.api.engine import Engine, Formatters
+from handlers.engines.invocation_forms import check_prompt_count
 from handlers.engines.lmi_schema import Formatter, Generation, LmiRequest, TokenInfo, parse_request
-from handlers.engines.prompts import check_prompt_count
 from handlers.engines.token_streamer import TokenStreamer
 
 log = logging.getLogger("sagelmi.accelerate")

@@ -39,11 +39,10 @@ class EngineSessions:
                 properties["sessions_path"] = settings.sessions_path
             self.manager = SessionManager(properties)
 
-    def check(self, inputs: Input) -> None:
-        """Refuse a request that names a session this group does not hold (unknown,
-        closed or expired), or any session when sessions are off."""
-        session_id = inputs.get_property(SESSION_ID)
-        if session_id is None or session_id == NEW_SESSION:
+    def check(self, session_id: str) -> None:
+        """Refuse a request that names ``session_id``, a session this group does not hold
+        (unknown, closed or expired), or any session when sessions are off."""
+        if session_id == NEW_SESSION:
             return
         manager = self._enabled(f"{SESSION_ID} {session_id}")
         try:

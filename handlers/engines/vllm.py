@@ -54,14 +54,14 @@ from container.core.errors import InputError, one_line
 from container.core.logs import redacted_json
 from container.core.request_priority import header_priority
 from container.core.served_names import served_names
+from container.core.sessions import SESSION_ID
 from handlers.api import Input, Output
 from handlers.api.context import WorkerContext
 from handlers.api.engine import Engine, Formatters
 from handlers.engines import vllm_media, vllm_platform
 from handlers.engines.formatters import format_request, formatted, unbound
-from handlers.engines.invocation_forms import GENERATION_KINDS, invocation_kind
+from handlers.engines.invocation_forms import GENERATION_KINDS, check_prompt_count, invocation_kind
 from handlers.engines.lmi_schema import Formatter
-from handlers.engines.prompts import check_prompt_count
 from handlers.engines.rolling_formatter import RollingBatchFormatter, takes_request_output
 from handlers.engines.sessions import EngineSessions
 from handlers.engines.vllm_adapters import ADAPTER_HEADER, Adapters
@@ -268,7 +268,9 @@ class VllmEngine(Engine):
         ``TextGenerationOutput`` per token, or an answer as a dict, in; text out)."""
         if inputs.is_empty():
             return None
-        self.sessions.check(inputs)
+        session_id = inputs.get_property(SESSION_ID)
+        if session_id is not None:  # a request naming a stateful session: it must be one this group holds
+            self.sessions.check(session_id)
         output = await self._route(inputs)
         if self.answer_formatter is not None and output.code < 300:
             output = formatted(output, self.answer_formatter)

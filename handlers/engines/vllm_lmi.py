@@ -66,7 +66,10 @@ class LmiFront:
                 "'inputs' must be one prompt (a string): model.py's @output_formatter takes one "
                 "TextGenerationOutput per request, as in LMI's rolling batch"
             )
-        loras = self.adapters.for_lmi(body, header, len(request.prompts))
+        if header or "adapters" in body:
+            loras = self.adapters.for_lmi(body, header, len(request.prompts))
+        else:  # no adapter named: the base model for every prompt
+            loras = [None] * len(request.prompts)
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
         arguments = dict(request.sampling)
         structured = "structured_outputs" in arguments

@@ -92,21 +92,24 @@ def counted(outputs: AsyncIterator[Any], params: Any) -> AsyncIterator[Any]:
 
 async def _counted(outputs: AsyncIterator[Any], usage: RequestUsage, params: Any) -> AsyncIterator[Any]:
     """``outputs``, counting into ``usage``: the prompt once, then each delta's tokens
-    (``DELTA`` outputs), or the last output's (cumulative and final-only ones)."""
+    (``DELTA`` outputs), or the last output's (cumulative and final-only ones). Counted here, and
+    added to ``usage`` once at the end (read after the answer: its ``End``, its span)."""
     delta = getattr(params, "output_kind", None) == RequestOutputKind.DELTA
-    prompt_counted = False
+    prompt: int | None = None
+    deltas: int | None = None  # DELTA outputs' tokens, once one came
     generated: dict[int, int] = {}
     try:
         async for output in outputs:
-            if not prompt_counted and output.prompt_token_ids is not None:
-                usage.add(prompt=len(output.prompt_token_ids))
-                prompt_counted = True
+            if prompt is None and output.prompt_token_ids is not None:
+                prompt = len(output.prompt_token_ids)
             for completion in output.outputs:
                 if delta:
-                    usage.add(completion=len(completion.token_ids))
+                    deltas = (deltas or 0) + len(completion.token_ids)
                 else:
                     generated[completion.index] = len(completion.token_ids)
             yield output
     finally:
-        if generated:
-            usage.add(completion=sum(generated.values()))
+        if prompt is not None:
+            usage.prompt_tokens = (usage.prompt_tokens or 0) + prompt
+        if deltas is not None or generated:
+            usage.completion_tokens = (usage.completion_tokens or 0) + (deltas or 0) + sum(generated.values())

@@ -1,5 +1,5 @@
 """A streamed answer's body written by the worker to the client's socket itself
-(container/worker/direct.py, Connection.attach), over real sockets on uvloop: the frontend's
+(container/worker/handoff.py: DirectBody, Connection.attach), over real sockets on uvloop: the frontend's
 connection is a socket pair, the client's a TCP connection on loopback, the descriptor
 handed over as the frontend does (send_with_fd on the descriptor channel)."""
 
@@ -11,9 +11,10 @@ import pytest
 import uvloop
 
 from container.core.protocol import Attach, Chunk, End, FrameBuffer, Head, progress, send_with_fd
-from container.worker import direct
+from container.worker import handoff as direct
 from container.worker.connection import Connection
-from container.worker.direct import ClientGone, DescriptorChannel
+from container.worker.connection import DescriptorChannel
+from container.worker.handoff import ClientGone
 
 
 def chunked(*pieces: bytes) -> bytes:

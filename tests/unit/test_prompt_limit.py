@@ -7,7 +7,7 @@ import time
 import pytest
 
 from container.core.errors import InputError, describe
-from handlers.engines.prompts import PROMPT_FIELDS, check_prompt_count, prompt_count
+from handlers.engines.invocation_forms import PROMPT_FIELDS, check_prompt_count, prompt_count
 
 LIMIT = 1024
 MANY = 5000

@@ -236,18 +236,17 @@ def test_the_built_in_engine_opens_checks_and_closes_sessions(tmp_path):
     opened = sessions.answer(Input({}, b"{}"), {"requestType": "NEW_SESSION"})
     session_id, expires = parse_new_session(opened.get_property("X-Amzn-SageMaker-New-Session-Id"))
     assert 88 < expires - time.time() <= 90 and (tmp_path / "s" / session_id).is_dir()
-    sessions.check(named(session_id))
-    sessions.check(Input({}, b"{}"))
+    sessions.check(session_id)
     closed = sessions.answer(named(session_id), {"requestType": "CLOSE"})
     assert closed.get_property("X-Amzn-SageMaker-Closed-Session-Id") == session_id
     with pytest.raises(InputError, match=f"session {session_id} is not open on this server"):
-        sessions.check(named(session_id))
+        sessions.check(session_id)
     with pytest.raises(InputError, match="is not open on this server"):
         sessions.answer(named(session_id), {"requestType": "CLOSE"})
     late = sessions.manager.create_session()
     late.expiration_ts = time.time() - 1
     with pytest.raises(InputError, match=f"session {late.session_id} has expired"):
-        sessions.check(named(late.session_id))
+        sessions.check(late.session_id)
 
 
 def test_the_built_in_engine_caps_open_sessions(tmp_path):
@@ -263,7 +262,7 @@ def test_the_built_in_engine_caps_open_sessions(tmp_path):
 def test_the_built_in_engine_without_sessions_refuses_them(tmp_path):
     sessions = engine_sessions(tmp_path, OPTION_ENABLE_STATEFUL_SESSIONS="false")
     with pytest.raises(InputError, match="option.enable_stateful_sessions=false"):
-        sessions.check(named(ID))
+        sessions.check(ID)
     with pytest.raises(InputError, match="option.enable_stateful_sessions=false"):
         sessions.answer(Input({}, b"{}"), {"requestType": "NEW_SESSION"})
     assert not (tmp_path / "s").exists()
