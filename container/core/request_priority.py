@@ -35,8 +35,12 @@ def header_priority(properties: Mapping[str, str]) -> int | None:
     case), or None without one. Raises ``InputError`` naming the header for a value that is not
     a whole number within [``PRIORITY_MIN``, ``PRIORITY_MAX``]."""
     raw = next((value for key, value in properties.items() if key.lower() == PROPERTY), None)
-    if raw is None:
-        return None
+    return None if raw is None else parse_priority(raw)
+
+
+def parse_priority(raw: str) -> int:
+    """The priority an ``X-Priority`` value names; ``InputError`` naming the header for one that is
+    not a whole number within [``PRIORITY_MIN``, ``PRIORITY_MAX``]."""
     text = raw.strip()
     digits = text[1:] if text[:1] in "+-" else text
     if not digits.isascii() or not digits.isdigit() or len(digits) > 19:  # 19 digits hold every int64

@@ -39,7 +39,8 @@ from container.core.errors import AnswerError, HandlerError, InputError, Serving
 from container.core.handler_choice import mpirun_groups
 from container.core.protocol import Invoke
 from container.core.request_priority import HEADER as PRIORITY_HEADER
-from container.core.request_priority import check_allowed, header_priority
+from container.core.request_priority import PROPERTY as PRIORITY_PROPERTY
+from container.core.request_priority import check_allowed, parse_priority
 from container.core.settings import Settings
 from handlers.api import Input, Output
 from handlers.api.engine import Engine
@@ -90,7 +91,9 @@ class Inputs:
         reads no forms (``UnsupportedMediaType``), one with more than ``max_parts`` parts
         (``InputError``). Costs a look at two headers, and for multipart one scan of the body."""
         try:
-            check_allowed(header_priority(message.properties), PRIORITY_HEADER, self.priority_scheduling)
+            raw = _property(message.properties, PRIORITY_PROPERTY)
+            if raw is not None:  # a request that names no priority runs no priority code
+                check_allowed(parse_priority(raw), PRIORITY_HEADER, self.priority_scheduling)
         except InputError as exc:
             return exc
         if _media_type(message) != MULTIPART:
@@ -121,8 +124,13 @@ class Inputs:
         return functools.partial(batch_input, messages, self), any(self.parses_form(m) for m in messages)
 
 
+def _property(properties: dict[str, str], name: str) -> str | None:
+    """The request property ``name`` (lower case), matched without regard to case."""
+    return next((v for k, v in properties.items() if k.lower() == name), None)
+
+
 def _content_type(properties: dict[str, str]) -> str:
-    return next((v for k, v in properties.items() if k.lower() == "content-type"), "")
+    return _property(properties, "content-type") or ""
 
 
 def _media_type(message: Invoke) -> str:

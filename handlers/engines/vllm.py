@@ -52,7 +52,8 @@ from container.core import proc
 from container.core.chat_options import chat_options
 from container.core.errors import InputError, one_line
 from container.core.logs import redacted_json
-from container.core.request_priority import header_priority
+from container.core.request_priority import HEADER as PRIORITY_HEADER
+from container.core.request_priority import parse_priority
 from container.core.served_names import served_names
 from container.core.sessions import SESSION_ID
 from handlers.api import Input, Output
@@ -287,7 +288,8 @@ class VllmEngine(Engine):
         if not isinstance(body, dict):
             raise InputError("the request body must be a JSON object")
         header = inputs.get_property(ADAPTER_HEADER)
-        priority = header_priority(inputs.properties)  # X-Priority: the worker refused a bad one already
+        raw = inputs.get_property(PRIORITY_HEADER)  # X-Priority: the worker refused a bad one already
+        priority = parse_priority(raw) if raw is not None else None
         if path in ("/tokenize", "/detokenize"):
             return await self._openai(path[1:], body, header, path)
         if path == "/invocations":

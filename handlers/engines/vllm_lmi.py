@@ -56,11 +56,11 @@ class LmiFront:
         formatter makes of the tokens (one prompt per request, as in LMI's rolling batch).
         ``priority``: the request's ``X-Priority``, which wins over ``parameters.priority``."""
         request = parse_request(body, self.sampling_fields, vllm_envs.VLLM_MAX_STOP_STRINGS)
+        where = PRIORITY_HEADER
         if priority is None:
-            priority = request.parameters.priority or 0
-            check_allowed(priority, "parameters.priority", self.priority_scheduling)
-        else:
-            check_allowed(priority, PRIORITY_HEADER, self.priority_scheduling)
+            priority, where = request.parameters.priority or 0, "parameters.priority"
+        if priority:  # 0 (none named) is always allowed
+            check_allowed(priority, where, self.priority_scheduling)
         if rolling is not None and request.batched:
             raise InputError(
                 "'inputs' must be one prompt (a string): model.py's @output_formatter takes one "
