@@ -88,6 +88,9 @@ class Connection:
         self.clients: dict[str, ClientRequest] = {}  # requests read here, answered here (handoff)
         self.predict_timeout = 0.0  # set by the worker: a handler silent this long has its request stopped
         self.sessions_expiration: float | None = None  # set by the worker when stateful sessions are on
+        # Set by the worker: stops a request as the frontend's Cancel does (relayed to an MPI group's
+        # other ranks), for one rank 0 stops itself
+        self.cancel: Callable[[str], None] = lambda request_id: None
         self._sweeping = False
         self.bodies: dict[str, DirectBody] = {}  # streamed answers not relayed to the frontend
         self._touched: list[DirectBody] = []  # bodies with pieces for the next write

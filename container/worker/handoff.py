@@ -470,8 +470,7 @@ def sweep(conn: Connection) -> None:
     produced nothing for ``predict_timeout`` (504) and those whose client left (499)."""
     now = monotonic()
     for request in list(conn.clients.values()):
-        task = conn.tasks.get(request.id)
-        if task is None or request.phase not in (Phase.SERVING, Phase.WRITING) or request.stopped is not None:
+        if request.phase not in (Phase.SERVING, Phase.WRITING) or request.stopped is not None:
             continue
         body = conn.bodies.get(request.id)
         produced = body.sent + body.pending if body is not None else -1
@@ -480,12 +479,12 @@ def sweep(conn: Connection) -> None:
         elif conn.predict_timeout and now - request.produced_at >= conn.predict_timeout:
             what = "the model sent nothing for" if request.phase is Phase.WRITING else "no answer from the model within"
             request.stopped = GatewayTimeout(f"{what} {conn.predict_timeout:g}s (option.predict_timeout)")
-            task.cancel()
+            conn.cancel(request.id)
             continue
         sock = request.sock if request.sock is not None else body.sock if body is not None else None
         if sock is not None and _client_left(sock):
             request.stopped = ClientClosedRequest("the client closed the connection before the answer was ready")
-            task.cancel()
+            conn.cancel(request.id)
 
 
 def _client_left(sock: socket.socket) -> bool:

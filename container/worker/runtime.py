@@ -324,6 +324,7 @@ class Worker:
     async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn = Connection(reader, writer, self.channel)
         conn.predict_timeout = self.settings.predict_timeout
+        conn.cancel = lambda request_id: self._dispatch(conn, Cancel(id=request_id))
         if self.settings.enable_stateful_sessions:
             conn.sessions_expiration = self.settings.sessions_expiration
         self.connections.add(conn)
@@ -368,6 +369,8 @@ class Worker:
             if task is None:
                 if self.batcher is not None:
                     self.batcher.cancel(message.id)
+                if conn.has_client(message.id):  # stopped by rank 0 while it waited for its batch
+                    self.loop.create_task(conn.end_client(message.id, conn.stop_reason(message.id)))
                 return
             if (leader := self._relay()) is not None:
                 leader.send(message)
@@ -376,11 +379,8 @@ class Worker:
             log.warning("ignoring unexpected %s message", type(message).__name__)
 
     def _relay(self) -> Leader | None:
-        """Rank 0 of an MPI group hands requests and cancels to the other ranks: the leader then,
-        else ``None``."""
-        if self.leader is None or self.handler is None:
-            return None
-        return self.leader
+        """The leader, once its handler is loaded: rank 0 of an MPI group relays requests and cancels."""
+        return self.leader if self.handler is not None else None
 
     def _start_request(self, conn: Connection | DroppedAnswers, message: Invoke) -> asyncio.Task:
         request_id = message.properties.get("requestId", message.id)
