@@ -92,6 +92,7 @@ class Connection:
         # other ranks), for one rank 0 stops itself
         self.cancel: Callable[[str], None] = lambda request_id: None
         self._sweeping = False
+        self._scheduled = False  # a pass is scheduled (_pass): one at a time
         self.bodies: dict[str, DirectBody] = {}  # streamed answers not relayed to the frontend
         self._touched: list[DirectBody] = []  # bodies with pieces for the next write
         self._queue: list[bytes | _Body] = []  # frames, and bodies still open to more chunks
@@ -116,10 +117,7 @@ class Connection:
 
     def queue(self, message: Message) -> None:
         """Queue ``message`` (not a ``Chunk`` of body bytes: ``add_chunk``) without waiting for the frontend to read."""
-        if not self._queue and not self._touched:
-            self._due = monotonic() + COALESCE_SECONDS  # not loop.time(): uvloop's counts whole milliseconds
-            self._call_soon(self._pass_soon)
-        self._added = True
+        self._wake()
         request_id = getattr(message, "id", None)
         if request_id is not None:
             self._open.pop(request_id, None)
@@ -160,18 +158,22 @@ class Connection:
             return body.add(data)
         return self._relay_chunk(request_id, data)
 
-    def _touch(self, body: DirectBody) -> None:
+    def _wake(self) -> None:
+        """Something was queued: the write is due ``COALESCE_SECONDS`` after the first of it, and one
+        pass of the loop (one, whoever queued) looks at it."""
         if not self._queue and not self._touched:
-            self._due = monotonic() + COALESCE_SECONDS
+            self._due = monotonic() + COALESCE_SECONDS  # not loop.time(): uvloop's counts whole milliseconds
+        if not self._scheduled:
+            self._scheduled = True
             self._call_soon(self._pass_soon)
         self._added = True
-        self._touched.append(body)
+
+    def _touch(self, body: DirectBody) -> None:
+        self._wake()
+        self._touched.append(body)  # (twice at a stream's start: its second write finds nothing)
 
     def _relay_chunk(self, request_id: str, data: bytes) -> bool:
-        if not self._queue and not self._touched:
-            self._due = monotonic() + COALESCE_SECONDS
-            self._call_soon(self._pass_soon)
-        self._added = True
+        self._wake()
         body = self._open.get(request_id)
         if body is not None:
             body.parts.append(data)
@@ -204,11 +206,14 @@ class Connection:
 
     async def delivered(self) -> None:
         """Wait until what was queued for the frontend has left (a ``Head`` the frontend must have
-        before the client gets anything); raises ``PeerGone`` once the connection is closed."""
+        before the client gets anything); raises ``PeerGone`` once the connection is closed.
+        uvloop sends what a pass wrote at the pass's end: one pass is the usual wait."""
+        passes = 0
         while self.writer.transport.get_write_buffer_size():
             if self.writer.is_closing():
                 raise PeerGone("the connection to the frontend is closed")
-            await asyncio.sleep(0.001)
+            passes += 1
+            await asyncio.sleep(0 if passes < 8 else 0.001)  # a frontend that reads slowly: no spinning
 
     def answer_headers(self, code: int, headers: dict[str, str]) -> dict[str, str]:
         """The headers of an answer written here, with SageMaker's session headers where the
@@ -343,6 +348,7 @@ class Connection:
             self._added = False
             self._call_soon(self._pass_soon)
             return
+        self._scheduled = False
         self._flush()
 
     def send_now(self, message: Message) -> None:
