@@ -185,6 +185,7 @@ class Attach(msgspec.Struct, tag="attach", frozen=True, omit_defaults=True):
     head: ResponseHead | None = None
     max_body: int = 0
     seen: bool = False  # a hand-off whose whole request the frontend saw (its fingerprint): no Taken
+    trace: dict[str, str] = {}  # a hand-off's: the frontend span's W3C headers (tracing on), the worker's parent
 
 
 class Taken(msgspec.Struct, tag="taken", frozen=True):

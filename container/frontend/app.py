@@ -146,7 +146,7 @@ def create_app(launch: FrontendLaunch) -> Flask:
     # for what they do not answer: a wrong method (405), OPTIONS, HEAD of GET /v1/models.
     # Streamed requests sent to their group before a thread reads them; not with tracing on (the
     # frontend's span, whose context the group's continues, starts once the request is read)
-    early = EarlyRequests(router, launch, requests, enabled=tracer is None)
+    early = EarlyRequests(router, launch, requests)
     app.extensions["sagelmi.early"] = early
     handler_routes = HandlerRoutes(router, launch, requests, tracer, app.wsgi_app)
 

@@ -71,13 +71,14 @@ class RequestLog:
         path: str,
         route: str,
         traced: bool = True,
-        early: tuple[str, float] | None = None,
+        bind: bool = True,
     ) -> Exchange:
         """A request arrived: its id (the client's ``INFERENCE_ID``, else a new one) becomes
-        the context's for the log, and with tracing on (and ``traced``) its span starts.
-        ``early``: the id and arrival of a request taken early (``container.frontend.early``)."""
-        request_id, started = early or (headers.get(INFERENCE_ID) or uuid.uuid4().hex, time.monotonic())
-        request_id_var.set(request_id)
+        the context's for the log (unless not ``bind``: the main loop's, which serves many), and
+        with tracing on (and ``traced``) its span starts."""
+        request_id, started = headers.get(INFERENCE_ID) or uuid.uuid4().hex, time.monotonic()
+        if bind:
+            request_id_var.set(request_id)
         exchange = Exchange(request_id, method, path, route, started)
         if self.tracer is not None and traced:
             attributes = {"http.request.method": method, "url.path": path, "http.route": route}

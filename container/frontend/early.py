@@ -4,8 +4,7 @@ them and answers it itself (``container.worker.handoff``); no request thread fol
 A connection goes so when its next request's head is whole and plain (``ingress.parse_head``), on
 one of the handler's routes with its method (``ROUTES``), over HTTP/1.1, and the request needs
 nothing the frontend does between reading a request and answering it: no body framed otherwise
-than by ``Content-Length``, no ``Expect``, no protocol change, no stateful session (the frontend
-routes them), no tracing (the frontend's span), no draining, no
+than by ``Content-Length``, no ``Expect``, no protocol change, no draining, no
 request refused as poisonous; admission and routing must take it. Anything else goes to a request
 thread (``container.frontend.invocations``).
 
@@ -31,6 +30,7 @@ import uuid
 from typing import Any, Protocol
 
 from gunicorn import SERVER
+from werkzeug.datastructures import Headers as WerkzeugHeaders
 
 from container.core.errors import ServiceUnavailable, ServingError, describe, in_band_error
 from container.core.ingress import (
@@ -44,7 +44,7 @@ from container.core.ingress import (
 )
 from container.core.launch import FrontendLaunch
 from container.core.protocol import Chunk, End, Fail, Head, ResponseHead, Taken
-from container.core.sessions import SESSION_HEADERS
+from container.core.sessions import SESSION_HEADERS, SESSION_ID
 from container.frontend.completion import Answer, Exchange, RequestLog
 from container.frontend.invocations import ROUTES
 from container.frontend.main_loop import json_answer
@@ -52,9 +52,9 @@ from container.frontend.router import Router
 
 log = logging.getLogger("sagelmi.frontend")
 
-# Headers that make a request one the frontend must read: a body framed otherwise, a session
-# (routed by the frontend to the group holding it), an interim answer, a protocol change.
-_DECLINED = frozenset({"transfer-encoding", "expect", "upgrade", "x-amzn-sagemaker-session-id", "http2-settings", "te"})
+# Headers that make a request one the frontend must read: a body framed otherwise, an interim
+# answer, a protocol change.
+_DECLINED = frozenset({"transfer-encoding", "expect", "upgrade", "http2-settings", "te"})
 _METHODS = tuple(f"{method} ".encode() for method in set(ROUTES.values()))
 
 
@@ -79,16 +79,16 @@ class HandedOff:
     """One connection handed to a group, until its ``End``: what the reader thread of the group's
     connection learns of it (``deliver``), or the group's loss (``fail``)."""
 
-    def __init__(self, owner: EarlyRequests, group: Any, conn: Any, method: str, path: str, request_id: str) -> None:
+    def __init__(self, owner: EarlyRequests, group: Any, conn: Any, exchange: Exchange) -> None:
         self.id = uuid.uuid4().hex
         self.owner = owner
         self.group = group
         self.conn = conn
-        self.method = method
-        self.path = path
-        self.request_id = request_id
-        self.admitted = time.monotonic()
+        self.exchange = exchange  # its id, route, arrival, span: what its completion line says
+        self.path = exchange.path
+        self.request_id = exchange.request_id
         self.incarnation = group.incarnation
+        self.asked: str | None = None  # the session the request names
         self.stage = Stage.SENT
         self.tag: tuple[str, str, str] | None = None  # (fingerprint, request id, route): GroupClient.on_lost
         self.head: Head | None = None
@@ -102,9 +102,9 @@ class HandedOff:
                 self.stage = Stage.READ
             elif isinstance(message, Head):
                 self.head, self.head_at, self.stage = message, time.monotonic(), Stage.ANSWERING
-                if any(name.lower() in SESSION_HEADERS for name in message.headers):  # an answer that opened a session
+                if any(name.lower() in SESSION_HEADERS for name in message.headers):  # it opened or closed one
                     self.owner.router.sessions.observe(
-                        None, self.group, self.incarnation, message.code, message.headers
+                        self.asked, self.group, self.incarnation, message.code, message.headers
                     )
             elif isinstance(message, Chunk):
                 self.torn = message.torn  # progress of the body rank 0 writes
@@ -118,7 +118,7 @@ class HandedOff:
 
 
 class EarlyRequests:
-    def __init__(self, router: Router, launch: FrontendLaunch, requests: RequestLog, enabled: bool) -> None:
+    def __init__(self, router: Router, launch: FrontendLaunch, requests: RequestLog, enabled: bool = True) -> None:
         self.router = router
         self.launch = launch
         self.requests = requests
@@ -159,13 +159,18 @@ class EarlyRequests:
             router.admit()
         except ServingError:
             return False  # refused by a request thread, as any other request
+        session_id = head.header(SESSION_ID)
         try:
-            group = router.pick()
+            group = router.pick_for(session_id)  # the group holding the session it names, if it names one
         except ServingError:
             router.release()
-            return False
-        request_id = head.header(INFERENCE_ID) or uuid.uuid4().hex
-        record = HandedOff(self, group, conn, head.method, head.path, request_id)
+            return False  # refused by a request thread (400 for a session not held ...)
+        exchange = self.requests.begin(WerkzeugHeaders(head.headers), head.method, head.path, head.path, bind=False)
+        request_id = exchange.request_id
+        record = HandedOff(self, group, conn, exchange)
+        record.asked = session_id
+        tracer = self.requests.tracer
+        trace = tracer.headers_of(exchange.span) if tracer is not None and exchange.span is not None else {}
         end = head.size + (head.length or 0)
         if len(data) >= end:  # the whole request was peeked: its fingerprint is known before rank 0 reads it
             record.tag = (fingerprint(f"{head.path}?{head.query}", data[head.size : end]), request_id, head.path)
@@ -173,9 +178,11 @@ class EarlyRequests:
         given = ResponseHead("HTTP/1.1", SERVER, close, {GROUP_HEADER: group.name, INFERENCE_ID: request_id})
         conn.sock.setblocking(True)  # the mode a request thread serves it in, which rank 0's writes keep
         try:
-            group.hand_off(conn.sock, given, self.launch.max_payload_bytes, record, seen=record.tag is not None)
+            group.hand_off(conn.sock, given, self.launch.max_payload_bytes, record, record.tag is not None, trace)
         except ServingError:
             router.release()
+            if exchange.span is not None:
+                exchange.span.end()
             return False
         self.metrics.read_early.inc()
         return True
@@ -216,9 +223,10 @@ class EarlyRequests:
         answer = Answer(streamed=bool(head and head.stream), outcome=outcome, bytes=end.body_bytes if end else 0)
         if end is not None:
             answer.prompt_tokens, answer.completion_tokens = end.prompt_tokens, end.completion_tokens
+        exchange = record.exchange
         if head is not None and head.started:
-            answer.queue_wait = head.started - record.admitted
-        exchange = Exchange(record.request_id, record.method, record.path, record.path, record.admitted, answer=answer)
+            answer.queue_wait = head.started - exchange.started
+        exchange.answer = answer
         whole = None if head is None or head.stream else answer.bytes
         try:
             self.requests.finish(exchange, code, whole, record.head_at)()

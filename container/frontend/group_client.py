@@ -139,14 +139,22 @@ class GroupClient:
         return pending
 
     def hand_off(
-        self, client: socket.socket, head: ResponseHead, max_body: int, answered: Answered, seen: bool = False
+        self,
+        client: socket.socket,
+        head: ResponseHead,
+        max_body: int,
+        answered: Answered,
+        seen: bool = False,
+        trace: dict[str, str] | None = None,
     ) -> None:
         """Hand a client's connection to the group with its next request unread (an ``Attach`` with
         ``head``): rank 0 reads the request and answers it on that connection; ``answered`` learns
         what rank 0 says of it. Raises ``ServiceUnavailable`` if the group is not ready or its
-        descriptor channel did not take it. ``seen``: the frontend saw the whole request (no ``Taken``)."""
+        descriptor channel did not take it. ``seen``: the frontend saw the whole request (no ``Taken``);
+        ``trace``: its span's W3C headers (tracing on)."""
         self._register(answered, require_ready=True)
-        if not self._hand_over(Attach(id=answered.id, head=head, max_body=max_body, seen=seen), client):
+        attach = Attach(id=answered.id, head=head, max_body=max_body, seen=seen, trace=trace or {})
+        if not self._hand_over(attach, client):
             self._pending.pop(answered.id, None)
             raise ServiceUnavailable(f"worker group {self.name}'s descriptor channel is not available")
 

@@ -177,7 +177,7 @@ class Calls:
         if client:
             if (stopped := conn.stopped(rid)) is not None:
                 raise stopped  # rank 0 stopped it (a timeout, its client gone): the handler's late answer is not sent
-            headers = conn.answer_headers(output.code, headers)
+            headers = conn.answer_headers(rid, output.code, headers)
         if streaming and not client:
             conn.expect_stream(rid)
         body = b"" if streaming else output.body()

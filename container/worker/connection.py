@@ -215,15 +215,15 @@ class Connection:
             passes += 1
             await asyncio.sleep(0 if passes < 8 else 0.001)  # a frontend that reads slowly: no spinning
 
-    def answer_headers(self, code: int, headers: dict[str, str]) -> dict[str, str]:
+    def answer_headers(self, request_id: str, code: int, headers: dict[str, str]) -> dict[str, str]:
         """The headers of an answer written here, with SageMaker's session headers where the
-        handler opened a session in LMI's form only (as the frontend completes its answers'; it
-        learns the session from the ``Head``)."""
+        handler opened or closed a session in LMI's or DJL's form only (as the frontend completes
+        its answers'; it learns the session from the ``Head``)."""
         if self.sessions_expiration is None or code >= 300:
             return headers
         if not any(name.lower() in SESSION_HEADERS for name in headers):
             return headers
-        return answer_sessions(None, headers, self.sessions_expiration)[0]
+        return answer_sessions(self.clients[request_id].session, headers, self.sessions_expiration)[0]
 
     def open_client(self, request_id: str, code: int, headers: Mapping[str, str], length: int | None) -> None:
         """Start writing the answer of request ``request_id``, read here: its HTTP head (``code``, the

@@ -51,6 +51,7 @@ from container.core.ingress import (
     request_properties,
 )
 from container.core.protocol import Attach, End, Head, Invoke, ResponseHead, Taken
+from container.core.sessions import SESSION_ID
 
 if TYPE_CHECKING:
     from container.worker.connection import Connection
@@ -250,6 +251,8 @@ class ClientRequest:
         self.path = head.path
         self.query = head.query
         self.request_id = given.headers.get(INFERENCE_ID) or head.header(INFERENCE_ID) or uuid.uuid4().hex
+        self.session = head.header(SESSION_ID)  # the stateful session the request names
+        self.trace = attach.trace or None  # the frontend span's W3C headers: the worker's span's parent
         close = given.close or not head.keep_alive
         ours = {**given.headers, INFERENCE_ID: self.request_id}
         self.answer_head = ResponseHead(given.version, given.server, close, ours)
@@ -345,7 +348,7 @@ class Handoffs:
             conn.queue(Taken(request.id, request.request_id, head.path, print_))
         invoke = Invoke(
             id=request.id,
-            properties=request_properties(head.headers, request.request_id),
+            properties=request_properties(head.headers, request.request_id, request.trace),
             body=body,
             path=head.path,
             query=head.query,

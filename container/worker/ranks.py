@@ -337,7 +337,7 @@ class DroppedAnswers:
     def stop_reason(self, request_id: str) -> Exception | None:
         return None
 
-    def answer_headers(self, code: int, headers: dict[str, str]) -> dict[str, str]:
+    def answer_headers(self, request_id: str, code: int, headers: dict[str, str]) -> dict[str, str]:
         return headers
 
     def stopped(self, request_id: str) -> Exception | None:
