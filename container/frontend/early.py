@@ -37,6 +37,7 @@ from container.core.ingress import (
     END_OF_CHUNKS,
     GROUP_HEADER,
     INFERENCE_ID,
+    RequestHead,
     chunk,
     fingerprint,
     parse_head,
@@ -52,9 +53,8 @@ from container.frontend.router import Router
 
 log = logging.getLogger("sagelmi.frontend")
 
-# Headers that make a request one the frontend must read: a body framed otherwise, an interim
-# answer, a protocol change.
-_DECLINED = frozenset({"transfer-encoding", "expect", "upgrade", "http2-settings", "te"})
+# Headers that make a request one the frontend must read: a body framed otherwise, a protocol change.
+_DECLINED = frozenset({"transfer-encoding", "upgrade", "http2-settings", "te"})
 _METHODS = tuple(f"{method} ".encode() for method in set(ROUTES.values()))
 
 
@@ -94,6 +94,7 @@ class HandedOff:
         self.head: Head | None = None
         self.head_at = 0.0
         self.torn = False  # the client's socket holds part of an HTTP chunk (protocol: Chunk.torn)
+        self.chunked = True  # a stream's body is HTTP/1.1 chunks
 
     def deliver(self, messages: list) -> None:
         for message in messages:
@@ -135,6 +136,26 @@ class EarlyRequests:
         start = start.lstrip(b"\r\n")
         return any(method.startswith(start[: len(method)]) or start.startswith(method) for method in _METHODS)
 
+    def takes(self, data: bytes) -> bool:
+        """Whether the request whose head ``data`` starts with is one ``send`` hands over (unless
+        admission or routing refuse it)."""
+        return self.enabled and self._takeable(data) is not None
+
+    @staticmethod
+    def _takeable(data: bytes) -> RequestHead | None:
+        head = parse_head(data)
+        if head is None or ROUTES.get(head.path) != head.method:
+            return None
+        for name, value in head.headers:
+            lowered = name.lower()
+            if lowered in _DECLINED:
+                return None
+            if lowered == "expect" and value.lower() != "100-continue":
+                return None  # an expectation rank 0 does not meet: gunicorn's 417
+            if lowered == "connection" and {t.strip().lower() for t in value.split(",")} - {"close", "keep-alive"}:
+                return None  # an upgrade or a hop-by-hop header list: gunicorn's to read
+        return head
+
     def send(self, conn: Any, close: bool, data: bytes) -> bool:
         """gthread's main loop, a connection whose next request's head is there (``data``, peeked):
         hand it to a group unread if that request may be (True: the connection is this module's
@@ -142,19 +163,20 @@ class EarlyRequests:
         router = self.router
         if not self.enabled or self.connections is None or router.draining:
             return False
-        if router.poison.refusing and router.poison.refused:
-            return False
         if type(conn.sock) is not socket.socket:  # TLS: gunicorn's to read
             return False
-        head = parse_head(data)
-        if head is None or head.version != "1.1" or ROUTES.get(head.path) != head.method:
+        head = self._takeable(data)
+        if head is None:
             return False
-        for name, value in head.headers:
-            lowered = name.lower()
-            if lowered in _DECLINED:
-                return False
-            if lowered == "connection" and {t.strip().lower() for t in value.split(",")} - {"close", "keep-alive"}:
-                return False  # an upgrade or a hop-by-hop header list: gunicorn's to read
+        end = head.size + (head.length or 0)
+        print_ = fingerprint(f"{head.path}?{head.query}", data[head.size : end]) if len(data) >= end else None
+        if router.poison.refusing and router.poison.refused and print_ is None:
+            return False  # copies of some request are refused: a request thread reads this one to compare
+        if print_ is not None and router.poison.refusing:
+            try:
+                router.poison.check(print_)
+            except ServingError:
+                return False  # a copy of a refused request: a request thread refuses it (422)
         try:
             router.admit()
         except ServingError:
@@ -171,11 +193,12 @@ class EarlyRequests:
         record.asked = session_id
         tracer = self.requests.tracer
         trace = tracer.headers_of(exchange.span) if tracer is not None and exchange.span is not None else {}
-        end = head.size + (head.length or 0)
-        if len(data) >= end:  # the whole request was peeked: its fingerprint is known before rank 0 reads it
-            record.tag = (fingerprint(f"{head.path}?{head.query}", data[head.size : end]), request_id, head.path)
+        if print_ is not None:  # the whole request was peeked: its fingerprint is known before rank 0 reads it
+            record.tag = (print_, request_id, head.path)
             record.stage = Stage.READ
-        given = ResponseHead("HTTP/1.1", SERVER, close, {GROUP_HEADER: group.name, INFERENCE_ID: request_id})
+        record.chunked = head.version == "1.1"  # a stream to an HTTP/1.0 client ends with the connection
+        version = f"HTTP/{head.version}"
+        given = ResponseHead(version, SERVER, close, {GROUP_HEADER: group.name, INFERENCE_ID: request_id})
         conn.sock.setblocking(True)  # the mode a request thread serves it in, which rank 0's writes keep
         try:
             group.hand_off(conn.sock, given, self.launch.max_payload_bytes, record, record.tag is not None, trace)
@@ -201,7 +224,7 @@ class EarlyRequests:
         if head is None:
             data = json_answer(record.path, *describe(error))
             code = describe(error)[0]
-        elif head.stream and not record.torn:
+        elif head.stream and not record.torn and record.chunked:
             content_type = next((v for k, v in head.headers.items() if k.lower() == "content-type"), "")
             data = chunk(in_band_error(record.path, content_type, error)) + END_OF_CHUNKS
             code = head.code

@@ -211,11 +211,16 @@ class HeadWaitingWorker(ThreadWorker):
     def next_head_here(self, conn) -> bool | None:
         """For a request thread after an answer on a kept-alive connection: True when the whole
         head of the client's next request is there, False when the client closed the connection,
-        None when neither (the main loop waits for it)."""
+        None when neither (the main loop waits for it), or when that request is one the main loop
+        hands to rank 0 (``early.takes``)."""
         look = self.look(conn)
         if look is None:
             return False
-        return True if head_ready(look[0]) else None
+        if not head_ready(look[0]):
+            return None
+        if self.early is not None and _nothing_read_ahead(conn) and self.early.takes(look[0]):
+            return None
+        return True
 
     def _wait_for_head(self, conn, seen: bytes, peeked: int) -> None:
         if not getattr(conn, "waiting_head", False):  # as self.waits says, without a call per request

@@ -129,9 +129,9 @@ class DrainingWorker(HeadWaitingWorker):
         A client that closed it is let go here: gthread would hand the connection back to its
         main loop, which wakes on the close and hands it to a thread again only to read the
         end (three wake-ups, and this process's CPU in the first millisecond of the client's
-        next request). A next request whose head is there
-        whole is served in this thread, without the main loop's wake-up and another thread's;
-        one not whole yet waits in the main loop. /ping's threads serve one request and go back."""
+        next request). A next request whose head is there whole is served in this thread, without
+        the main loop's wake-up and another thread's, unless rank 0 takes it (the main loop hands
+        it over); one not whole yet waits in the main loop. /ping's threads serve one and go back."""
         keepalive = super().handle(conn)
         if getattr(conn, "ping", False):
             conn.ping = False

@@ -29,6 +29,8 @@ from collections.abc import Callable, Collection
 from time import monotonic
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from container.core.errors import (
     ClientClosedRequest,
     GatewayTimeout,
@@ -249,12 +251,10 @@ class ClientRequest:
         self.id = attach.id
         self.sock: socket.socket | None = sock  # until the answer's body takes it (Connection.open_client)
         self.path = head.path
-        self.query = head.query
         self.request_id = given.headers.get(INFERENCE_ID) or head.header(INFERENCE_ID) or uuid.uuid4().hex
         self.session = head.header(SESSION_ID)  # the stateful session the request names
         self.trace = attach.trace or None  # the frontend span's W3C headers: the worker's span's parent
-        close = given.close or not head.keep_alive
-        ours = {**given.headers, INFERENCE_ID: self.request_id}
+        ours, close = {**given.headers, INFERENCE_ID: self.request_id}, given.close or not head.keep_alive
         self.answer_head = ResponseHead(given.version, given.server, close, ours)
         self.phase = Phase.READING
         self.seen = attach.seen  # the frontend knows the request's fingerprint
@@ -270,9 +270,8 @@ class ClientRequest:
         return self.answer_head.close
 
     def must_close(self) -> None:
-        """The connection closes after this answer (its request was not read to its end)."""
-        given = self.answer_head
-        self.answer_head = ResponseHead(given.version, given.server, True, given.headers)
+        """The connection closes after this answer (its request was not read to its end ...)."""
+        self.answer_head = msgspec.structs.replace(self.answer_head, close=True)
 
     def take_fd(self) -> int:
         assert self.sock is not None  # taken once, by the answer's body
@@ -324,11 +323,9 @@ class Handoffs:
         self.loop.create_task(self._read(conn, request, head, message.max_body))
 
     def _connection(self, pid: int) -> Connection | None:
-        found = None
-        for conn in self.connections:
-            if pid and conn.peer_pid == pid and not conn.writer.is_closing():
-                found = conn  # a set: any of two at once (an old one closes soon)
-        return found
+        """The connection from process ``pid`` (of two at once, any: an old one closes soon)."""
+        found = [c for c in self.connections if pid and c.peer_pid == pid and not c.writer.is_closing()]
+        return found[-1] if found else None
 
     async def _read(self, conn: Connection, request: ClientRequest, head: RequestHead, max_body: int) -> None:
         try:
@@ -367,10 +364,14 @@ class Handoffs:
         wanted = head.size + length
         data = bytearray()
         deadline = monotonic() + self.body_read_timeout
+        waits = (head.header("Expect") or "").lower() == "100-continue"  # the client waits to be asked
         while len(data) < wanted:
             try:
                 part = sock.recv(min(wanted - len(data), READ_BYTES), socket.MSG_DONTWAIT)
             except BlockingIOError:
+                if waits and len(data) >= head.size:
+                    waits = False
+                    sock.send(b"%s 100 Continue\r\n\r\n" % request.answer_head.version.encode(), socket.MSG_DONTWAIT)
                 if not await self._readable(sock, deadline):
                     raise body_late(length, self.body_read_timeout) from None
                 continue
@@ -452,8 +453,7 @@ async def end(
 
 
 async def _in_band(conn: Connection, request: ClientRequest, error: Exception) -> None:
-    """An error after the head went out: the stream's last item, then (chunked) the body's end;
-    a client gone closes the connection instead, as does the end of a stream not chunked."""
+    """After the head: the error as the stream's last item, the body's end; else the close."""
     body = conn.bodies.get(request.id)
     if body is None or body.gone or isinstance(error, ClientClosedRequest):
         request.must_close()
