@@ -1,12 +1,13 @@
 """Connections gthread's main loop hands to a worker group unread: rank 0 reads the request on
 them and answers it itself (``container.worker.handoff``); no request thread follows it.
 
-A connection goes so when its next request's head is whole and plain (``ingress.parse_head``), on
-one of the handler's routes with its method (``ROUTES``), over HTTP/1.1, and the request needs
-nothing the frontend does between reading a request and answering it: no body framed otherwise
-than by ``Content-Length``, no ``Expect``, no protocol change, no draining, no
-request refused as poisonous; admission and routing must take it. Anything else goes to a request
-thread (``container.frontend.invocations``).
+A connection goes so when its next request's head is whole and plain (``ingress.parse_head``, HTTP/1.x),
+on one of the handler's routes with its method (``ROUTES``), without a body framed otherwise than
+by ``Content-Length``, an expectation but ``100-continue`` or a protocol change, unless the server
+drains or, while copies of some request are refused as poisonous, the frontend did not see this
+one whole (or it is such a copy); admission and routing (a stateful session's group) must take it.
+Anything else goes to a request thread (``container.frontend.invocations``), which refuses what
+admission or routing refuse.
 
 The reader thread of the group's connection follows it (``HandedOff``): ``Taken`` (rank 0 read
 the request: its fingerprint, for the poison guard, unless the frontend's look saw it whole), the
