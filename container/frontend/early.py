@@ -3,7 +3,8 @@ them and answers it itself (``container.worker.handoff``); no request thread fol
 
 A connection goes so when its next request's head is whole and plain (``ingress.parse_head``, HTTP/1.x),
 on one of the handler's routes with its method (``ROUTES``), without a body framed otherwise than
-by ``Content-Length``, an expectation but ``100-continue`` or a protocol change, unless the server
+by ``Content-Length``, an expectation but ``100-continue``, a protocol change or a stateful session
+(``X-Amzn-SageMaker-Session-Id``), unless the server
 drains or, while copies of some request are refused as poisonous, the frontend did not see this
 one whole (or it is such a copy); admission and routing (a stateful session's group) must take it.
 Anything else goes to a request thread (``container.frontend.invocations``), which refuses what
@@ -54,8 +55,10 @@ from container.frontend.router import Router
 
 log = logging.getLogger("sagelmi.frontend")
 
-# Headers that make a request one the frontend must read: a body framed otherwise, a protocol change.
-_DECLINED = frozenset({"transfer-encoding", "upgrade", "http2-settings", "te"})
+# Headers that make a request one the frontend must read: a body framed otherwise, a protocol change,
+# a stateful session (the frontend must know what its answer says of the session before the client
+# can send the next request of it: it writes that answer itself)
+_DECLINED = frozenset({"transfer-encoding", "upgrade", "http2-settings", "te", "x-amzn-sagemaker-session-id"})
 _METHODS = tuple(f"{method} ".encode() for method in set(ROUTES.values()))
 
 
