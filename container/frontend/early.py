@@ -47,7 +47,7 @@ from container.core.ingress import (
 )
 from container.core.launch import FrontendLaunch
 from container.core.protocol import Chunk, End, Fail, Head, ResponseHead, Taken
-from container.core.sessions import SESSION_HEADERS, SESSION_ID
+from container.core.sessions import SESSION_HEADERS
 from container.frontend.completion import Answer, Exchange, RequestLog
 from container.frontend.invocations import ROUTES
 from container.frontend.main_loop import json_answer
@@ -92,7 +92,6 @@ class HandedOff:
         self.path = exchange.path
         self.request_id = exchange.request_id
         self.incarnation = group.incarnation
-        self.asked: str | None = None  # the session the request names
         self.stage = Stage.SENT
         self.tag: tuple[str, str, str] | None = None  # (fingerprint, request id, route): GroupClient.on_lost
         self.head: Head | None = None
@@ -109,7 +108,7 @@ class HandedOff:
                 self.head, self.head_at, self.stage = message, time.monotonic(), Stage.ANSWERING
                 if any(name.lower() in SESSION_HEADERS for name in message.headers):  # it opened or closed one
                     self.owner.router.sessions.observe(
-                        self.asked, self.group, self.incarnation, message.code, message.headers
+                        None, self.group, self.incarnation, message.code, message.headers
                     )
             elif isinstance(message, Chunk):
                 self.torn = message.torn  # progress of the body rank 0 writes
@@ -123,12 +122,11 @@ class HandedOff:
 
 
 class EarlyRequests:
-    def __init__(self, router: Router, launch: FrontendLaunch, requests: RequestLog, enabled: bool = True) -> None:
+    def __init__(self, router: Router, launch: FrontendLaunch, requests: RequestLog) -> None:
         self.router = router
         self.launch = launch
         self.requests = requests
         self.metrics = requests.metrics
-        self.enabled = enabled
         self.connections: Connections | None = None  # set by the server before the first request
 
     def may_take(self, start: bytes) -> bool:
@@ -143,7 +141,7 @@ class EarlyRequests:
     def takes(self, data: bytes) -> bool:
         """Whether the request whose head ``data`` starts with is one ``send`` hands over (unless
         admission or routing refuse it)."""
-        return self.enabled and self._takeable(data) is not None
+        return self._takeable(data) is not None
 
     @staticmethod
     def _takeable(data: bytes) -> RequestHead | None:
@@ -165,7 +163,7 @@ class EarlyRequests:
         hand it to a group unread if that request may be (True: the connection is this module's
         until it gives it back). ``close``: gunicorn would close the connection after the answer."""
         router = self.router
-        if not self.enabled or self.connections is None or router.draining:
+        if self.connections is None or router.draining:
             return False
         if type(conn.sock) is not socket.socket:  # TLS: gunicorn's to read
             return False
@@ -185,16 +183,14 @@ class EarlyRequests:
             router.admit()
         except ServingError:
             return False  # refused by a request thread, as any other request
-        session_id = head.header(SESSION_ID)
         try:
-            group = router.pick_for(session_id)  # the group holding the session it names, if it names one
+            group = router.pick()
         except ServingError:
             router.release()
-            return False  # refused by a request thread (400 for a session not held ...)
+            return False
         exchange = self.requests.begin(WerkzeugHeaders(head.headers), head.method, head.path, head.path, bind=False)
         request_id = exchange.request_id
         record = HandedOff(self, group, conn, exchange)
-        record.asked = session_id
         tracer = self.requests.tracer
         trace = tracer.headers_of(exchange.span) if tracer is not None and exchange.span is not None else {}
         if print_ is not None:  # the whole request was peeked: its fingerprint is known before rank 0 reads it

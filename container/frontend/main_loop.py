@@ -189,7 +189,7 @@ class HeadWaitingWorker(ThreadWorker):
         """Whether a head that came in part (``seen``) is peeked at again (up to ``PEEKS`` times)
         rather than read off the socket: the start of a request the hand-off may take, which must
         be on the socket when it is whole."""
-        return self.early is not None and self.early.enabled and _nothing_read_ahead(conn) and self.early.may_take(seen)
+        return self.early is not None and _nothing_read_ahead(conn) and self.early.may_take(seen)
 
     def look(self, conn) -> tuple[bytes, int] | None:
         """What the client sent of its next request, without reading it: what gunicorn read
