@@ -177,7 +177,9 @@ class Attach(msgspec.Struct, tag="attach", frozen=True, omit_defaults=True):
     client's socket (sent with it on the descriptor channel; framed as HTTP/1.1 chunks when
     ``chunked``), or, ``direct=False``, the frontend (as Chunks). With ``head`` (a hand-off): the
     client's connection, whose next request the frontend has not read; rank 0 reads it (a body of
-    at most ``max_body`` bytes) and answers it on that connection (``Taken``, ``Head.written``)."""
+    at most ``max_body`` bytes) and answers it on that connection (``Taken``, ``Head.written``).
+    On the group's connection, for such a request: its answer, which opens or closes a session,
+    goes to the client's socket rank 0 holds (the frontend's routing knows the session now)."""
 
     id: str
     direct: bool = False
@@ -353,3 +355,17 @@ def receive_with_fd(sock: socket.socket) -> tuple[Message, int | None] | None:
     for extra in fds[1:]:  # one descriptor a message: any other is closed
         os.close(extra)
     return message, (fds[0] if fds else None)
+
+
+_CREDENTIALS = struct.Struct("3i")  # SO_PEERCRED's pid, uid, gid
+
+
+def peer_pid(sock: object) -> int:
+    """The process at the other end of a Unix socket (0 when it cannot be told)."""
+    try:
+        pid, _, _ = _CREDENTIALS.unpack(
+            sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDENTIALS.size)  # type: ignore[attr-defined]
+        )
+    except (AttributeError, OSError, struct.error):
+        return 0
+    return pid

@@ -10,6 +10,7 @@ import heapq
 import itertools
 import re
 import time
+from collections.abc import Mapping
 from datetime import datetime, timezone
 from typing import Generic, TypeVar
 
@@ -17,8 +18,9 @@ SESSION_ID = "X-Amzn-SageMaker-Session-Id"
 NEW_SESSION_ID = "X-Amzn-SageMaker-New-Session-Id"
 CLOSED_SESSION_ID = "X-Amzn-SageMaker-Closed-Session-Id"
 SESSION_CLOSED = "X-Amzn-SageMaker-Session-Closed"  # "true": what DJL's own stateful example answers on close
-# The answer headers the frontend acts on (lower case): an answer with one has its head written there
+# The answer headers that say something of sessions (lower case)
 SESSION_HEADERS = frozenset(name.lower() for name in (SESSION_ID, NEW_SESSION_ID, CLOSED_SESSION_ID, SESSION_CLOSED))
+_CHANGES = frozenset((NEW_SESSION_ID.lower(), CLOSED_SESSION_ID.lower()))
 NEW_SESSION = "NEW_SESSION"
 REQUEST_TYPES = ("NEW_SESSION", "CLOSE")  # {"requestType": ...} in the body, as LMI's vLLM handler reads it
 EXPIRES_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
@@ -56,6 +58,12 @@ def parse_new_session(value: str) -> tuple[str, float | None]:
 def valid_session_id(session_id: str) -> bool:
     """Whether ``session_id`` has SageMaker's form (what InvokeEndpoint accepts)."""
     return len(session_id) <= MAX_SESSION_ID and SESSION_ID_PATTERN.fullmatch(session_id) is not None
+
+
+def changes_sessions(headers: Mapping[str, str]) -> bool:
+    """Whether an answer's headers (as ``answer_sessions`` completed them) open or close a session:
+    rank 0 holds such an answer until the frontend's routing knows it (``Connection.delivered``)."""
+    return any(name.lower() in _CHANGES for name in headers)
 
 
 def _header(headers: dict[str, str], name: str) -> str | None:

@@ -3,8 +3,7 @@ them and answers it itself (``container.worker.handoff``); no request thread fol
 
 A connection goes so when its next request's head is whole and plain (``ingress.parse_head``, HTTP/1.x),
 on one of the handler's routes with its method (``ROUTES``), without a body framed otherwise than
-by ``Content-Length``, an expectation but ``100-continue``, a protocol change or a stateful session
-(``X-Amzn-SageMaker-Session-Id``), unless the server
+by ``Content-Length``, an expectation but ``100-continue`` or a protocol change, unless the server
 drains or, while copies of some request are refused as poisonous, the frontend did not see this
 one whole (or it is such a copy); admission and routing (a stateful session's group) must take it.
 Anything else goes to a request thread (``container.frontend.invocations``), which refuses what
@@ -12,7 +11,8 @@ admission or routing refuse.
 
 The reader thread of the group's connection follows it (``HandedOff``): ``Taken`` (rank 0 read
 the request: its fingerprint, for the poison guard, unless the frontend's look saw it whole), the
-``Head`` rank 0 writes, then the ``End`` (the status and bytes written, how it ended, whether the
+``Head`` rank 0 writes (one that opens or closes a session waits on rank 0 until the routing here
+knows it: ``GroupClient.routed``), then the ``End`` (the status and bytes written, how it ended, whether the
 connection stays open), on which it writes the completion line, releases the admission and gives
 the connection back to the main loop. A group lost before the ``End`` leaves the client the
 route's 503 where nothing was written, the stream's in-band error where a stream's head went out
@@ -47,7 +47,7 @@ from container.core.ingress import (
 )
 from container.core.launch import FrontendLaunch
 from container.core.protocol import Chunk, End, Fail, Head, ResponseHead, Taken
-from container.core.sessions import SESSION_HEADERS
+from container.core.sessions import SESSION_ID, changes_sessions
 from container.frontend.completion import Answer, Exchange, RequestLog
 from container.frontend.invocations import ROUTES
 from container.frontend.main_loop import json_answer
@@ -55,10 +55,8 @@ from container.frontend.router import Router
 
 log = logging.getLogger("sagelmi.frontend")
 
-# Headers that make a request one the frontend must read: a body framed otherwise, a protocol change,
-# a stateful session (the frontend must know what its answer says of the session before the client
-# can send the next request of it: it writes that answer itself)
-_DECLINED = frozenset({"transfer-encoding", "upgrade", "http2-settings", "te", "x-amzn-sagemaker-session-id"})
+# Headers that make a request one the frontend must read: a body framed otherwise, a protocol change
+_DECLINED = frozenset({"transfer-encoding", "upgrade", "http2-settings", "te"})
 _METHODS = tuple(f"{method} ".encode() for method in set(ROUTES.values()))
 
 
@@ -83,7 +81,7 @@ class HandedOff:
     """One connection handed to a group, until its ``End``: what the reader thread of the group's
     connection learns of it (``deliver``), or the group's loss (``fail``)."""
 
-    def __init__(self, owner: EarlyRequests, group: Any, conn: Any, exchange: Exchange) -> None:
+    def __init__(self, owner: EarlyRequests, group: Any, conn: Any, exchange: Exchange, asked: str | None) -> None:
         self.id = uuid.uuid4().hex
         self.owner = owner
         self.group = group
@@ -91,6 +89,7 @@ class HandedOff:
         self.exchange = exchange  # its id, route, arrival, span: what its completion line says
         self.path = exchange.path
         self.request_id = exchange.request_id
+        self.asked = asked  # the stateful session the request names
         self.incarnation = group.incarnation
         self.stage = Stage.SENT
         self.tag: tuple[str, str, str] | None = None  # (fingerprint, request id, route): GroupClient.on_lost
@@ -106,10 +105,11 @@ class HandedOff:
                 self.stage = Stage.READ
             elif isinstance(message, Head):
                 self.head, self.head_at, self.stage = message, time.monotonic(), Stage.ANSWERING
-                if any(name.lower() in SESSION_HEADERS for name in message.headers):  # it opened or closed one
+                if changes_sessions(message.headers):  # rank 0 holds the answer until the routing knows
                     self.owner.router.sessions.observe(
-                        None, self.group, self.incarnation, message.code, message.headers
+                        self.asked, self.group, self.incarnation, message.code, message.headers
                     )
+                    self.group.routed(self.id)
             elif isinstance(message, Chunk):
                 self.torn = message.torn  # progress of the body rank 0 writes
             elif isinstance(message, End):
@@ -183,14 +183,15 @@ class EarlyRequests:
             router.admit()
         except ServingError:
             return False  # refused by a request thread, as any other request
+        asked = head.header(SESSION_ID)
         try:
-            group = router.pick()
+            group = router.pick_for(asked)  # a stateful session's group, else the least busy
         except ServingError:
             router.release()
             return False
         exchange = self.requests.begin(WerkzeugHeaders(head.headers), head.method, head.path, head.path, bind=False)
         request_id = exchange.request_id
-        record = HandedOff(self, group, conn, exchange)
+        record = HandedOff(self, group, conn, exchange, asked)
         tracer = self.requests.tracer
         trace = tracer.headers_of(exchange.span) if tracer is not None and exchange.span is not None else {}
         if print_ is not None:  # the whole request was peeked: its fingerprint is known before rank 0 reads it

@@ -226,6 +226,13 @@ class GroupClient:
         if sock is not None:  # no connection: the request fails with it
             self._send(sock, encode(Attach(id=pending.id)))
 
+    def routed(self, request_id: str) -> None:
+        """Tell rank 0 the routing knows the session a hand-off's answer opens or closes: it
+        writes the answer, which it held until now (an ``Attach`` without a descriptor)."""
+        sock = self._sock
+        if sock is not None:  # no connection: the request fails with it
+            self._send(sock, encode(Attach(id=request_id)))
+
     def _hand_over(self, message: Attach, client: socket.socket) -> bool:
         """Send ``message`` with ``client``'s descriptor on the descriptor channel (connected on
         first use after each connect); False when it cannot be done."""

@@ -184,7 +184,7 @@ class Calls:
         head = Head(id=rid, code=output.code, headers=headers, stream=streaming, started=started, written=client)
         await conn.send(head)
         if client:
-            await conn.delivered()
+            await conn.delivered(rid)
             conn.open_client(rid, output.code, headers, None if streaming else len(body))
         body_bytes = 0
         if streaming:

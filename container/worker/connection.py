@@ -7,7 +7,6 @@ import asyncio
 import logging
 import os
 import socket
-import struct
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from time import monotonic
@@ -27,10 +26,11 @@ from container.core.protocol import (
     encode,
     fd_channel_path,
     frame_length,
+    peer_pid,
     progress,
     receive_with_fd,
 )
-from container.core.sessions import SESSION_HEADERS, answer_sessions
+from container.core.sessions import SESSION_HEADERS, answer_sessions, changes_sessions
 from container.worker.handoff import SWEEP_INTERVAL, WRITE_HIGH_WATER, ClientRequest, DirectBody, Phase, end, sweep
 
 log = logging.getLogger("sagelmi.worker")
@@ -86,6 +86,7 @@ class Connection:
         self._loop = asyncio.get_running_loop()
         self._channel = channel  # where the frontend hands clients' sockets over
         self.clients: dict[str, ClientRequest] = {}  # requests read here, answered here (handoff)
+        self._routing: dict[str, asyncio.Future] = {}  # answers opening or closing a session: the frontend's go
         self.predict_timeout = 0.0  # set by the worker: a handler silent this long has its request stopped
         self.sessions_expiration: float | None = None  # set by the worker when stateful sessions are on
         # Set by the worker: stops a request as the frontend's Cancel does (relayed to an MPI group's
@@ -204,10 +205,19 @@ class Connection:
         request = self.clients.get(request_id)
         return request.stopped if request is not None else None
 
-    async def delivered(self) -> None:
-        """Wait until what was queued for the frontend has left (a ``Head`` the frontend must have
-        before the client gets anything); raises ``PeerGone`` once the connection is closed.
-        uvloop sends what a pass wrote at the pass's end: one pass is the usual wait."""
+    async def delivered(self, request_id: str) -> None:
+        """Wait until the ``Head`` of request ``request_id``, read here, has left for the frontend:
+        before the client gets anything, the frontend must know of the answer; of one that opens
+        or closes a session (``answer_headers``) also its routing, which says so (an ``Attach``
+        without a descriptor). Raises ``PeerGone`` once the connection is closed. uvloop sends
+        what a pass wrote at the pass's end: one pass is the usual wait."""
+        routed = self._routing.get(request_id)
+        if routed is not None:
+            try:
+                await routed
+            finally:
+                self._routing.pop(request_id, None)
+            return
         passes = 0
         while self.writer.transport.get_write_buffer_size():
             if self.writer.is_closing():
@@ -218,12 +228,14 @@ class Connection:
     def answer_headers(self, request_id: str, code: int, headers: dict[str, str]) -> dict[str, str]:
         """The headers of an answer written here, with SageMaker's session headers where the
         handler opened or closed a session in LMI's or DJL's form only (as the frontend completes
-        its answers'; it learns the session from the ``Head``)."""
-        if self.sessions_expiration is None or code >= 300:
-            return headers
-        if not any(name.lower() in SESSION_HEADERS for name in headers):
-            return headers
-        return answer_sessions(self.clients[request_id].session, headers, self.sessions_expiration)[0]
+        them; it learns the session from the ``Head``). An answer that opens or closes one waits
+        in ``delivered`` for the frontend's routing to know it."""
+        if self.sessions_expiration is not None and code < 300:
+            if any(name.lower() in SESSION_HEADERS for name in headers):
+                headers = answer_sessions(self.clients[request_id].session, headers, self.sessions_expiration)[0]
+        if changes_sessions(headers):
+            self._routing[request_id] = self._loop.create_future()
+        return headers
 
     def open_client(self, request_id: str, code: int, headers: Mapping[str, str], length: int | None) -> None:
         """Start writing the answer of request ``request_id``, read here: its HTTP head (``code``, the
@@ -274,7 +286,13 @@ class Connection:
 
     def attach(self, message: Attach, fd: int | None) -> bool:
         """Send the body where ``message`` says: to the client's socket ``fd`` (which this
-        connection then owns), or to the frontend. False when no body waits for it."""
+        connection then owns), or to the frontend; for a request read here, whose answer waits
+        for its session's routing (``delivered``), on. False when no body waits for it."""
+        routed = self._routing.get(message.id)
+        if routed is not None and fd is None:
+            if not routed.done():
+                routed.set_result(None)
+            return True
         body = self.bodies.get(message.id)
         if body is None or body.state != DirectBody.WAITING:
             return False
@@ -403,23 +421,12 @@ class Connection:
         return decode(await self.reader.readexactly(frame_length(header)))
 
     def close(self) -> None:
+        for routed in self._routing.values():
+            if not routed.done():
+                routed.set_exception(PeerGone("the connection to the frontend is closed"))
         for request_id in list(self.bodies) + list(self.clients):
             self.drop_stream(request_id)
         self.writer.close()
-
-
-_CREDENTIALS = struct.Struct("3i")  # SO_PEERCRED's pid, uid, gid
-
-
-def peer_pid(sock: object) -> int:
-    """The process at the other end of a Unix socket (0 when it cannot be told)."""
-    try:
-        pid, _, _ = _CREDENTIALS.unpack(
-            sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDENTIALS.size)  # type: ignore[attr-defined]
-        )
-    except (AttributeError, OSError, struct.error):
-        return 0
-    return pid
 
 
 class Attachable(Protocol):

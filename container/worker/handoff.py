@@ -420,7 +420,7 @@ async def end(
             body, json_type = error_body(request.path, error), {"Content-Type": "application/json"}
             status = describe(error)[0]
             conn.queue(Head(id=request.id, code=status, headers=json_type, stream=False, written=True))
-            await conn.delivered()  # the frontend knows of the answer before the client gets any of it
+            await conn.delivered(request.id)  # the frontend knows of the answer before the client gets any of it
             conn.open_client(request.id, status, json_type, len(body))
             conn.add_chunk(request.id, body)
     body_bytes = 0

@@ -343,7 +343,7 @@ class DroppedAnswers:
     def stopped(self, request_id: str) -> Exception | None:
         return None
 
-    async def delivered(self) -> None:
+    async def delivered(self, request_id: str) -> None:
         pass
 
     def open_client(self, request_id: str, code: int, headers: Mapping[str, str], length: int | None) -> None:

@@ -8,6 +8,7 @@ without traffic, and a session past the cap gets 429, counted on /metrics."""
 import os
 import re
 import signal
+import socket
 import time
 from datetime import datetime, timezone
 
@@ -64,6 +65,36 @@ def test_a_session_sticks_to_its_group_and_keeps_its_state(server):
     assert {r.headers[GROUP] for r in answers} == {created.headers[GROUP]}
     assert [r.json()["count"] for r in answers] == list(range(1, 21))
     assert len({r.json()["pid"] for r in answers}) == 1
+
+
+def _raw_post(sock: socket.socket, body: bytes, session: str | None) -> None:
+    named = f"{SESSION}: {session}\r\n".encode() if session else b""
+    sock.sendall(b"POST /invocations HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n%s"
+                 b"Content-Length: %d\r\n\r\n%s" % (named, len(body), body))
+
+
+def _head(sock: socket.socket) -> bytes:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(1 << 16)
+    return data
+
+
+def test_a_sessions_requests_go_to_rank_0_and_one_sent_the_moment_its_session_opened_is_routed(server):
+    """Rank 0 reads and answers requests naming a session too; an answer that opens or closes one
+    reaches the client only once the frontend's routing knows it, so a client that sends the
+    session's next request the moment the opening answer's head arrives is never refused."""
+    before = metric(server, "sagelmi_requests_read_early_total")
+    rounds = 100
+    for _ in range(rounds):
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as opener, \
+                socket.create_connection(("127.0.0.1", server.port), timeout=30) as follower:
+            _raw_post(opener, b'{"requestType": "NEW_SESSION"}', None)  # LMI's form in the body, no header
+            match = re.search(rb"X-Amzn-SageMaker-New-Session-Id: ([0-9a-f-]{36});", _head(opener))
+            assert match, "the opening answer names its session"
+            _raw_post(follower, b'{"add": 1}', match.group(1).decode())  # at once, on another connection
+            assert _head(follower).startswith(b"HTTP/1.1 200 "), "the session's next request was routed to it"
+    assert metric(server, "sagelmi_requests_read_early_total") - before == 2 * rounds  # every one by rank 0
 
 
 def test_a_closed_session_is_refused(server):

@@ -11,7 +11,7 @@ import uvloop
 
 from container.core.ingress import fingerprint
 from container.core.protocol import Attach, End, FrameBuffer, Head, Invoke, ResponseHead, Taken
-from container.worker.connection import Connection
+from container.worker.connection import Connection, PeerGone
 from container.worker.handoff import Handoffs
 
 BODY = json.dumps({"inputs": "hi", "stream": True}).encode()
@@ -197,3 +197,46 @@ def test_an_unknown_process_gets_nothing_and_its_connection_is_closed_unread():
 
     frames, started, left = run(scenario)
     assert frames == [] and started == [] and left == request()
+
+
+def test_an_answer_opening_a_session_waits_for_the_frontends_routing_and_others_do_not():
+    async def scenario(hand, client, server, frames, started, conn):
+        conn.sessions_expiration = 60.0
+        client.sendall(request())
+        await asyncio.sleep(0.05)
+        hand()
+        await asyncio.sleep(0.01)
+        headers = conn.answer_headers("w1", 200, {"X-Amzn-SageMaker-Session-Id": "s-1"})  # LMI's form: it opens s-1
+        assert headers["X-Amzn-SageMaker-New-Session-Id"].startswith("s-1; Expires=")
+        await conn.send(Head(id="w1", code=200, headers=headers, stream=False, written=True))
+        held = asyncio.ensure_future(conn.delivered("w1"))
+        await asyncio.sleep(0.1)
+        waited = not held.done()  # the Head left, but the frontend's routing has not said it knows s-1
+        assert conn.attach(Attach(id="w1"), None)  # it has (GroupClient.routed)
+        await asyncio.wait_for(held, 1)
+        plain = conn.answer_headers("w1", 200, {"Content-Type": "text/plain"})
+        await asyncio.wait_for(conn.delivered("w1"), 1)  # nothing said of sessions: only the Head's leaving
+        await conn.end_client("w1")
+        return waited, plain
+
+    waited, plain = run(scenario)
+    assert waited and plain == {"Content-Type": "text/plain"}
+
+
+def test_an_answer_held_for_its_sessions_routing_fails_when_the_frontends_connection_closes():
+    async def scenario(hand, client, server, frames, started, conn):
+        client.sendall(request())
+        await asyncio.sleep(0.05)
+        hand()
+        await asyncio.sleep(0.01)
+        conn.answer_headers("w1", 200, {"X-Amzn-SageMaker-New-Session-Id": "s-2"})  # the handler's SageMaker form
+        held = asyncio.ensure_future(conn.delivered("w1"))
+        await asyncio.sleep(0.01)
+        conn.close()
+        try:
+            await asyncio.wait_for(held, 1)
+        except PeerGone:
+            return True
+        return False
+
+    assert run(scenario)
