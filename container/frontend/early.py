@@ -34,7 +34,7 @@ from typing import Any, Protocol
 from gunicorn import SERVER
 from werkzeug.datastructures import Headers as WerkzeugHeaders
 
-from container.core.errors import ServiceUnavailable, ServingError, describe, in_band_error
+from container.core.errors import ServiceUnavailable, ServingError, describe, error_body, in_band_error
 from container.core.ingress import (
     END_OF_CHUNKS,
     GROUP_HEADER,
@@ -44,12 +44,13 @@ from container.core.ingress import (
     fingerprint,
     parse_head,
     request_path,
+    response_head,
 )
 from container.core.launch import FrontendLaunch
 from container.core.protocol import Chunk, End, Fail, Head, ResponseHead, Taken
 from container.core.sessions import SESSION_ID, changes_sessions
 from container.frontend.completion import Answer, Exchange, RequestLog
-from container.frontend.invocations import ROUTES
+from container.frontend.invocations import ROUTES, count_refusal
 from container.frontend.main_loop import json_answer
 from container.frontend.router import Router
 
@@ -163,7 +164,7 @@ class EarlyRequests:
         hand it to a group unread if that request may be (True: the connection is this module's
         until it gives it back). ``close``: gunicorn would close the connection after the answer."""
         router = self.router
-        if self.connections is None or router.draining:
+        if self.connections is None:
             return False
         if type(conn.sock) is not socket.socket:  # TLS: gunicorn's to read
             return False
@@ -174,22 +175,21 @@ class EarlyRequests:
         print_ = fingerprint(f"{head.path}?{head.query}", data[head.size : end]) if len(data) >= end else None
         if router.poison.refusing and router.poison.refused and print_ is None:
             return False  # copies of some request are refused: a request thread reads this one to compare
-        if print_ is not None and router.poison.refusing:
-            try:
-                router.poison.check(print_)
-            except ServingError:
-                return False  # a copy of a refused request: a request thread refuses it (422)
-        try:
-            router.admit()
-        except ServingError:
-            return False  # refused by a request thread, as any other request
+        exchange = self.requests.begin(WerkzeugHeaders(head.headers), head.method, head.path, head.path, bind=False)
         asked = head.header(SESSION_ID)
         try:
+            if print_ is not None and router.poison.refusing:
+                router.poison.check(print_)  # a copy of a refused request: 422
+            router.admit()
+        except ServingError as exc:
+            self._refuse(conn, close or router.draining or print_ is None, head, exchange, exc)
+            return True
+        try:
             group = router.pick_for(asked)  # a stateful session's group, else the least busy
-        except ServingError:
+        except ServingError as exc:
             router.release()
-            return False
-        exchange = self.requests.begin(WerkzeugHeaders(head.headers), head.method, head.path, head.path, bind=False)
+            self._refuse(conn, close or print_ is None, head, exchange, exc)
+            return True
         request_id = exchange.request_id
         record = HandedOff(self, group, conn, exchange, asked)
         tracer = self.requests.tracer
@@ -203,13 +203,35 @@ class EarlyRequests:
         conn.sock.setblocking(True)  # the mode a request thread serves it in, which rank 0's writes keep
         try:
             group.hand_off(conn.sock, given, self.launch.max_payload_bytes, record, record.tag is not None, trace)
-        except ServingError:
+        except ServingError as exc:
             router.release()
-            if exchange.span is not None:
-                exchange.span.end()
-            return False
+            self._refuse(conn, close or print_ is None, head, exchange, exc)
+            return True
         self.metrics.read_early.inc()
         return True
+
+    def _refuse(self, conn: Any, close: bool, head: RequestHead, exchange: Exchange, error: ServingError) -> None:
+        """Answer a request the server refuses before any group has it (the server drains, the queue
+        is full, no group is ready, its session cannot be served, a copy of a poison request): the
+        route's error, written here. The connection stays open when its whole request was peeked
+        (it is read off now) and nothing asks for a close."""
+        count_refusal(self.metrics, error)
+        status = describe(error)[0]
+        body = error_body(head.path, error)
+        given = ResponseHead(
+            f"HTTP/{head.version}", SERVER, close or not head.keep_alive, {INFERENCE_ID: exchange.request_id}
+        )
+        sock = conn.sock
+        try:
+            if not given.close:
+                sock.recv(head.size + (head.length or 0), socket.MSG_DONTWAIT)  # peeked whole: all there
+            data = response_head(given, status, {"Content-Type": "application/json"}, len(body)) + body
+            kept = sock.send(data, socket.MSG_DONTWAIT) == len(data) and not given.close
+        except OSError:
+            kept = False
+        self.requests.finish(exchange, status, len(body))()
+        assert self.connections is not None  # send() checked
+        self.connections.let_go(conn, kept)
 
     def finish(self, record: HandedOff, end: End) -> None:
         """The reader thread: rank 0 ended the answer and let go of the connection."""

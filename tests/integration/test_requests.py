@@ -2,6 +2,8 @@
 
 import concurrent.futures
 import json
+import re
+import socket
 import time
 import urllib.parse
 
@@ -212,9 +214,32 @@ def test_full_queue_is_503_and_queued_requests_still_finish(server):
         assert time.monotonic() - started < 1
         assert rejected.status_code == 503
         assert "queue is full" in rejected.json()["error"]
+        # On a kept-alive connection: each refusal in the route's envelope with its request's id (and
+        # its completion line), the connection kept for the client's next request
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+            for inference_id in ("refused-1", "refused-2"):
+                sock.sendall(_post({"inputs": "refused"}, inference_id))
+                head, body = _whole_answer(sock)
+                assert head.startswith(b"HTTP/1.1 503 ") and f"Inference-Id: {inference_id}".encode() in head
+                assert b"Connection: keep-alive" in head and "queue is full" in json.loads(body)["error"]
+                assert " 503 " in _completion_line(server, inference_id)
         ping = requests.get(server.url("/ping"), timeout=2)
         assert ping.status_code == 200
         assert [f.result().status_code for f in slow] == [200] * 4
+
+
+def _whole_answer(sock) -> tuple[bytes, bytes]:
+    """One whole answer (with its Content-Length) off a kept-alive connection: its head and body."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        got = sock.recv(65536)
+        assert got, "the server closed the connection"
+        data += got
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(re.search(rb"Content-Length: (\d+)", head).group(1))
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head, body
 
 
 def test_predict_timeout_is_504_and_the_next_request_succeeds(server):
