@@ -1,9 +1,9 @@
 """Connections gthread's main loop hands to a worker group unread: rank 0 reads the request on
 them and answers it itself (``container.worker.handoff``); no request thread follows it.
 
-A connection goes so when its next request's head is whole and plain (``ingress.parse_head``, HTTP/1.x),
-on one of the handler's routes with its method (``ROUTES``), without a body framed otherwise than
-by ``Content-Length``, an expectation but ``100-continue`` or a protocol change, unless the server
+A connection goes so when its next request's head is whole and one gunicorn takes
+(``ingress.parse_head``, HTTP/1.x), on one of the handler's routes with its method (``ROUTES``),
+without a body framed otherwise than by ``Content-Length`` or a protocol change, unless the server
 drains or, while copies of some request are refused as poisonous, the frontend did not see this
 one whole (or it is such a copy); admission and routing (a stateful session's group) must take it.
 Anything else goes to a request thread (``container.frontend.invocations``), which refuses what
@@ -152,8 +152,6 @@ class EarlyRequests:
             lowered = name.lower()
             if lowered in _DECLINED:
                 return None
-            if lowered == "expect" and value.lower() != "100-continue":
-                return None  # an expectation rank 0 does not meet: gunicorn's 417
             if lowered == "connection" and {t.strip().lower() for t in value.split(",")} - {"close", "keep-alive"}:
                 return None  # an upgrade or a hop-by-hop header list: gunicorn's to read
         return head

@@ -565,13 +565,36 @@ def test_a_request_taken_early_times_out_or_loses_its_client_as_any_other(server
     assert server.invoke({"inputs": "after"}).status_code == 200
 
 
-def test_a_connection_handed_to_the_worker_unread_is_served_by_the_frontend_when_the_worker_declines_it(
+def test_a_head_gunicorn_takes_reaches_the_handler_from_rank_0_with_the_headers_gunicorn_gives(server):
+    """A header repeated reaches the handler once, its values joined with "," as gunicorn's WSGI
+    environ joins them; a name with "_" is dropped as gunicorn drops it; 100 headers are not too
+    many. Rank 0 reads all of it (no request thread)."""
+    import socket
+
+    from tests.server import metric
+
+    many = "".join(f"X-F{i}: v\r\n" for i in range(94)).encode()  # 100 headers kept
+    request = _post({"inputs": "x"}, "joined").replace(
+        b"Host: test\r\n", b"Host: test\r\nX-Note: a\r\nX_Skip: b\r\nx-note: c\r\n" + many
+    )
+    before = metric(server, "sagelmi_requests_read_early_total")
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(request)
+        ((status, _, body),) = _read_responses(sock, 1)
+    assert status == 200
+    props = json.loads(body)["properties"]
+    assert props["X-Note"] == "a,c" and props["X-F93"] == "v"
+    assert not any("skip" in name.lower() for name in props)
+    assert metric(server, "sagelmi_requests_read_early_total") - before == 1
+
+
+def test_a_connection_handed_to_the_worker_unread_is_served_there_whatever_its_head_and_body_ask(
     server, tmp_path
 ):
     """gthread's main loop hands a connection whose request is for the handler to rank 0 unread
-    (container/worker/handoff.py), whatever its body asks and however slowly the body comes (rank 0
-    waits for it); a head that is not plain (a header repeated) is read by a request thread
-    instead. Each is served on the same connection."""
+    (container/worker/handoff.py), whatever its body asks, however slowly the body comes (rank 0
+    waits for it), and with a head gunicorn takes that is not plain (a header repeated). Each is
+    served on the same connection."""
     import socket
 
     from tests.server import metric
@@ -601,7 +624,7 @@ def test_a_connection_handed_to_the_worker_unread_is_served_by_the_frontend_when
         sock.sendall(_post(payload, "taken-after"))
         answers += _read_responses(sock, 1)
     assert [(status, body) for status, _, body in answers] == [(200, expected)] * 4
-    assert handed == 2  # the stream asked in a header, the slow body; not the repeated header
-    assert metric(server, "sagelmi_requests_read_early_total") - before == 3
+    assert handed == 3  # the repeated header, the stream asked in a header, the slow body
+    assert metric(server, "sagelmi_requests_read_early_total") - before == 4
     for name in ("declined-repeated", "declined-header", "declined-slow", "taken-after"):
         assert "-> 200" in _completion_line(server, name)
