@@ -24,6 +24,7 @@ from time import time
 
 import httptools
 
+from container.core.errors import body_malformed, too_large
 from container.core.protocol import ResponseHead
 from container.core.tracing import TRACEPARENT, TRACESTATE
 
@@ -235,6 +236,47 @@ def _framing(headers: dict[bytes, bytes], version: str) -> tuple[int | None, boo
     if not chunked or version == "1.0" or length is not None:
         return None
     return None, True
+
+
+class ChunkedBody:
+    """A chunked request's bytes as they come off the socket (its head first), its body decoded by
+    httptools (``on_body``) up to the message's end (``on_message_complete``: ``complete``).
+    ``feed`` raises ``PayloadTooLarge`` once the body passes ``limit`` bytes, ``MalformedBody``
+    where its chunks' framing is not HTTP's. ``beyond``: bytes after the message's end were fed
+    (a request sent before the answer): they were read off the socket, and are lost with it."""
+
+    __slots__ = ("beyond", "complete", "limit", "parts", "size", "_parser")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.parts: list[bytes] = []
+        self.size = 0
+        self.complete = self.beyond = False
+        self._parser = httptools.HttpRequestParser(self)
+
+    def on_body(self, data: bytes) -> None:
+        self.parts.append(data)
+        self.size += len(data)
+
+    def on_message_begin(self) -> None:
+        if self.complete:  # the next request: not this body's to parse
+            raise EOFError
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+
+    def feed(self, data: bytes) -> None:
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            if not self.complete:
+                raise body_malformed(str(exc)) from None
+            self.beyond = True
+        if self.size > self.limit:
+            raise too_large(None, self.limit)
+
+    def body(self) -> bytes:
+        return b"".join(self.parts)
 
 
 def fingerprint(path: str, body: bytes) -> str:

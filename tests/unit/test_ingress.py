@@ -10,7 +10,9 @@ from gunicorn.http import wsgi
 from gunicorn.http.parser import RequestParser
 from werkzeug.datastructures import EnvironHeaders
 
+from container.core.errors import MalformedBody, PayloadTooLarge
 from container.core.ingress import (
+    ChunkedBody,
     framing,
     head_ready,
     is_bare_ping,
@@ -246,6 +248,49 @@ def test_the_bodys_framing_is_known_from_the_head() -> None:
 
 def test_a_head_not_whole_is_none() -> None:
     assert parse_head(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n") is None
+
+
+CHUNKED_HEAD = POST + b"Host: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+
+def decoded(data: bytes, limit: int = 1 << 20, piece: int = 0) -> ChunkedBody:
+    """``data`` fed to a ``ChunkedBody`` whole, or ``piece`` bytes at a time."""
+    body = ChunkedBody(limit)
+    for start in range(0, len(data), piece or len(data)):
+        body.feed(data[start : start + (piece or len(data))])
+    return body
+
+
+@pytest.mark.parametrize("piece", [0, 1, 7])
+def test_a_chunked_body_is_decoded_however_its_bytes_come(piece: int) -> None:
+    data = CHUNKED_HEAD + b"5\r\nhello\r\n1;ext=1\r\n \r\n6\r\nworld!\r\n0\r\nX-Trailer: t\r\n\r\n"
+    body = decoded(data, piece=piece)
+    assert body.complete and not body.beyond and body.body() == b"hello world!" and body.size == 12
+    assert not decoded(data[:-2], piece=piece).complete  # its last line not there yet
+
+
+def test_a_chunked_body_past_its_limit_is_too_large_as_it_passes_it() -> None:
+    with pytest.raises(PayloadTooLarge, match="went past the limit; the limit is 8 bytes"):
+        decoded(CHUNKED_HEAD + b"5\r\nhello\r\n5\r\nworld\r\n", limit=8)  # its end not yet sent
+    assert decoded(CHUNKED_HEAD + b"4\r\nhell\r\n4\r\nhell\r\n0\r\n\r\n", limit=8).complete
+
+
+@pytest.mark.parametrize(
+    "chunks",
+    [b"zz\r\nhello\r\n", b"5\r\nhello world\r\n", b"-5\r\nhello\r\n", b"5 \r\nhello\r\n", b"f" * 20 + b"\r\n"],
+)
+def test_malformed_chunks_are_refused(chunks: bytes) -> None:
+    with pytest.raises(MalformedBody, match="chunked framing is malformed") as raised:
+        decoded(CHUNKED_HEAD + chunks + b"0\r\n\r\n")
+    assert raised.value.status == 400
+
+
+@pytest.mark.parametrize("after", [b"POST /invocations HTTP/1.1\r\nContent-Length: 2\r\n\r\nhi", b"garbage"])
+def test_bytes_after_a_chunked_body_are_not_its_own_and_are_told(after: bytes) -> None:
+    body = decoded(CHUNKED_HEAD + b"2\r\nhi\r\n0\r\n\r\n" + after)
+    assert body.complete and body.beyond and body.body() == b"hi"
+    closing = decoded(CHUNKED_HEAD.replace(b"Host: x", b"Connection: close") + b"0\r\n\r\n" + after)
+    assert closing.complete and closing.beyond and closing.body() == b""
 
 
 def test_an_answers_head_frames_its_body_and_keeps_the_frontends_headers_last() -> None:
