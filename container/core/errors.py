@@ -353,6 +353,11 @@ class IncompleteBody(InputError):
     """The client did not send the body it announced."""
 
 
+class MalformedBody(InputError):
+    """The client's chunked body is not framed as HTTP/1.1's chunks (a chunk size that is not hex,
+    a chunk longer than its size)."""
+
+
 def too_large(announced: int | None, limit: int) -> PayloadTooLarge:
     """A request body past ``max_payload_bytes`` (``announced``: its ``Content-Length``, if it had one)."""
     size = f"is {announced} bytes" if announced is not None else "(chunked) went past the limit"
@@ -369,3 +374,8 @@ def body_late(announced: int | None, timeout: float) -> RequestTimeout:
 def body_cut(size: int, announced: int | None) -> IncompleteBody:
     expected = f"of {announced} bytes" if announced is not None else "bytes of a chunked body"
     return IncompleteBody(f"the request body ended after {size} {expected} (the client stopped sending)")
+
+
+def body_malformed(why: str) -> MalformedBody:
+    """``why``: what httptools found wrong in the chunks' framing."""
+    return MalformedBody(f"the request body's chunked framing is malformed: {why[:100]}")

@@ -3,10 +3,12 @@ parser uvicorn uses), what gthread's main loop looks for in a head (``head_ready
 ``request_path``, ``is_bare_ping``), the request as the handler gets it (its ``Input`` properties),
 and the answers rank 0 writes (``response_head``, ``chunk``).
 
-``parse_head`` takes a plain head only: HTTP/1.x with each header once, visible-ASCII values, names
-without ``_`` (which gunicorn would drop), within limits below gunicorn's. The frontend hands a
-connection whose next request has such a head to rank 0 unread (``container.frontend.early``),
-which reads the request with it and answers it itself; anything else gunicorn reads.
+``parse_head`` takes a whole HTTP/1.0 or 1.1 head exactly when the frontend's gunicorn (its
+default limits and ``header_map = "drop"``) would, and gives its headers as gunicorn's WSGI environ
+gives them to a request thread; ``ChunkedBody`` decodes a chunked body with httptools. The frontend
+hands a connection whose next request has such a head to rank 0 unread
+(``container.frontend.early``), which reads the request with them and answers it itself; anything
+else gunicorn reads.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from time import time
 
 import httptools
 
+from container.core.errors import body_malformed, too_large
 from container.core.protocol import ResponseHead
 from container.core.tracing import TRACEPARENT, TRACESTATE
 
@@ -31,9 +34,19 @@ INFERENCE_ID = "X-Amzn-SageMaker-Inference-Id"  # the request's id: the client's
 GROUP_HEADER = "X-Sagelmi-Group"  # which worker group answered (sticky sessions can be checked with it)
 CUSTOM_ATTRIBUTES = "X-Amzn-SageMaker-Custom-Attributes"
 PEEK_BYTES = 1 << 16  # what is looked at without reading it: a larger head goes through the frontend
-MAX_FIELDS = 64  # below gunicorn's limit_request_fields (100)
-MAX_FIELD_BYTES = 4096  # below gunicorn's limit_request_field_size (8190) and limit_request_line (4094)
-_VALUE = re.compile(rb"[\t\x20-\x7e]*")  # a header value of visible ASCII, spaces and tabs (gunicorn's)
+# gunicorn's limits (its defaults, which the frontend keeps): a head past one is gunicorn's to refuse
+MAX_LINE_BYTES = 4094  # limit_request_line: the request line, without its CRLF
+MAX_FIELDS = 100  # limit_request_fields: headers kept (one whose name has "_" is dropped, uncounted)
+MAX_FIELD_BYTES = 8190  # limit_request_field_size: a header's line with its CRLF
+_VALUE = re.compile(rb"[\t\x20-\x7e\x80-\xff]*")  # what gunicorn takes in a value: no control byte but tab
+_TARGET = re.compile(rb"(?=/|[\x21-\x7e]*://)[\x21-\x7e]+")  # origin or absolute form, printable ASCII
+_VERSION = re.compile(rb"HTTP/1\.[01]")
+_SINGLETONS = frozenset({b"host", b"content-type", b"content-length"})  # repeated, gunicorn refuses the head
+_CODINGS = frozenset({b"chunked", b"identity", b"gzip", b"deflate", b"compress"})  # gunicorn's
+# gunicorn's secure_scheme_headers and forwarder_headers: from a trusted proxy (forwarded_allow_ips)
+# it refuses secure-scheme headers that disagree and keeps these two despite their "_"
+_SCHEMES = {b"x-forwarded-protocol": b"ssl", b"x-forwarded-proto": b"https", b"x-forwarded-ssl": b"on"}
+_FORWARDED = frozenset({b"script_name", b"path_info"})
 HEAD_END = b"\r\n\r\n"
 _BARE_LF = re.compile(rb"(?<!\r)\n")
 _PING_LINES = (b"GET /ping HTTP/", b"GET /ping?")
@@ -91,10 +104,10 @@ def is_bare_ping(head: bytes) -> bool:
 
 @dataclass(frozen=True)
 class RequestHead:
-    """A request's head: its method, path and query, ``1.1`` or ``1.0``, its headers (named as the
-    frontend's WSGI environ names them: ``Content-Type``, ``X-Amzn-Sagemaker-Custom-Attributes``
-    ...), its ``Content-Length`` (``None``: no body), whether the connection is kept after the
-    answer (as the client asked), and the head's size on the wire."""
+    """A request's head: its method, path and query, ``1.1`` or ``1.0``, its headers (as the
+    frontend's WSGI environ gives them: named ``Content-Type``, ``X-Amzn-Sagemaker-Custom-Attributes``
+    ..., each once), its ``Content-Length`` (``None``: none), whether its body is chunked, whether
+    the connection is kept after the answer (as the client asked), and the head's size on the wire."""
 
     method: str
     path: str
@@ -102,6 +115,7 @@ class RequestHead:
     version: str
     headers: list[tuple[str, str]]
     length: int | None
+    chunked: bool
     keep_alive: bool
     size: int
 
@@ -131,13 +145,22 @@ class _Fields:
 
 
 def parse_head(data: bytes) -> RequestHead | None:
-    """The head at the start of ``data`` if it is whole and plain (see the module); ``None`` if not."""
+    """The head at the start of ``data`` if it is whole, within ``PEEK_BYTES``, and one gunicorn
+    takes; ``None`` if not. Left to gunicorn too: what httptools does not parse plainly (a method
+    it does not know, HTTP/1.2, an upgrade, a ``Content-Length`` past 2**64, ``OPTIONS *``) and
+    what gunicorn reads differently from a trusted proxy (see ``_headers``)."""
     end = data.find(HEAD_END, 0, PEEK_BYTES)
     if end < 0:
         return None
     head = data[: end + 4]
     if head.count(b"\n") != head.count(b"\r\n"):
         return None  # a bare LF: gunicorn refuses it
+    lines = head[2 if head.startswith(b"\r\n") else 0 : end].split(b"\r\n")  # one empty line may lead
+    parts = lines[0].split(b" ", 2)
+    if len(lines[0]) > MAX_LINE_BYTES or len(parts) != 3 or not _TARGET.fullmatch(parts[1]):
+        return None
+    if not _VERSION.fullmatch(parts[2]) or any(len(line) + 2 > MAX_FIELD_BYTES for line in lines[1:]):
+        return None
     fields = _Fields()
     parser = httptools.HttpRequestParser(fields)
     try:
@@ -146,34 +169,114 @@ def parse_head(data: bytes) -> RequestHead | None:
     except (httptools.HttpParserError, httptools.HttpParserUpgrade):
         return None
     version = parser.get_http_version()
-    if not fields.complete or len(fields.headers) > MAX_FIELDS or version not in ("1.1", "1.0"):
+    headers = _headers(fields.headers) if fields.complete else None
+    framing = _framing(headers, version) if headers is not None else None
+    if headers is None or framing is None:
         return None
-    headers: list[tuple[str, str]] = []
-    seen: set[bytes] = set()
-    length = None
-    for name, raw in fields.headers:
-        value = raw.strip(b" \t")
-        lowered = name.lower()
-        if len(name) + len(value) >= MAX_FIELD_BYTES or b"_" in name or lowered in seen:
-            return None
-        if not _VALUE.fullmatch(value):
-            return None
-        seen.add(lowered)
-        if lowered == b"content-length":
-            if len(value) > 12:  # httptools checked its digits
-                return None
-            length = int(value)
-        headers.append((name.decode("ascii").title(), value.decode("ascii")))
     return RequestHead(
         method=parser.get_method().decode("ascii"),
         path=url.path.decode("latin-1"),
         query=(url.query or b"").decode("latin-1"),
         version=version,
-        headers=headers,
-        length=length,
+        headers=[
+            (name.decode("ascii").title(), value.decode("latin-1"))
+            for name, value in headers.items()
+            if value or name != b"content-type"  # werkzeug's environ headers leave an empty one out
+        ],
+        length=framing[0],
+        chunked=framing[1],
         keep_alive=parser.should_keep_alive(),
         size=end + 4,
     )
+
+
+def _headers(fields: list[tuple[bytes, bytes]]) -> dict[bytes, bytes] | None:
+    """The header fields as gunicorn's WSGI environ keeps them (by lowered name): a name with "_"
+    dropped, a repeated one once where it first came, its values joined with ","; ``None`` where
+    gunicorn refuses the head (a value with a control byte, more than ``MAX_FIELDS`` kept, a
+    repeated Host, Content-Type or Content-Length, an ``Expect`` but ``100-continue``) or reads it
+    differently from a trusted proxy (``SCRIPT_NAME`` or ``PATH_INFO``, secure-scheme headers
+    that disagree): a request thread reads those."""
+    kept: dict[bytes, bytes] = {}
+    count = 0
+    schemes: set[bool] = set()
+    for name, raw in fields:
+        value = raw.strip(b" \t")
+        lowered = name.lower()
+        if count >= MAX_FIELDS or not _VALUE.fullmatch(value) or lowered in _FORWARDED:
+            return None
+        if lowered == b"expect" and value.lower() != b"100-continue":
+            return None  # gunicorn's 417
+        if lowered in _SCHEMES:
+            schemes.add(value == _SCHEMES[lowered])
+        if b"_" in name:
+            continue
+        if lowered in kept:
+            if lowered in _SINGLETONS:
+                return None
+            value = kept[lowered] + b"," + value
+        kept[lowered] = value
+        count += 1
+    return kept if len(schemes) < 2 else None
+
+
+def _framing(headers: dict[bytes, bytes], version: str) -> tuple[int | None, bool] | None:
+    """The body's framing, as gunicorn reads it: its ``Content-Length``, whether it is chunked (a
+    list of codings that ends with ``chunked`` once); ``None`` where gunicorn refuses it (an
+    unknown coding, a coding after ``chunked``, none, ``chunked`` in HTTP/1.0 or with a length)."""
+    length = headers.get(b"content-length")
+    codings = headers.get(b"transfer-encoding")
+    if codings is None:
+        return (int(length) if length is not None else None), False  # httptools checked its digits
+    chunked = False
+    for coding in codings.split(b","):
+        if chunked or coding.strip(b" \t").lower() not in _CODINGS:
+            return None
+        chunked = coding.strip(b" \t").lower() == b"chunked"
+    if not chunked or version == "1.0" or length is not None:
+        return None
+    return None, True
+
+
+class ChunkedBody:
+    """A chunked request's bytes as they come off the socket (its head first), its body decoded by
+    httptools (``on_body``) up to the message's end (``on_message_complete``: ``complete``).
+    ``feed`` raises ``PayloadTooLarge`` once the body passes ``limit`` bytes, ``MalformedBody``
+    where its chunks' framing is not HTTP's. ``beyond``: bytes after the message's end were fed
+    (a request sent before the answer): they were read off the socket, and are lost with it."""
+
+    __slots__ = ("beyond", "complete", "limit", "parts", "size", "_parser")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.parts: list[bytes] = []
+        self.size = 0
+        self.complete = self.beyond = False
+        self._parser = httptools.HttpRequestParser(self)
+
+    def on_body(self, data: bytes) -> None:
+        self.parts.append(data)
+        self.size += len(data)
+
+    def on_message_begin(self) -> None:
+        if self.complete:  # the next request: not this body's to parse
+            raise EOFError
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+
+    def feed(self, data: bytes) -> None:
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            if not self.complete:
+                raise body_malformed(str(exc)) from None
+            self.beyond = True
+        if self.size > self.limit:
+            raise too_large(None, self.limit)
+
+    def body(self) -> bytes:
+        return b"".join(self.parts)
 
 
 def fingerprint(path: str, body: bytes) -> str:

@@ -1,9 +1,9 @@
 """Connections gthread's main loop hands to a worker group unread: rank 0 reads the request on
 them and answers it itself (``container.worker.handoff``); no request thread follows it.
 
-A connection goes so when its next request's head is whole and plain (``ingress.parse_head``, HTTP/1.x),
-on one of the handler's routes with its method (``ROUTES``), without a body framed otherwise than
-by ``Content-Length``, an expectation but ``100-continue`` or a protocol change, unless the server
+A connection goes so when its next request's head is whole and one gunicorn takes
+(``ingress.parse_head``, HTTP/1.x), on one of the handler's routes with its method (``ROUTES``),
+without a transfer coding but ``chunked`` or a protocol change, unless the server
 drains or, while copies of some request are refused as poisonous, the frontend did not see this
 one whole (or it is such a copy); admission and routing (a stateful session's group) must take it.
 Anything else goes to a request thread (``container.frontend.invocations``), which refuses what
@@ -56,8 +56,8 @@ from container.frontend.router import Router
 
 log = logging.getLogger("sagelmi.frontend")
 
-# Headers that make a request one the frontend must read: a body framed otherwise, a protocol change
-_DECLINED = frozenset({"transfer-encoding", "upgrade", "http2-settings", "te"})
+# Headers that make a request one the frontend must read: a protocol change
+_DECLINED = frozenset({"upgrade", "http2-settings", "te"})
 _METHODS = tuple(f"{method} ".encode() for method in set(ROUTES.values()))
 
 
@@ -153,8 +153,8 @@ class EarlyRequests:
             lowered = name.lower()
             if lowered in _DECLINED:
                 return None
-            if lowered == "expect" and value.lower() != "100-continue":
-                return None  # an expectation rank 0 does not meet: gunicorn's 417
+            if lowered == "transfer-encoding" and value.lower() != "chunked":
+                return None  # a coding besides chunked (gzip, chunked): gunicorn's to read
             if lowered == "connection" and {t.strip().lower() for t in value.split(",")} - {"close", "keep-alive"}:
                 return None  # an upgrade or a hop-by-hop header list: gunicorn's to read
         return head
@@ -172,7 +172,8 @@ class EarlyRequests:
         if head is None:
             return False
         end = head.size + (head.length or 0)
-        print_ = fingerprint(f"{head.path}?{head.query}", data[head.size : end]) if len(data) >= end else None
+        whole = len(data) >= end and not head.chunked  # (a chunked body: rank 0 decodes it)
+        print_ = fingerprint(f"{head.path}?{head.query}", data[head.size : end]) if whole else None
         if router.poison.refusing and router.poison.refused and print_ is None:
             return False  # copies of some request are refused: a request thread reads this one to compare
         exchange = self.requests.begin(WerkzeugHeaders(head.headers), head.method, head.path, head.path, bind=False)

@@ -46,6 +46,7 @@ from container.core.ingress import (
     END_OF_CHUNKS,
     INFERENCE_ID,
     PEEK_BYTES,
+    ChunkedBody,
     RequestHead,
     chunk,
     fingerprint,
@@ -67,8 +68,7 @@ READ_BYTES = 1 << 16
 
 
 class ClientGone(ClientClosedRequest):
-    """The client closed its connection while rank 0 was writing its answer's body (499, like
-    a client the frontend found gone)."""
+    """The client closed its connection while rank 0 wrote its answer's body (499, as the frontend's)."""
 
 
 class DirectBody:
@@ -330,13 +330,10 @@ class Handoffs:
     async def _read(self, conn: Connection, request: ClientRequest, head: RequestHead, max_body: int) -> None:
         try:
             body = await self._body(request, head, max_body)
-        except ServingError as exc:
+        except (ServingError, OSError) as exc:  # (OSError: the connection broke)
             request.must_close()
-            await conn.end_client(request.id, exc)
-            return
-        except OSError:
-            request.must_close()
-            await conn.end_client(request.id, ClientClosedRequest("the client closed the connection"))
+            gone = ClientClosedRequest("the client closed the connection")
+            await conn.end_client(request.id, exc if isinstance(exc, ServingError) else gone)
             return
         request.phase = Phase.SERVING
         request.produced_at = monotonic()
@@ -353,45 +350,46 @@ class Handoffs:
         self.start(conn, invoke)
 
     async def _body(self, request: ClientRequest, head: RequestHead, max_body: int) -> bytes:
-        """The request's body, read off the socket after its head (which was peeked); raises the
-        error the client gets for a body too large (413, nothing of it read), late (408) or cut
-        short (400)."""
+        """The request's body, read off the socket with its head (which was peeked); raises the
+        error the client gets for a body too large (413: a length past ``max_body`` unread, a
+        chunked body as it passes it), late (408), cut short or with malformed chunks (400). A
+        chunked body read past its end (a request sent before the answer) closes the connection
+        after the answer: those bytes are gone."""
         sock = request.sock
         assert sock is not None  # READING
         length = head.length or 0
         if length > max_body:
             raise too_large(length, max_body)
-        wanted = head.size + length
-        data = bytearray()
+        chunks = ChunkedBody(max_body) if head.chunked else None  # its decoder finds a chunked body's end
+        announced, wanted = (None, 0) if chunks else (length, head.size + length)
+        data, received = bytearray(), 0
+        take = data.extend if chunks is None else chunks.feed
         deadline = monotonic() + self.body_read_timeout
-        waits = (head.header("Expect") or "").lower() == "100-continue"  # the client waits to be asked
-        while len(data) < wanted:
+        waits = head.version == "1.1" and (head.header("Expect") or "").lower() == "100-continue"
+        while received < wanted or (chunks is not None and not chunks.complete):
             try:
-                part = sock.recv(min(wanted - len(data), READ_BYTES), socket.MSG_DONTWAIT)
+                part = sock.recv(min(wanted - received, READ_BYTES) if wanted else READ_BYTES, socket.MSG_DONTWAIT)
             except BlockingIOError:
-                if waits and len(data) >= head.size:
+                if waits and received >= head.size:
                     waits = False
-                    sock.send(b"%s 100 Continue\r\n\r\n" % request.answer_head.version.encode(), socket.MSG_DONTWAIT)
+                    sock.send(b"HTTP/1.1 100 Continue\r\n\r\n", socket.MSG_DONTWAIT)
                 if not await self._readable(sock, deadline):
-                    raise body_late(length, self.body_read_timeout) from None
+                    raise body_late(announced, self.body_read_timeout) from None
                 continue
             if not part:
-                raise body_cut(max(len(data) - head.size, 0), length)
-            data += part
-        return bytes(data[head.size :])
+                raise body_cut(chunks.size if chunks else max(received - head.size, 0), announced)
+            received += len(part)
+            take(part)
+        if chunks is not None and chunks.beyond:
+            request.must_close()
+        return bytes(data[head.size :]) if chunks is None else chunks.body()
 
     async def _readable(self, sock: socket.socket, deadline: float) -> bool:
         """Wait until ``sock`` has something to read (or its client closed it); False past ``deadline``."""
-        ready = self.loop.create_future()
-        fd = sock.fileno()
-
-        def woken() -> None:
-            if not ready.done():
-                ready.set_result(None)
-
-        self.loop.add_reader(fd, woken)
+        ready, fd = asyncio.Event(), sock.fileno()
+        self.loop.add_reader(fd, ready.set)
         try:
-            await asyncio.wait_for(ready, max(deadline - monotonic(), 0))
+            await asyncio.wait_for(ready.wait(), max(deadline - monotonic(), 0))
             return True
         except asyncio.TimeoutError:
             return False

@@ -590,13 +590,36 @@ def test_a_request_taken_early_times_out_or_loses_its_client_as_any_other(server
     assert server.invoke({"inputs": "after"}).status_code == 200
 
 
-def test_a_connection_handed_to_the_worker_unread_is_served_by_the_frontend_when_the_worker_declines_it(
+def test_a_head_gunicorn_takes_reaches_the_handler_from_rank_0_with_the_headers_gunicorn_gives(server):
+    """A header repeated reaches the handler once, its values joined with "," as gunicorn's WSGI
+    environ joins them; a name with "_" is dropped as gunicorn drops it; 100 headers are not too
+    many. Rank 0 reads all of it (no request thread)."""
+    import socket
+
+    from tests.server import metric
+
+    many = "".join(f"X-F{i}: v\r\n" for i in range(94)).encode()  # 100 headers kept
+    request = _post({"inputs": "x"}, "joined").replace(
+        b"Host: test\r\n", b"Host: test\r\nX-Note: a\r\nX_Skip: b\r\nx-note: c\r\n" + many
+    )
+    before = metric(server, "sagelmi_requests_read_early_total")
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(request)
+        ((status, _, body),) = _read_responses(sock, 1)
+    assert status == 200
+    props = json.loads(body)["properties"]
+    assert props["X-Note"] == "a,c" and props["X-F93"] == "v"
+    assert not any("skip" in name.lower() for name in props)
+    assert metric(server, "sagelmi_requests_read_early_total") - before == 1
+
+
+def test_a_connection_handed_to_the_worker_unread_is_served_there_whatever_its_head_and_body_ask(
     server, tmp_path
 ):
     """gthread's main loop hands a connection whose request is for the handler to rank 0 unread
-    (container/worker/handoff.py), whatever its body asks and however slowly the body comes (rank 0
-    waits for it); a head that is not plain (a header repeated) is read by a request thread
-    instead. Each is served on the same connection."""
+    (container/worker/handoff.py), whatever its body asks, however slowly the body comes (rank 0
+    waits for it), and with a head gunicorn takes that is not plain (a header repeated). Each is
+    served on the same connection."""
     import socket
 
     from tests.server import metric
@@ -626,7 +649,117 @@ def test_a_connection_handed_to_the_worker_unread_is_served_by_the_frontend_when
         sock.sendall(_post(payload, "taken-after"))
         answers += _read_responses(sock, 1)
     assert [(status, body) for status, _, body in answers] == [(200, expected)] * 4
-    assert handed == 2  # the stream asked in a header, the slow body; not the repeated header
-    assert metric(server, "sagelmi_requests_read_early_total") - before == 3
+    assert handed == 3  # the repeated header, the stream asked in a header, the slow body
+    assert metric(server, "sagelmi_requests_read_early_total") - before == 4
     for name in ("declined-repeated", "declined-header", "declined-slow", "taken-after"):
         assert "-> 200" in _completion_line(server, name)
+
+
+MAX_PAYLOAD = 6 * 1024 * 1024  # the default max_payload_in_mb (6)
+
+
+def _chunked_post(payload: dict, inference_id: str, pieces: int = 3) -> bytes:
+    """A POST /invocations whose JSON body is sent as ``pieces`` HTTP/1.1 chunks."""
+    body = json.dumps(payload).encode()
+    step = -(-len(body) // pieces)
+    chunks = b"".join(b"%X\r\n%s\r\n" % (len(part), part) for part in (body[i : i + step] for i in range(0, len(body), step)))
+    return (
+        f"POST /invocations HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+        f"X-Amzn-SageMaker-Inference-Id: {inference_id}\r\nTransfer-Encoding: chunked\r\n\r\n"
+    ).encode() + chunks + b"0\r\n\r\n"
+
+
+def _taken_by_rank_0(server, send) -> tuple[list, float]:
+    """``send(sock)`` on a new connection: what it returns and how many requests the main loop
+    handed to rank 0 meanwhile."""
+    import socket
+
+    from tests.server import metric
+
+    before = metric(server, "sagelmi_requests_read_early_total")
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        got = send(sock)
+    return got, metric(server, "sagelmi_requests_read_early_total") - before
+
+
+def test_a_chunked_request_is_read_by_rank_0_and_answered_whole_or_streamed(server, tmp_path):
+    gate = tmp_path / "gate"
+    gate.write_text("open")
+    stream = {"lines": ["a", "b"], "gate": str(gate), "stream": True}
+
+    def send(sock):
+        sock.sendall(_chunked_post({"inputs": "whole"}, "chunked-whole"))
+        answers = _read_responses(sock, 1)
+        request = _chunked_post(stream, "chunked-stream", pieces=4)
+        head_end = request.index(b"\r\n\r\n") + 4
+        for piece in (request[:head_end], request[head_end : head_end + 20], request[head_end + 20 :]):
+            sock.sendall(piece)  # the body's chunks come after the head was handed over
+            time.sleep(0.1)
+        return answers + _read_responses(sock, 1)
+
+    ((whole_status, whole_headers, whole), (status, headers, streamed)), taken = _taken_by_rank_0(server, send)
+    assert taken == 2
+    assert whole_status == 200 and json.loads(whole)["echo"] == {"inputs": "whole"}
+    assert json.loads(whole)["properties"]["Transfer-Encoding"] == "chunked"  # as gunicorn's environ has it
+    assert whole_headers["connection"] == "keep-alive" and whole_headers["x-amzn-sagemaker-inference-id"] == "chunked-whole"
+    assert (status, headers["transfer-encoding"]) == (200, "chunked")
+    assert streamed == b"".join(json.dumps({"outputs": f"{x}\n"}).encode() + b"\n" for x in "ab")
+    for name in ("chunked-whole", "chunked-stream"):
+        assert "-> 200" in _completion_line(server, name)
+
+
+def _answer_then_close(sock) -> tuple[int, dict[str, str], bytes, bytes]:
+    """The one answer on ``sock`` and what came after it before the server closed the connection."""
+    ((status, headers, body),) = _read_responses(sock, 1)
+    rest = b""
+    while data := sock.recv(65536):
+        rest += data
+    return status, headers, body, rest
+
+
+@pytest.mark.parametrize(
+    ("why", "body", "status", "says"),
+    [
+        ("too large", b"".join(b"100000\r\n" + b"x" * (1 << 20) + b"\r\n" for _ in range(6)) + b"1\r\nx\r\n", 413,
+         f"the limit is {MAX_PAYLOAD} bytes"),
+        ("cut short", b"5\r\nhello\r\n3\r\nwo", 400, "ended after 7 bytes of a chunked body"),
+        ("a chunk size not hex", b"5\r\nhello\r\nzz\r\nworld\r\n0\r\n\r\n", 400, "chunked framing is malformed"),
+        ("a chunk longer than its size", b"3\r\nhello\r\n0\r\n\r\n", 400, "chunked framing is malformed"),
+    ],
+)
+def test_a_chunked_body_too_large_cut_short_or_malformed_gets_rank_0s_error_in_the_routes_envelope(
+    server, why, body, status, says
+):
+    """Rank 0 reads a chunked body as it comes: past max_payload_in_mb it stops reading (413), a
+    body the client stopped sending is a 400, and so are chunks not framed as HTTP's; each in the
+    route's envelope, on a connection closed after it."""
+    import socket
+
+    head = b"POST /invocations HTTP/1.1\r\nHost: test\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+    def send(sock):
+        sock.sendall(head + body)
+        if why == "cut short":
+            sock.shutdown(socket.SHUT_WR)
+        return _answer_then_close(sock)
+
+    (got, headers, answer, rest), taken = _taken_by_rank_0(server, send)
+    assert taken == 1, why
+    assert (got, headers["connection"], rest) == (status, "close", b""), why
+    assert json.loads(answer)["code"] == status and says in json.loads(answer)["error"], why
+    assert server.invoke({"inputs": "after"}).status_code == 200
+
+
+def test_a_request_sent_after_a_chunked_one_is_not_served_and_the_connection_closes_after_the_first_answer(server):
+    """Rank 0 reads a chunked body off the socket without knowing where it ends: bytes the client
+    sent after its end (a pipelined request) are read with it and cannot be given back, so the
+    connection closes after the first answer and the second request gets none."""
+
+    def send(sock):
+        sock.sendall(_chunked_post({"inputs": "first"}, "chunked-first") + _post({"inputs": "second"}, "piped-second"))
+        return _answer_then_close(sock)
+
+    (status, headers, body, rest), taken = _taken_by_rank_0(server, send)
+    assert (status, json.loads(body)["echo"], headers["connection"], rest) == (200, {"inputs": "first"}, "close", b"")
+    assert taken == 1
+    assert "piped-second" not in server.log()

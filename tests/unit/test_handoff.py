@@ -7,6 +7,7 @@ import json
 import os
 import socket
 
+import pytest
 import uvloop
 
 from container.core.ingress import fingerprint
@@ -23,6 +24,12 @@ def request(body: bytes = BODY, extra: bytes = b"", length: int | None = None) -
         b"POST /invocations?x=1 HTTP/1.1\r\nHost: t\r\n%s"
         b"Content-Length: %d\r\n\r\n%s" % (extra, len(body) if length is None else length, body)
     )
+
+
+def chunked(chunks: tuple[bytes, ...] = (BODY[:10], BODY[10:]), extra: bytes = b"", end: bytes = b"0\r\n\r\n") -> bytes:
+    """A request with ``chunks`` as its chunked body, ``end`` after them (the last chunk)."""
+    head = b"POST /invocations?x=1 HTTP/1.1\r\nHost: t\r\n%sTransfer-Encoding: chunked\r\n\r\n" % extra
+    return head + b"".join(b"%X\r\n%s\r\n" % (len(c), c) for c in chunks) + end
 
 
 def run(scenario, max_body: int = 1 << 20):
@@ -240,3 +247,86 @@ def test_an_answer_held_for_its_sessions_routing_fails_when_the_frontends_connec
         return False
 
     assert run(scenario)
+
+
+def test_a_chunked_body_is_decoded_and_started_and_the_connection_stays_open():
+    async def scenario(hand, client, server, frames, started, conn):
+        client.sendall(chunked())
+        await asyncio.sleep(0.05)
+        hand()
+        await asyncio.sleep(0.05)
+        ((_, invoke),) = started
+        assert invoke.body == BODY and invoke.properties["Transfer-Encoding"] == "chunked"
+        assert await frames() == [Taken("w1", "rid-1", "/invocations", fingerprint("/invocations?x=1", BODY))]
+        assert not conn.clients["w1"].close
+        await conn.end_client("w1")
+        return await frames(0.05)
+
+    (end,) = run(scenario)
+    assert not end.close
+
+
+def test_a_chunked_body_that_comes_in_pieces_after_100_continue_is_waited_for():
+    async def scenario(hand, client, server, frames, started, conn):
+        data = chunked(extra=b"Expect: 100-continue\r\n")
+        head_end = data.index(b"\r\n\r\n") + 4
+        client.sendall(data[:head_end])
+        await asyncio.sleep(0.05)
+        hand()
+        await asyncio.sleep(0.05)
+        asked = waiting(client)
+        client.recv(len(asked))
+        for start in range(head_end, len(data), 9):
+            client.sendall(data[start : start + 9])
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.05)
+        return asked, [invoke.body for _, invoke in started]
+
+    asked, bodies = run(scenario)
+    assert asked == b"HTTP/1.1 100 Continue\r\n\r\n" and bodies == [BODY]
+
+
+def test_a_request_sent_after_a_chunked_body_is_not_served_and_the_connection_closes_after_the_answer():
+    async def scenario(hand, client, server, frames, started, conn):
+        client.sendall(chunked() + request())
+        await asyncio.sleep(0.05)
+        hand()
+        await asyncio.sleep(0.05)
+        assert [invoke.body for _, invoke in started] == [BODY]  # the second is gone with the read
+        await conn.send(Head(id="w1", code=200, headers={}, stream=False, written=True))
+        await frames(0)
+        conn.open_client("w1", 200, {}, 2)
+        conn.add_chunk("w1", b"ok")
+        await conn.end_client("w1")
+        head, body = answer(client)
+        return head, body, await frames(0.05)
+
+    head, body, (end,) = run(scenario)
+    assert b"Connection: close" in head and body == b"ok" and end.close
+
+
+@pytest.mark.parametrize(
+    ("data", "shut", "status", "says"),
+    [
+        (chunked((b"x" * 6, b"y" * 6), end=b""), False, 413, "the limit is 10 bytes"),
+        (chunked(end=b""), False, 408, "the whole chunked body did not arrive within 0.3s"),
+        (chunked(end=b"0\r\n"), True, 400, f"ended after {len(BODY)} bytes of a chunked body"),
+        (chunked().replace(b"A\r\n", b"Z\r\n"), False, 400, "framing is malformed: Invalid character in chunk size"),
+        (chunked().replace(BODY[:10], BODY[:12]), False, 400, "framing is malformed"),
+    ],
+)
+def test_a_chunked_body_too_large_late_cut_short_or_malformed_gets_the_routes_error(data, shut, status, says):
+    async def scenario(hand, client, server, frames, started, conn):
+        client.sendall(data)
+        if shut:
+            client.shutdown(socket.SHUT_WR)
+        await asyncio.sleep(0.05)
+        hand()
+        await asyncio.sleep(BODY_READ_TIMEOUT + 0.1)
+        head, body = answer(client)
+        return head, body, started, await frames(0.05)
+
+    head, body, started, frames = run(scenario, max_body=10 if status == 413 else 1 << 20)
+    assert head.startswith(b"HTTP/1.1 %d " % status) and b"Connection: close" in head
+    assert json.loads(body)["code"] == status and says in json.loads(body)["error"] and started == []
+    assert frames[-1].code == status and frames[-1].close
