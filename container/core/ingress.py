@@ -146,9 +146,10 @@ class _Fields:
 
 def parse_head(data: bytes) -> RequestHead | None:
     """The head at the start of ``data`` if it is whole, within ``PEEK_BYTES``, and one gunicorn
-    takes; ``None`` if not. Left to gunicorn too: what httptools does not parse plainly (a method
-    it does not know, HTTP/1.2, an upgrade, a ``Content-Length`` past 2**64, ``OPTIONS *``) and
-    what gunicorn reads differently from a trusted proxy (see ``_headers``)."""
+    takes; ``None`` if not. An upgrade it asks for is not made (as gunicorn, without HTTP/2, does
+    not): it is answered in HTTP/1.1. Left to gunicorn: what httptools does not parse plainly (a
+    method it does not know, HTTP/1.2, a ``Content-Length`` past 2**64, ``OPTIONS *``, a chunked
+    body with an upgrade) and what gunicorn reads differently from a trusted proxy (``_headers``)."""
     end = data.find(HEAD_END, 0, PEEK_BYTES)
     if end < 0:
         return None
@@ -163,15 +164,19 @@ def parse_head(data: bytes) -> RequestHead | None:
         return None
     fields = _Fields()
     parser = httptools.HttpRequestParser(fields)
+    upgrade = False
     try:
-        parser.feed_data(head)
+        try:
+            parser.feed_data(head)
+        except httptools.HttpParserUpgrade:
+            upgrade = True  # after the whole head (httptools stops there)
         url = httptools.parse_url(fields.url)
-    except (httptools.HttpParserError, httptools.HttpParserUpgrade):
+    except httptools.HttpParserError:
         return None
     version = parser.get_http_version()
     headers = _headers(fields.headers) if fields.complete else None
     framing = _framing(headers, version) if headers is not None else None
-    if headers is None or framing is None:
+    if headers is None or framing is None or (upgrade and framing[1]):
         return None
     return RequestHead(
         method=parser.get_method().decode("ascii"),

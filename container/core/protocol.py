@@ -173,17 +173,13 @@ class ResponseHead(msgspec.Struct, frozen=True):
 
 
 class Attach(msgspec.Struct, tag="attach", frozen=True, omit_defaults=True):
-    """Where a streamed answer's body goes, once the frontend has sent its HTTP headers: the
-    client's socket (sent with it on the descriptor channel; framed as HTTP/1.1 chunks when
-    ``chunked``), or, ``direct=False``, the frontend (as Chunks). With ``head`` (a hand-off): the
-    client's connection, whose next request the frontend has not read; rank 0 reads it (a body of
-    at most ``max_body`` bytes) and answers it on that connection (``Taken``, ``Head.written``).
-    On the group's connection, for such a request: its answer, which opens or closes a session,
-    goes to the client's socket rank 0 holds (the frontend's routing knows the session now)."""
+    """A client's connection, with ``head`` on the descriptor channel (a hand-off): its next
+    request, which the frontend has not read, is rank 0's to read (a body of at most ``max_body``
+    bytes) and answer on that connection (``Taken``, ``Head.written``). On the group's connection,
+    for such a request: its answer, which opens or closes a session, goes to the client now (the
+    frontend's routing knows the session)."""
 
     id: str
-    direct: bool = False
-    chunked: bool = True
     head: ResponseHead | None = None
     max_body: int = 0
     seen: bool = False  # a hand-off whose whole request the frontend saw (its fingerprint): no Taken
@@ -205,7 +201,6 @@ class Fail(msgspec.Struct, tag="fail", frozen=True, omit_defaults=True):
     code: int
     message: str
     error: str
-    body_bytes: int = 0  # body bytes rank 0 wrote to the client itself before the failure
 
 
 class WorkerState(str, enum.Enum):

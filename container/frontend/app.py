@@ -1,6 +1,7 @@
 """The Flask app: SageMaker's ``/ping``, ``/metrics``, LMI's management routes and the
-documents; the handler's routes are served in front of it (``container/frontend/invocations.py``:
-``HandlerRoutes``), and reach it only for a method they do not answer (405, ``OPTIONS``, ``HEAD``).
+documents. The handler's routes are served before it (``container/frontend/early.py``: rank 0
+answers them), and reach it only for a method they do not answer (405, ``OPTIONS``, ``HEAD``) or
+a request whose head rank 0 does not read (400).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from container.core.errors import (
     NotFound,
     PayloadTooLarge,
     ServingError,
+    describe,
+    error_body,
 )
 from container.core.launch import FrontendLaunch, ModelInfo
 from container.core.logs import request_id_var
@@ -29,8 +32,7 @@ from container.core.tracing import make_tracer
 from container.frontend import openapi
 from container.frontend.adapters import AdapterRegistry
 from container.frontend.completion import INFERENCE_ID, RequestLog
-from container.frontend.early import EarlyRequests
-from container.frontend.invocations import ROUTES, HandlerRoutes, count_refusal, error_reply
+from container.frontend.early import ROUTES, EarlyRequests, count_refusal
 from container.frontend.management import add_management_routes
 from container.frontend.metrics import FrontendMetrics
 from container.frontend.router import Router
@@ -42,8 +44,7 @@ UNLOGGED = ("/ping", "/metrics")  # health checks and scrapes: no completion lin
 
 def _error_response(exc: BaseException) -> Response:
     """The error in the envelope of the route the client called."""
-    reply = error_reply(request.path, exc)
-    return Response(reply.body, status=reply.status, headers=reply.headers)
+    return Response(error_body(request.path, exc), status=describe(exc)[0], mimetype="application/json")
 
 
 def create_app(launch: FrontendLaunch) -> Flask:
@@ -142,21 +143,20 @@ def create_app(launch: FrontendLaunch) -> Flask:
         }
         return Response(json.dumps(body), mimetype="application/json")
 
-    # The handler's routes, served by ``HandlerRoutes`` before Flask sees them; Flask knows them
-    # for what they do not answer: a wrong method (405), OPTIONS, HEAD of GET /v1/models.
-    # Streamed requests sent to their group before a thread reads them; not with tracing on (the
-    # frontend's span, whose context the group's continues, starts once the request is read)
+    # The handler's routes, served before Flask sees them (the main loop hands them to rank 0);
+    # Flask knows them for what they do not answer: a wrong method (405), OPTIONS, HEAD of GET
+    # /v1/models, and a head rank 0 does not read
     early = EarlyRequests(router, launch, requests)
     app.extensions["sagelmi.early"] = early
-    handler_routes = HandlerRoutes(router, launch, requests, tracer, app.wsgi_app)
 
     def invocations() -> Response:
-        reply = handler_routes.serve(request.environ, request.headers, g.exchange)
-        return Response(reply.body, status=reply.status, headers=reply.headers)
+        raise InputError(
+            f"{request.environ.get('SERVER_PROTOCOL', 'this HTTP version')} request heads like this one are not "
+            "read on the model's routes: send HTTP/1.1 (or 1.0) with a body by Content-Length or chunked"
+        )
 
     for path, method in ROUTES.items():
         app.add_url_rule(path, "invocations", invocations, methods=[method])
 
     add_management_routes(app, router, registry, launch)
-    app.wsgi_app = handler_routes  # type: ignore[method-assign]  # Flask's way to wrap its WSGI app
     return app

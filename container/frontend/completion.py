@@ -34,7 +34,7 @@ log = logging.getLogger("sagelmi.frontend")
 
 @dataclass
 class Answer:
-    """What the relay learns about an answer while it goes out (``Invocation`` fills it in)."""
+    """What the frontend learns about an answer rank 0 wrote (``early.HandedOff`` fills it in)."""
 
     streamed: bool = False
     outcome: str | None = None  # a stream's, set when its relay ends; else from the status

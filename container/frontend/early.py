@@ -1,22 +1,23 @@
-"""Connections gthread's main loop hands to a worker group unread: rank 0 reads the request on
-them and answers it itself (``container.worker.handoff``); no request thread follows it.
+"""The handler's routes (``ROUTES``), served one way: gthread's main loop hands each connection
+whose next request is on one of them to a worker group unread, and rank 0 reads the request and
+answers it itself (``container.worker.handoff``); no request thread takes part.
 
-A connection goes so when its next request's head is whole and one gunicorn takes
-(``ingress.parse_head``, HTTP/1.x), on one of the handler's routes with its method (``ROUTES``),
-without a transfer coding but ``chunked`` or a protocol change, unless the server
-drains or, while copies of some request are refused as poisonous, the frontend did not see this
-one whole (or it is such a copy); admission and routing (a stateful session's group) must take it.
-Anything else goes to a request thread (``container.frontend.invocations``), which refuses what
-admission or routing refuse.
+A connection goes so once its next request's head is whole, one gunicorn takes
+(``ingress.parse_head``: HTTP/1.0 or 1.1, a body by ``Content-Length`` or chunked), on one of the
+routes with its method. Admission (``Router.admit``) and routing (a stateful session's group, else
+the least busy) must take it; what they refuse, a copy of a request refused as poisonous, and
+everything while the server drains, the main loop answers itself (``_refuse``: the route's error).
+A head gunicorn takes that ``parse_head`` does not (HTTP/1.2, an unknown method ...) reaches Flask,
+which refuses it (400).
 
 The reader thread of the group's connection follows it (``HandedOff``): ``Taken`` (rank 0 read
 the request: its fingerprint, for the poison guard, unless the frontend's look saw it whole), the
 ``Head`` rank 0 writes (one that opens or closes a session waits on rank 0 until the routing here
-knows it: ``GroupClient.routed``), then the ``End`` (the status and bytes written, how it ended, whether the
-connection stays open), on which it writes the completion line, releases the admission and gives
-the connection back to the main loop. A group lost before the ``End`` leaves the client the
-route's 503 where nothing was written, the stream's in-band error where a stream's head went out
-and no chunk is torn, else a closed connection.
+knows it: ``GroupClient.routed``), then the ``End`` (the status and bytes written, how it ended,
+whether the connection stays open), on which it writes the completion line, releases the
+admission and gives the connection back to the main loop. A group lost before the ``End`` leaves
+the client the route's 503 where nothing was written, the stream's in-band error where a stream's
+head went out and no chunk is torn, else a closed connection.
 
 Why: a request thread per request costs the frontend CPU, and reading the request before its
 group has it adds to the time to the first token (docs/benchmarks/ measures both).
@@ -34,7 +35,7 @@ from typing import Any, Protocol
 from gunicorn import SERVER
 from werkzeug.datastructures import Headers as WerkzeugHeaders
 
-from container.core.errors import ServiceUnavailable, ServingError, describe, error_body, in_band_error
+from container.core.errors import QueueFull, ServiceUnavailable, ServingError, describe, error_body, in_band_error
 from container.core.ingress import (
     END_OF_CHUNKS,
     GROUP_HEADER,
@@ -50,15 +51,37 @@ from container.core.launch import FrontendLaunch
 from container.core.protocol import Chunk, End, Fail, Head, ResponseHead, Taken
 from container.core.sessions import SESSION_ID, changes_sessions
 from container.frontend.completion import Answer, Exchange, RequestLog
-from container.frontend.invocations import ROUTES, count_refusal
 from container.frontend.main_loop import json_answer
+from container.frontend.poison import RequestStoppedEngine
 from container.frontend.router import Router
 
 log = logging.getLogger("sagelmi.frontend")
 
-# Headers that make a request one the frontend must read: a protocol change
-_DECLINED = frozenset({"upgrade", "http2-settings", "te"})
+# The handler's routes and the method each answers (Flask answers the others on these paths: 405, OPTIONS, HEAD)
+ROUTES = {
+    "/invocations": "POST",
+    "/v1/chat/completions": "POST",
+    "/v1/completions": "POST",
+    "/v1/models": "GET",
+    "/tokenize": "POST",
+    "/detokenize": "POST",
+    "/v1/embeddings": "POST",
+    "/v1/score": "POST",
+    "/v1/rerank": "POST",
+    "/v1/responses": "POST",
+    "/v1/messages": "POST",
+    "/v1/messages/count_tokens": "POST",
+}
+
 _METHODS = tuple(f"{method} ".encode() for method in set(ROUTES.values()))
+
+
+def count_refusal(metrics: Any, exc: ServingError) -> None:
+    """The counters of requests refused before they reached a group."""
+    if isinstance(exc, RequestStoppedEngine):
+        metrics.poison_refused.inc()
+    elif isinstance(exc, QueueFull):
+        metrics.queue_full.inc()
 
 
 class Connections(Protocol):
@@ -147,17 +170,7 @@ class EarlyRequests:
     @staticmethod
     def _takeable(data: bytes) -> RequestHead | None:
         head = parse_head(data)
-        if head is None or ROUTES.get(head.path) != head.method:
-            return None
-        for name, value in head.headers:
-            lowered = name.lower()
-            if lowered in _DECLINED:
-                return None
-            if lowered == "transfer-encoding" and value.lower() != "chunked":
-                return None  # a coding besides chunked (gzip, chunked): gunicorn's to read
-            if lowered == "connection" and {t.strip().lower() for t in value.split(",")} - {"close", "keep-alive"}:
-                return None  # an upgrade or a hop-by-hop header list: gunicorn's to read
-        return head
+        return head if head is not None and ROUTES.get(head.path) == head.method else None
 
     def send(self, conn: Any, close: bool, data: bytes) -> bool:
         """gthread's main loop, a connection whose next request's head is there (``data``, peeked):

@@ -3,15 +3,12 @@
 
 ``GroupClient`` owns a background thread that (re)connects to the group's Unix
 socket and reads every message from it. Status messages update ``state``;
-answers are handed to the ``PendingRequest`` of their request id. A request
-thread writes its frame itself when no other write is queued or under way and
-the socket takes it at once; otherwise the frame goes to a sender thread, which
-writes whatever is queued in one write. Request threads wait on their own
-``PendingRequest``, which merges the chunks that arrive while its reader is
-busy, so a slow client never makes a queue grow one entry per token. Once a
-stream's headers are out, ``attach`` hands the client's socket to the group, which writes
-the body itself (``container.worker.handoff``); where it cannot, the reader thread writes
-the chunks to the client as they come.
+answers go to what waits for their request id: a hand-off's ``HandedOff``
+(``container.frontend.early``: rank 0 answers the client itself, ``hand_off``), or the
+``PendingRequest`` of the frontend's own messages (``/metrics``, adapters). A thread writes
+its frame itself when no other write is queued or under way and the socket takes it at
+once; otherwise the frame goes to a sender thread, which writes whatever is queued in one
+write.
 
 When the connection drops, every request in flight on it fails at once with
 503 and the client keeps trying to reconnect (a restarted group binds the same
@@ -56,7 +53,7 @@ from container.core.protocol import (
     is_last,
     send_with_fd,
 )
-from container.frontend.pending import PendingRequest, Sink, WorkerFailed
+from container.frontend.pending import PendingRequest, WorkerFailed
 
 
 class Answered(Protocol):
@@ -128,12 +125,10 @@ class GroupClient:
         return self._sock is not None
 
     # -- requests
-    def submit(
-        self, invoke: Invoke, require_ready: bool = True, tag: tuple[str, str, str] | None = None
-    ) -> PendingRequest:
+    def submit(self, invoke: Invoke, require_ready: bool = True) -> PendingRequest:
         """Send ``invoke``; raises ``ServiceUnavailable`` if the group is not
-        ready (or, with ``require_ready=False``, not connected). ``tag``: see ``on_lost``."""
-        pending = PendingRequest(invoke.id, tag)
+        ready (or, with ``require_ready=False``, not connected)."""
+        pending = PendingRequest(invoke.id)
         sock = self._register(pending, require_ready)
         self._send(sock, encode(invoke))  # a connection that drops fails the request (503) in _lost
         return pending
@@ -172,7 +167,6 @@ class GroupClient:
         request_id = f"metrics-{uuid.uuid4().hex}"
         pending = self.submit(Invoke(id=request_id, properties={}, body=b"", path=METRICS_PATH), require_ready=False)
         try:
-            pending.wait_head(timeout)
             return pending.read_body(timeout).decode("utf-8")
         finally:
             self._pending.pop(request_id, None)
@@ -191,8 +185,7 @@ class GroupClient:
             self._send(sock, encode(message))
             if not pending.wait_done_for(timeout):
                 raise GatewayTimeout(f"worker group {self.name} did not answer within {timeout:g}s")
-            with pending._cond:
-                error = pending._error
+            error = pending.error
             if isinstance(error, WorkerFailed):
                 raise error
             return error is None  # a connection that dropped meanwhile: the replay covers it
@@ -211,20 +204,6 @@ class GroupClient:
     def forget(self, request_id: str) -> None:
         """Drop what is still expected for a request (after ``cancel(confirm=True)``)."""
         self._pending.pop(request_id, None)
-
-    def attach(self, pending: PendingRequest, sink: Sink | None) -> None:
-        """Say where a streamed answer's body goes, once its HTTP headers are out (the group
-        holds the body until then): the group writes it to the client's socket itself when
-        the descriptor channel takes the socket (``pending.direct``); otherwise it comes here
-        as Chunks, which the reader thread writes to ``sink`` (if any) as they come."""
-        if sink is not None and self._hand_over(Attach(id=pending.id, direct=True, chunked=sink.chunked), sink.sock):
-            pending.direct = True
-            return
-        if sink is not None:
-            pending.attach(sink)
-        sock = self._sock
-        if sock is not None:  # no connection: the request fails with it
-            self._send(sock, encode(Attach(id=pending.id)))
 
     def routed(self, request_id: str) -> None:
         """Tell rank 0 the routing knows the session a hand-off's answer opens or closes: it

@@ -33,7 +33,6 @@ from container.core import logs, proc
 from container.core.errors import InputError, scrub
 from container.core.launch import FrontendLaunch, decode_frontend_launch
 from container.frontend.app import create_app
-from container.frontend.body import CLOSE_CONNECTION, WSGI_RESPONSE
 from container.frontend.main_loop import HeadWaitingWorker, json_answer
 
 log = logging.getLogger("sagelmi.frontend")
@@ -184,26 +183,6 @@ class DrainingWorker(HeadWaitingWorker):
         ThreadWorker.handle_exit(self, signal.SIGTERM, None)
 
 
-class GunicornBridge:
-    """WSGI middleware between gunicorn and the app. It puts gunicorn's response
-    object in the environ (``WSGI_RESPONSE``: a stream's chunks can then be
-    written to the client as gunicorn frames them). And a request whose environ
-    has ``CLOSE_CONNECTION`` (its body was left unread) gets ``Connection:
-    close``, so gunicorn closes the connection gracefully (FIN, then a short
-    drain) instead of reading the rest of the body to reuse it."""
-
-    def __init__(self, app) -> None:
-        self.app = app
-
-    def __call__(self, environ, start_response):
-        response = getattr(start_response, "__self__", None)  # gunicorn's Response, headers not yet sent
-        environ[WSGI_RESPONSE] = response
-        result = self.app(environ, start_response)
-        if environ.get(CLOSE_CONNECTION) and response is not None and hasattr(response, "force_close"):
-            response.force_close()
-        return result
-
-
 def connection_bound(threads: int) -> int:
     """How many connections the frontend may hold at once (gthread's ``worker_connections``): as
     many as its file-descriptor limit allows, once the soft limit is raised to the hard one (a
@@ -261,9 +240,7 @@ class FrontendServer(BaseApplication):
             sys.exit(1)
 
     def load(self):
-        app = create_app(self.launch)
-        app.wsgi_app = GunicornBridge(app.wsgi_app)  # type: ignore[method-assign]  # Flask's way to wrap its WSGI app
-        return app
+        return create_app(self.launch)
 
 
 def main(argv: list[str] | None = None) -> int:

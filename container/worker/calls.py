@@ -171,31 +171,21 @@ class Calls:
         headers = {k: v for k, v in output.headers().items() if k.lower() not in HOP_BY_HOP}
         streaming = output.stream_content is not None
         started = seen.started if seen is not None else 0.0
-        # A request read by rank 0 has its answer written here (container.worker.handoff); a stream of
-        # the frontend's waits for its Attach (container.worker.handoff.DirectBody)
+        # A request read by rank 0 has its answer written here (container.worker.handoff); the
+        # frontend's own (/metrics) and another rank's go as frames (to nowhere on another rank)
         client = conn.has_client(rid)
         if client:
             if (stopped := conn.stopped(rid)) is not None:
                 raise stopped  # rank 0 stopped it (a timeout, its client gone): the handler's late answer is not sent
             headers = conn.answer_headers(rid, output.code, headers)
-        if streaming and not client:
-            conn.expect_stream(rid)
         body = b"" if streaming else output.body()
         head = Head(id=rid, code=output.code, headers=headers, stream=streaming, started=started, written=client)
         await conn.send(head)
         if client:
             await conn.delivered(rid)
             conn.open_client(rid, output.code, headers, None if streaming else len(body))
-        body_bytes = 0
         if streaming:
-            try:
-                await self._send_stream(conn, rid, output, cancelled)
-            except Exception:
-                if not client:
-                    await conn.finish_stream(rid)  # what came before the handler's error goes out first
-                raise
-            if not client:
-                body_bytes = await conn.finish_stream(rid)
+            await self._send_stream(conn, rid, output, cancelled)
         elif body and client:
             conn.add_chunk(rid, body)
         elif body:
@@ -204,7 +194,7 @@ class Calls:
         if client:
             await conn.end_client(rid, None, (prompt, completion))
             return
-        await conn.send(End(id=rid, prompt_tokens=prompt, completion_tokens=completion, body_bytes=body_bytes))
+        await conn.send(End(id=rid, prompt_tokens=prompt, completion_tokens=completion))
 
     async def _send_stream(
         self, conn: Connection | DroppedAnswers, rid: str, output: Output, cancelled: threading.Event

@@ -7,10 +7,9 @@ import asyncio
 import logging
 import os
 import socket
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from time import monotonic
-from typing import Protocol
 
 from container.core.errors import ClientClosedRequest
 from container.core.ingress import framing, response_head
@@ -65,17 +64,13 @@ class Connection:
     stream: the pass after an engine step's), or once ``COALESCE_BYTES`` are queued, or once
     the first queued frame is ``COALESCE_SECONDS`` old (a loop that keeps producing, as a
     handler streaming faster than its client reads). A lone token on an idle loop leaves two
-    passes after it was sent. Consecutive chunks of one request merge into one ``Chunk``:
-    the frontend decodes one frame for them, and writes them to its client at once.
+    passes after it was sent. The bodies written to clients' sockets (``bodies``:
+    ``container.worker.handoff.DirectBody``) are written on the same passes.
 
-    A streamed answer's ``Head`` leaves at once, with the frames queued before it (the bodies
-    written to clients here still wait for the pass): the frontend's hand-over of the client's
-    socket then runs while the handler starts the answer. Its body (``expect_stream``) waits for
-    the frontend's ``Attach``; with the client's socket it is written there on the same passes
-    (``container.worker.handoff.DirectBody``). A request rank 0 read itself (``clients``,
-    ``container.worker.handoff``) has its whole answer written here: its ``Head`` (``written``)
-    leaves at once, before the client gets anything (``open_client``), its ``End`` once the
-    socket is let go (``end_client``)."""
+    A request rank 0 read itself (``clients``, ``container.worker.handoff``) has its whole answer
+    written here: its ``Head`` (``written``) leaves at once, before the client gets anything
+    (``delivered``, ``open_client``), its ``End`` once the socket is let go (``end_client``). The
+    answers of the frontend's own requests (``/metrics``) go to it as Chunks."""
 
     def __init__(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, channel: DescriptorChannel | None = None
@@ -126,11 +121,9 @@ class Connection:
         self._queue.append(frame)
         self._queued += len(frame)
         if (type(message) is Head and (message.stream or message.written)) or (
-            type(message) is End and (request_id in self.bodies or message.outcome)
+            type(message) is End and message.outcome
         ):
-            # a stream's head or end, at once: on the head the frontend sends the headers and hands
-            # the client's socket over while the handler goes on (vLLM's add_request, the prefill);
-            # on the end it ends the client's response (a body's record stays until drop_stream)
+            # an answer's head (its client's bytes wait for it: delivered) or end, at once
             self._write_frames()
 
     def queue_quietly(self, message: Message, latest: float) -> None:
@@ -151,11 +144,10 @@ class Connection:
         connection closed."""
         body = self.bodies.get(request_id)
         if body is not None:
-            if body.state == DirectBody.DIRECT:
-                if not body.parts:
-                    self._touch(body)
-                self._added = True
-                self._queued += len(data)
+            if not body.parts:
+                self._touch(body)
+            self._added = True
+            self._queued += len(data)
             return body.add(data)
         return self._relay_chunk(request_id, data)
 
@@ -279,65 +271,15 @@ class Connection:
             self._sweeping = True
             self._loop.call_later(SWEEP_INTERVAL, self._sweep)
 
-    # -- streamed answers' bodies for the frontend's requests (it writes their heads)
-    def expect_stream(self, request_id: str) -> None:
-        """Hold request ``request_id``'s body until the frontend's ``Attach`` says where it goes."""
-        self.bodies[request_id] = DirectBody(request_id, self._loop, self._torn)
-
-    def attach(self, message: Attach, fd: int | None) -> bool:
-        """Send the body where ``message`` says: to the client's socket ``fd`` (which this
-        connection then owns), or to the frontend; for a request read here, whose answer waits
-        for its session's routing (``delivered``), on. False when no body waits for it."""
+    def attach(self, message: Attach) -> None:
+        """The frontend's routing knows the session an answer opens or closes (``delivered``)."""
         routed = self._routing.get(message.id)
-        if routed is not None and fd is None:
-            if not routed.done():
-                routed.set_result(None)
-            return True
-        body = self.bodies.get(message.id)
-        if body is None or body.state != DirectBody.WAITING:
-            return False
-        if fd is None:
-            del self.bodies[message.id]
-            for data in body.relay():
-                self._relay_chunk(message.id, data)
-            return True
-        body.open(fd, message.chunked)
-        if body.parts:
-            self._touch(body)
-        return True
+        if routed is not None and not routed.done():
+            routed.set_result(None)
 
-    async def finish_stream(self, request_id: str) -> int:
-        """Once the frontend said where the body goes, write the rest of it, wait until the
-        client took it and let go of its socket: the body bytes written to the client here
-        (0 when relayed). The record stays for ``direct_bytes`` until ``drop_stream``."""
-        body = self.bodies.get(request_id)
-        if body is None:
-            return 0
-        await body.until_attached()
-        if self.bodies.get(request_id) is not body:
-            return 0  # relayed meanwhile
-        await body.drain()
-        body.close()
-        return body.sent
-
-    def direct_bytes(self, request_id: str) -> int:
-        """The body bytes of ``request_id`` written to the client here so far."""
-        body = self.bodies.get(request_id)
-        return body.sent if body is not None else 0
-
-    def stop_stream(self, request_id: str) -> bool:
-        """Stop writing a body at once (the request is cancelled); True if it went to the client
-        from here (the frontend waits for a last word then)."""
-        body = self.bodies.get(request_id)
-        if body is None:
-            return False
-        body.close()
-        return body.sock_used
-
-    def drop_stream(self, request_id: str) -> None:
-        """Forget a body once its request is over (stopping it first, if it is still written); a
-        request read here that was not ended (its connection to the frontend broke) lets go of
-        the client's socket."""
+    def drop_client(self, request_id: str) -> None:
+        """Forget a request read here once it is over; one that was not ended (its connection to
+        the frontend broke) stops writing and lets go of the client's socket."""
         request = self.clients.pop(request_id, None)
         if request is not None:
             request.release()
@@ -425,33 +367,28 @@ class Connection:
             if not routed.done():
                 routed.set_exception(PeerGone("the connection to the frontend is closed"))
         for request_id in list(self.bodies) + list(self.clients):
-            self.drop_stream(request_id)
+            self.drop_client(request_id)
         self.writer.close()
-
-
-class Attachable(Protocol):
-    def attach(self, message: Attach, fd: int | None) -> bool: ...
 
 
 class DescriptorChannel:
     """Rank 0's end of the descriptor channel (``SOCK_SEQPACKET`` beside its socket at
     ``socket_path``: the frontend hands over clients' sockets there). Each message is an
-    ``Attach`` with the client's socket: for the one of ``connections`` whose answer waits for
-    it (``Connection.attach``; with none, the descriptor is closed), or, with a ``head``, a
-    hand-off: a connection whose request rank 0 reads itself (``on_handoff``, told the process
-    that sent it)."""
+    ``Attach`` with a ``head`` and the client's socket, whose next request rank 0 reads itself
+    (``on_handoff``, told the process that sent it)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, socket_path: str, connections: Collection[Attachable]) -> None:
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, socket_path: str, on_handoff: Callable[[Attach, int, int], None]
+    ) -> None:
         self.loop = loop
         self.path = path = fd_channel_path(socket_path)
-        self.connections = connections
         Path(path).unlink(missing_ok=True)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.sock.bind(path)
         self.sock.listen(16)
         self.sock.setblocking(False)
         self.peers: dict[socket.socket, int] = {}  # -> the process at its other end
-        self.on_handoff: Callable[[Attach, int, int], None] | None = None
+        self.on_handoff = on_handoff
         loop.add_reader(self.sock.fileno(), self._accept)
 
     def _accept(self) -> None:
@@ -479,10 +416,11 @@ class DescriptorChannel:
             message, fd = received
             if fd is None:
                 log.warning("ignoring a descriptor-channel message without a descriptor")
-            elif isinstance(message, Attach) and message.head is not None and self.on_handoff is not None:
+            elif isinstance(message, Attach) and message.head is not None:
                 self.on_handoff(message, fd, self.peers.get(peer, 0))
-            elif not isinstance(message, Attach) or not any(c.attach(message, fd) for c in list(self.connections)):
-                os.close(fd)  # the answer has ended or was cancelled meanwhile: the frontend writes
+            else:
+                log.warning("closing a descriptor sent without a request head")
+                os.close(fd)
 
     def _drop(self, peer: socket.socket) -> None:
         self.loop.remove_reader(peer.fileno())

@@ -2,16 +2,15 @@
 clients' sockets.
 
 The frontend hands rank 0 a client's connection unread (an ``Attach`` with a ``head``, on the
-descriptor channel) once its next request has a plain head (``ingress.parse_head``) on a handler
-route. ``Handoffs`` reads the request (its body within ``body_read_timeout``, at most ``max_body``
-bytes), tells the frontend what it read (``Taken``, unless it saw it whole) and starts it as an
-``Invoke``; ``Connection.open_client`` writes its head (any status), ``end`` its end: the route's
-error where the handler failed (in band once a stream began), 504 where it was silent for
-``predict_timeout`` and nothing where the client left (``sweep``), then one ``End``. A request's
-state here is one ``ClientRequest`` in one ``Phase``.
+descriptor channel) once its next request has a head gunicorn would take (``ingress.parse_head``)
+on a handler route: every request of the handler's goes this way. ``Handoffs`` reads the request
+(its body within ``body_read_timeout``, at most ``max_body`` bytes), tells the frontend what it
+read (``Taken``, unless it saw it whole) and starts it as an ``Invoke``; ``Connection.open_client``
+writes its head (any status), ``end`` its end: the route's error where the handler failed (in band
+once a stream began), 504 where it was silent for ``predict_timeout`` and nothing where the client
+left (``sweep``), then one ``End``. A request's state here is one ``ClientRequest`` in one ``Phase``.
 
-``DirectBody`` is one answer's body on the client's socket (a hand-off's, or a stream whose head
-the frontend wrote, handed over with an ``Attach``): written without blocking on the loop's
+``DirectBody`` is one answer's body on the client's socket: written without blocking on the loop's
 passes (what the client has not taken waits for the socket to be writable; past
 ``WRITE_HIGH_WATER`` the handler's stream waits too), as HTTP/1.1 chunks or raw. Tokens do not
 cross the frontend: a hop per token would cost its CPU and wake-ups that preempt the engine.
@@ -72,11 +71,7 @@ class ClientGone(ClientClosedRequest):
 
 
 class DirectBody:
-    """The body of one streamed answer: ``WAITING`` for the frontend's ``Attach``, then
-    ``DIRECT`` (written to the client's socket here) or ``RELAY`` (sent to the frontend as
-    Chunks: the connection takes what was held), ``CLOSED`` at the end."""
-
-    WAITING, DIRECT, RELAY, CLOSED = "waiting", "direct", "relay", "closed"
+    """The body of one answer rank 0 writes to the client's socket, from ``open`` to ``close``."""
 
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, on_torn: Callable[[DirectBody], None]) -> None:
         self.id = request_id
@@ -84,12 +79,10 @@ class DirectBody:
         # Told, in the send's own call, when ``torn`` turns true and when it turns false again: the
         # frontend must know before this process can die.
         self.on_torn = on_torn
-        self.state = self.WAITING
         self.parts: list[bytes] = []  # body pieces not yet written
         self.pending = 0  # their bytes
         self.backlog = b""  # framed bytes the socket did not take yet
         self.sock: socket.socket | None = None
-        self.sock_used = False  # the body went (or goes) to the client's socket from here
         self.preamble = b""  # the HTTP head, written here before the body (Head.written)
         self.chunked = True
         self.sent = 0  # body bytes written (without the chunk framing)
@@ -98,23 +91,13 @@ class DirectBody:
         self._polling = False  # waiting for the socket to take the backlog
         self._wake: asyncio.Future | None = None
 
-    def open(self, fd: int, chunked: bool, preamble: bytes = b"") -> None:
+    def open(self, fd: int, chunked: bool, preamble: bytes) -> None:
         """Write to the client's socket ``fd`` (a duplicate this body now owns) from now on,
         ``preamble`` (an HTTP head) first. Its blocking mode is the frontend's too (one open
         file): sends never wait here."""
         self.sock = socket.socket(fileno=fd)
         self.preamble = preamble
-        self.sock_used = True
         self.chunked = chunked
-        self.state = self.DIRECT
-        self._notify()
-
-    def relay(self) -> list[bytes]:
-        """The frontend takes the body: what was held goes to it."""
-        self.state = self.RELAY
-        held, self.parts, self.pending = self.parts, [], 0
-        self._notify()
-        return held
 
     def add(self, data: bytes) -> bool:
         """Hold or queue ``data``; True when the stream must ``wait_room`` before the next piece."""
@@ -125,7 +108,7 @@ class DirectBody:
     def write(self, last: bool = False) -> None:
         """Write what is queued (one chunk for all of it), without waiting for the client;
         ``last``: with the chunked body's end after it, in the same write."""
-        if self.state != self.DIRECT or self.gone or not (self.parts or last or self.preamble):
+        if self.sock is None or self.gone or not (self.parts or last or self.preamble):
             return
         data = self.parts[0] if len(self.parts) == 1 else b"".join(self.parts)
         self.parts, self.pending = [], 0
@@ -143,13 +126,13 @@ class DirectBody:
         self._send(frame)
 
     def progress_due(self, now: float) -> bool:
-        if self.state != self.DIRECT or now - self.last_progress < PROGRESS_INTERVAL:
+        if self.sock is None or now - self.last_progress < PROGRESS_INTERVAL:
             return False
         self.last_progress = now
         return True
 
     def _send(self, frame: bytes) -> None:
-        assert self.sock is not None  # DIRECT
+        assert self.sock is not None  # open
         try:
             taken = self.sock.send(frame, socket.MSG_DONTWAIT)
         except BlockingIOError:
@@ -208,15 +191,11 @@ class DirectBody:
             await self._wake
 
     async def wait_room(self) -> None:
-        """Wait until the client has taken enough (and the body is attached); raises
-        ``ClientGone`` once the client is gone."""
+        """Wait until the client has taken enough; raises ``ClientGone`` once the client is gone."""
         self.write()
-        await self._until(lambda: self.gone or (self.state != self.WAITING and not self.backlog))
+        await self._until(lambda: self.gone or not self.backlog)
         if self.gone:
             raise ClientGone("the client closed the connection during the stream")
-
-    async def until_attached(self) -> None:
-        await self._until(lambda: self.state != self.WAITING)
 
     async def drain(self) -> None:
         """Write the rest and wait until the client's socket has taken all of it (or the client is gone)."""
@@ -226,7 +205,6 @@ class DirectBody:
     def close(self) -> None:
         """Stop writing at once and let go of the socket (the frontend keeps its own)."""
         self._stop_polling()
-        self.state = self.CLOSED
         if self.sock is not None:
             self.sock.close()
             self.sock = None

@@ -357,19 +357,7 @@ class DroppedAnswers:
     def release_client(self, request_id: str) -> bool:
         return False
 
-    def expect_stream(self, request_id: str) -> None:
-        pass
-
-    async def finish_stream(self, request_id: str) -> int:
-        return 0
-
-    def direct_bytes(self, request_id: str) -> int:
-        return 0
-
-    def stop_stream(self, request_id: str) -> bool:
-        return False
-
-    def drop_stream(self, request_id: str) -> None:
+    def drop_client(self, request_id: str) -> None:
         pass
 
     async def wait_writable(self, request_id: str | None = None) -> None:

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, cast
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from container.core import logs, proc
-from container.core.errors import ClientClosedRequest, ServiceUnavailable, describe, one_line
+from container.core.errors import ServiceUnavailable, describe, one_line
 from container.core.protocol import (
     EXIT_ENGINE_DEAD,
     EXIT_LOAD_FAILED,
@@ -118,9 +118,8 @@ class Worker:
         for sig in (signal.SIGTERM, signal.SIGINT):
             self.loop.add_signal_handler(sig, self.stopping.set)
         if self.context.rank == 0:  # before the socket: a connection's Invoke may claim a client's socket at once
-            self.channel = DescriptorChannel(self.loop, self.context.launch.socket_path, self.connections)
             handoffs = Handoffs(self.connections, self._dispatch, self.loop, self.settings.body_read_timeout)
-            self.channel.on_handoff = handoffs.receive
+            self.channel = DescriptorChannel(self.loop, self.context.launch.socket_path, handoffs.receive)
         server = await self._listen() if self.context.rank == 0 else None
         code = 0
         loading = asyncio.create_task(self._load())
@@ -358,8 +357,8 @@ class Worker:
             elif (leader := self._relay()) is not None:
                 leader.send(message)
             self._start_request(conn, message)
-        elif isinstance(message, Attach) and isinstance(conn, Connection):  # the body goes to the frontend
-            conn.attach(message, None)
+        elif isinstance(message, Attach) and isinstance(conn, Connection):  # a session's answer may go out
+            conn.attach(message)
         elif isinstance(message, SetAdapter):
             self.adapters.receive(conn, message)
         elif isinstance(message, InvokeBatch):  # another rank: the batch rank 0 formed
@@ -420,8 +419,8 @@ class Worker:
             cancelled.set()
             reason = conn.stop_reason(rid)  # a request read here: timed out, its client gone, the worker stopping
             log.info("request stopped: %s", reason or "cancelled by the frontend")
-            if reason is not None or conn.stop_stream(rid):  # the frontend writes again once it knows this stopped
-                await self._fail(conn, rid, reason or ClientClosedRequest("cancelled by the frontend"), quiet=True)
+            if reason is not None:
+                await self._fail(conn, rid, reason, quiet=True)
         except PeerGone as exc:
             cancelled.set()
             log.warning("connection lost while answering: %s", exc)
@@ -430,7 +429,7 @@ class Worker:
             seen.outcome = "error"
             await self._fail(conn, rid, exc)
         finally:
-            conn.drop_stream(rid)
+            conn.drop_client(rid)
             conn.tasks.pop(rid, None)
             self.observer.end(seen, cancelled.is_set())
             await self._finalize(output)
@@ -469,7 +468,7 @@ class Worker:
             except PeerGone:
                 pass
             finally:
-                conn.drop_stream(message.id)
+                conn.drop_client(message.id)
 
     def _dropped(self, message: Invoke) -> bool:
         return self.batcher is not None and message.id in self.batcher.dropped
@@ -486,7 +485,7 @@ class Worker:
             await conn.end_client(rid, exc)
             return
         try:
-            await conn.send(Fail(id=rid, code=status, message=summary, error=detail, body_bytes=conn.direct_bytes(rid)))
+            await conn.send(Fail(id=rid, code=status, message=summary, error=detail))
         except PeerGone:
             pass
 

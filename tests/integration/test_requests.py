@@ -11,7 +11,7 @@ import psutil
 import pytest
 import requests
 
-from container.frontend.invocations import ROUTES
+from container.frontend.early import ROUTES
 from tests.server import MODEL_DIRS, RawStream, Server
 
 

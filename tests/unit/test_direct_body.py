@@ -1,7 +1,7 @@
-"""A streamed answer's body written by the worker to the client's socket itself
-(container/worker/handoff.py: DirectBody, Connection.attach), over real sockets on uvloop: the frontend's
-connection is a socket pair, the client's a TCP connection on loopback, the descriptor
-handed over as the frontend does (send_with_fd on the descriptor channel)."""
+"""A streamed answer's body written by rank 0 to the client's socket (container/worker/handoff.py:
+DirectBody, Connection.open_client), over real sockets on uvloop: the frontend's connection is a
+socket pair, the client's a TCP connection on loopback, the descriptor handed over as the
+frontend does (send_with_fd on the descriptor channel)."""
 
 import asyncio
 import os
@@ -10,10 +10,11 @@ import socket
 import pytest
 import uvloop
 
-from container.core.protocol import Attach, Chunk, End, FrameBuffer, Head, progress, send_with_fd
+from container.core.ingress import RequestHead
+from container.core.protocol import Attach, Chunk, End, FrameBuffer, Head, ResponseHead, progress, send_with_fd
 from container.worker import handoff as direct
 from container.worker.connection import Connection, DescriptorChannel
-from container.worker.handoff import ClientGone
+from container.worker.handoff import ClientGone, ClientRequest
 
 
 def chunked(*pieces: bytes) -> bytes:
@@ -29,6 +30,7 @@ class Sides:
         self.server = server  # the frontend's end of the client's connection (gunicorn's socket)
         self.client = client
         self.frames = FrameBuffer()
+        self.head = b""  # the answer's HTTP head, once it came (to_client gives what follows it)
 
     def to_frontend(self) -> list:
         messages = []
@@ -40,15 +42,20 @@ class Sides:
             messages += self.frames.feed(data)
 
     def to_client(self) -> bytes:
+        """What reached the client since the last look, after the answer's HTTP head."""
         got = b""
         while True:
             try:
                 data = self.client.recv(1 << 20, socket.MSG_DONTWAIT)
             except BlockingIOError:
-                return got
+                break
             if not data:
-                return got
+                break
             got += data
+        if not self.head.endswith(b"\r\n\r\n"):
+            head, end, got = (self.head + got).partition(b"\r\n\r\n")
+            self.head = head + end
+        return got
 
 
 def run(scenario):
@@ -71,11 +78,15 @@ def run(scenario):
     return uvloop.run(main())
 
 
-async def started(sides: Sides, request_id: str = "r") -> None:
-    """A stream's start as rank 0 makes it: its body expected, its Head sent, the client's socket attached."""
-    sides.conn.expect_stream(request_id)
-    await sides.conn.send(Head(id=request_id, code=200, headers={}, stream=True))
-    assert sides.conn.attach(Attach(id=request_id, direct=True), os.dup(sides.server.fileno()))
+async def started(sides: Sides, request_id: str = "r", version: str = "1.1") -> None:
+    """A stream's start as rank 0 makes it for a request it read: its Head sent, then its HTTP head
+    and body opened on the client's socket."""
+    given = ResponseHead(f"HTTP/{version}", "gunicorn", False, {"X-Amzn-SageMaker-Inference-Id": request_id})
+    head = RequestHead("POST", "/invocations", "", version, [], 0, False, True, 0)
+    request = ClientRequest(Attach(id=request_id, head=given), given, socket.socket(fileno=os.dup(sides.server.fileno())), head)
+    sides.conn.add_client(request)
+    await sides.conn.send(Head(id=request_id, code=200, headers={}, stream=True, written=True))
+    sides.conn.open_client(request_id, 200, {}, None)
 
 
 async def passes(count: int = 3) -> None:
@@ -83,30 +94,25 @@ async def passes(count: int = 3) -> None:
         await asyncio.sleep(0)
 
 
-def test_the_body_waits_for_the_attach_then_goes_to_the_client_as_http_chunks_and_never_to_the_frontend():
+def test_the_body_goes_to_the_client_as_http_chunks_after_its_head_and_never_to_the_frontend():
     async def scenario(sides: Sides):
         conn = sides.conn
-        conn.expect_stream("r")
-        await conn.send(Head(id="r", code=200, headers={}, stream=True))
+        await started(sides)
         assert not conn.add_chunk("r", b"one ")
-        await passes()
-        held = sides.to_client()
-        assert conn.attach(Attach(id="r", direct=True), os.dup(sides.server.fileno()))
         conn.add_chunk("r", b"two ")
         conn.add_chunk("r", b"three")
         await passes()
         written = sides.to_client()
-        sent = await conn.finish_stream("r")
-        await conn.send(End(id="r", body_bytes=sent))
+        await conn.end_client("r", None, (1, 3))
         await passes()
-        conn.drop_stream("r")
-        return held, written, sent, sides.to_frontend()
+        return written, sides.to_client(), sides.head, sides.to_frontend()
 
-    held, written, sent, frontend = run(scenario)
-    assert held == b""
-    assert written == chunked(b"one two three")  # what was held and what this pass added: one chunk
-    assert sent == len(b"one two three")
-    assert frontend == [Head(id="r", code=200, headers={}, stream=True), End(id="r", body_bytes=sent)]
+    written, ending, head, frontend = run(scenario)
+    assert head.startswith(b"HTTP/1.1 200 OK\r\n") and b"Transfer-Encoding: chunked\r\n" in head
+    assert written == chunked(b"one two three")  # what this pass added: one chunk
+    assert ending == b"0\r\n\r\n"
+    end = End(id="r", prompt_tokens=1, completion_tokens=3, body_bytes=13, code=200, outcome="completed")
+    assert frontend == [Head(id="r", code=200, headers={}, stream=True, written=True), end]
 
 
 def test_another_streams_head_or_end_leaves_at_once_without_writing_a_running_streams_pieces():
@@ -117,12 +123,12 @@ def test_another_streams_head_or_end_leaves_at_once_without_writing_a_running_st
     async def scenario(sides: Sides):
         conn = sides.conn
         await started(sides)
+        await passes()
+        sides.to_client()  # the head
         conn.add_chunk("r", b"one ")
-        conn.expect_stream("s")
-        await conn.send(Head(id="s", code=200, headers={}, stream=True))
+        await conn.send(Head(id="s", code=200, headers={}, stream=True, written=True))
         conn.add_chunk("r", b"two ")
-        conn.expect_stream("t")
-        await conn.send(End(id="t", body_bytes=0))
+        await conn.send(End(id="t", code=200, outcome="completed"))
         conn.add_chunk("r", b"three")
         at_once = sides.to_frontend(), sides.to_client()
         await passes()
@@ -130,16 +136,16 @@ def test_another_streams_head_or_end_leaves_at_once_without_writing_a_running_st
 
     (frontend, client_at_once), client_later = run(scenario)
     assert frontend == [
-        Head(id="r", code=200, headers={}, stream=True),
-        Head(id="s", code=200, headers={}, stream=True),
-        End(id="t", body_bytes=0),
+        Head(id="r", code=200, headers={}, stream=True, written=True),
+        Head(id="s", code=200, headers={}, stream=True, written=True),
+        End(id="t", code=200, outcome="completed"),
     ]
     assert client_at_once == b""
     assert client_later == chunked(b"one two three")  # one write for the pass
 
 
 def test_one_pass_at_a_time_looks_at_what_was_queued_whatever_queued_it():
-    """A Head that leaves at once, then a body attached and its pieces added, schedule one pass of
+    """A Head that leaves at once, then a body opened and its pieces added, schedule one pass of
     the loop, not one each: two chains of passes each flush what the other just let coalesce,
     a write per piece (the relay at 1 stream ran at a third of its items/s so)."""
 
@@ -148,9 +154,7 @@ def test_one_pass_at_a_time_looks_at_what_was_queued_whatever_queued_it():
         scheduled = []
         call_soon = conn._call_soon
         conn._call_soon = lambda callback, *args: (scheduled.append(callback), call_soon(callback, *args))
-        conn.expect_stream("r")
-        await conn.send(Head(id="r", code=200, headers={}, stream=True))  # leaves at once
-        conn.attach(Attach(id="r", direct=True), os.dup(sides.server.fileno()))
+        await started(sides)  # its Head leaves at once, its HTTP head waits for the pass
         for piece in (b"one ", b"two ", b"three"):
             conn.add_chunk("r", piece)
         first = len(scheduled)
@@ -162,38 +166,21 @@ def test_one_pass_at_a_time_looks_at_what_was_queued_whatever_queued_it():
     assert client == chunked(b"one two three")  # one write for the pass
 
 
-def test_an_attach_without_the_socket_sends_the_held_body_to_the_frontend():
-    async def scenario(sides: Sides):
-        conn = sides.conn
-        conn.expect_stream("r")
-        conn.add_chunk("r", b"one ")
-        assert conn.attach(Attach(id="r"), None)
-        conn.add_chunk("r", b"two")
-        sent = await conn.finish_stream("r")
-        await passes()
-        return sent, sides.to_frontend(), sides.to_client()
-
-    sent, frontend, client = run(scenario)
-    assert sent == 0 and client == b""
-    assert [m.data for m in frontend] == [b"one two"]
-
-
 def test_an_http_1_0_client_gets_the_raw_body():
     async def scenario(sides: Sides):
-        sides.conn.expect_stream("r")
-        sides.conn.attach(Attach(id="r", direct=True, chunked=False), os.dup(sides.server.fileno()))
+        await started(sides, version="1.0")
         sides.conn.add_chunk("r", b"raw bytes")
-        await sides.conn.finish_stream("r")
-        return sides.to_client()
+        await sides.conn.end_client("r")
+        return sides.to_client(), sides.head
 
-    assert run(scenario) == b"raw bytes"
+    body, head = run(scenario)
+    assert body == b"raw bytes" and head.startswith(b"HTTP/1.0 200 OK\r\n") and b"Connection: close\r\n" in head
 
 
 def test_a_slow_client_holds_the_stream_back_and_its_socket_stays_blocking_for_the_frontend():
     async def scenario(sides: Sides):
         conn = sides.conn
-        conn.expect_stream("r")
-        conn.attach(Attach(id="r", direct=True), os.dup(sides.server.fileno()))
+        await started(sides)
         piece = b"x" * (1 << 16)
         added = 0
         while not conn.add_chunk("r", piece):  # nobody reads: the socket buffers fill up
@@ -208,7 +195,7 @@ def test_a_slow_client_holds_the_stream_back_and_its_socket_stays_blocking_for_t
             received += len(sides.to_client())
             await asyncio.sleep(0.001)
         await waiting
-        await asyncio.wait_for(conn.finish_stream("r"), 10)
+        await asyncio.wait_for(conn.end_client("r"), 10)
         received += len(sides.to_client())
         return added, received, os.get_blocking(sides.server.fileno())
 
@@ -220,8 +207,7 @@ def test_a_slow_client_holds_the_stream_back_and_its_socket_stays_blocking_for_t
 def test_a_client_that_leaves_ends_the_stream_with_client_gone():
     async def scenario(sides: Sides):
         conn = sides.conn
-        conn.expect_stream("r")
-        conn.attach(Attach(id="r", direct=True), os.dup(sides.server.fileno()))
+        await started(sides)
         sides.client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
         sides.client.close()  # a reset: the next writes fail
         for _ in range(100):
@@ -240,8 +226,7 @@ def test_a_long_body_written_directly_tells_the_frontend_it_is_alive(monkeypatch
 
     async def scenario(sides: Sides):
         conn = sides.conn
-        conn.expect_stream("r")
-        conn.attach(Attach(id="r", direct=True), os.dup(sides.server.fileno()))
+        await started(sides)
         conn.add_chunk("r", b"token")
         await passes()
         await asyncio.sleep(0.001)
@@ -259,8 +244,7 @@ def test_a_send_that_leaves_part_of_a_chunk_on_the_socket_tells_the_frontend_bef
 
     async def scenario(sides: Sides):
         conn = sides.conn
-        conn.expect_stream("r")
-        conn.attach(Attach(id="r", direct=True), os.dup(sides.server.fileno()))
+        await started(sides)
         conn.add_chunk("r", b"x" * (8 << 20))  # more than the socket's buffers take at once
         await passes()
         torn = [m for m in sides.to_frontend() if isinstance(m, Chunk)]
@@ -276,30 +260,26 @@ def test_a_send_that_leaves_part_of_a_chunk_on_the_socket_tells_the_frontend_bef
     assert whole == [progress("r", torn=False)]
 
 
-def test_the_descriptor_channel_hands_the_socket_to_the_waiting_answer_and_closes_unwanted_ones(tmp_path):
+def test_the_descriptor_channel_hands_a_connection_over_and_closes_one_sent_without_a_head(tmp_path):
     async def scenario(sides: Sides):
-        conn = sides.conn
         path = str(tmp_path / "group.sock")
-        channel = DescriptorChannel(asyncio.get_running_loop(), path, {conn})
+        received = []
+        channel = DescriptorChannel(asyncio.get_running_loop(), path, lambda m, fd, pid: received.append((m, fd, pid)))
         frontend = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         frontend.connect(path + ".fd")
-        conn.expect_stream("r")
-        send_with_fd(frontend, Attach(id="r", direct=True), sides.server.fileno())
-        send_with_fd(frontend, Attach(id="nobody", direct=True), sides.server.fileno())
-        conn.add_chunk("r", b"hello")
+        given = ResponseHead("HTTP/1.1", "gunicorn", False, {})
+        send_with_fd(frontend, Attach(id="r", head=given), sides.server.fileno())
+        send_with_fd(frontend, Attach(id="nobody"), sides.server.fileno())
         await asyncio.sleep(0.05)
-        await conn.finish_stream("r")
-        conn.drop_stream("r")
-        got = sides.to_client()
+        for _, fd, _ in received:
+            os.close(fd)
         sides.server.close()  # the frontend closes its socket: the client sees the end only if
         await asyncio.sleep(0.05)  # no copy of it is left open in the worker
         ended = sides.client.recv(16) == b""
         frontend.close()
         channel.close()
-        return got, ended
+        return [(m.id, pid) for m, _, pid in received], ended
 
-    got, ended = run(scenario)
-    assert got == chunked(b"hello")
+    received, ended = run(scenario)
+    assert received == [("r", os.getpid())]
     assert ended, "the worker kept a copy of the client's socket"
-
-

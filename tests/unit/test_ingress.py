@@ -151,6 +151,8 @@ HEADS = {
     "Expect: 100-continue": POST + b"Expect: 100-Continue\r\nContent-Length: 1\r\n\r\n",
     "another Expect": POST + b"Expect: 200-ok\r\n\r\n",
     "chunked": POST + b"Transfer-Encoding: chunked\r\n\r\n",
+    "an upgrade (not made)": POST + b"Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABk\r\n"
+    b"Content-Length: 2\r\n\r\n",
     "Chunked": POST + b"Transfer-Encoding: Chunked\r\n\r\n",
     "gzip, chunked": POST + b"Transfer-Encoding: gzip, chunked\r\n\r\n",
     "gzip then chunked": POST + b"Transfer-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n\r\n",
@@ -199,7 +201,7 @@ GUNICORNS_ONLY = {
     "HTTP/1.2": line(version=b"HTTP/1.2") + b"\r\n",
     "a length past 2**64": POST + b"Content-Length: 99999999999999999999999\r\n\r\n",
     "OPTIONS *": line(b"OPTIONS", b"*") + b"\r\n",
-    "an upgrade": POST + b"Connection: Upgrade\r\nUpgrade: h2c\r\n\r\n",
+    "an upgrade of a chunked body": POST + b"Connection: Upgrade\r\nUpgrade: h2c\r\nTransfer-Encoding: chunked\r\n\r\n",
     "a head past PEEK_BYTES": POST + long_field(8190) * 8 + b"\r\n",
 }
 
@@ -225,6 +227,7 @@ def test_the_corpus_holds_heads_both_take_and_heads_both_refuse() -> None:
     taken = [name for name, data in HEADS.items() if parse_head(data) is not None]
     assert 20 < len(taken) < len(HEADS) - 20
     assert {"100 fields", "a repeated header", "an underscore", "a field of 8190 bytes", "chunked"} <= set(taken)
+    assert "an upgrade (not made)" in taken  # answered in HTTP/1.1, as gunicorn without HTTP/2 does
     assert len(HEADS["a request line of 4094 bytes"].split(b"\r\n")[0]) == 4094
     assert {"a request line of 4094 bytes", "a non-ASCII value"} <= set(taken)
 

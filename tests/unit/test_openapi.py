@@ -70,6 +70,6 @@ def test_error_envelopes_are_built_from_their_documented_types():
 
 
 def test_the_handler_routes_are_the_documented_ones():
-    from container.frontend.invocations import ROUTES
+    from container.frontend.early import ROUTES
 
     assert openapi.for_model(True)["x-handler-routes"] == list(ROUTES)

@@ -40,7 +40,7 @@ MESSAGES = [
     Fail(id="r1", code=424, message="invoke handler failure", error="boom"),
     Status(state=WorkerState.READY, detail="", incarnation=3, rank=1),
     InvokeBatch(items=[Invoke(id="r2", properties={}, body=b"{}")]),
-    Attach(id="r1", direct=True),
+    Attach(id="r1"),
     Attach(id="r3", head=ResponseHead("HTTP/1.1", "sagelmi", False, {"x-group": "0"}), max_body=1 << 20),
     Taken(id="r3", request_id="abc", path="/invocations", fingerprint="f00d"),
     End(id="r3", completion_tokens=3, body_bytes=9, code=200, outcome="completed", close=True),

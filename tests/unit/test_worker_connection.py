@@ -123,12 +123,12 @@ def test_a_streams_head_leaves_at_once_with_what_was_queued_before_it(quiet_pass
     assert later == [[Head(id="c", code=200, headers={}, stream=False)]]
 
 
-def test_a_streams_end_leaves_at_once_and_a_whole_answers_waits(quiet_pass_only):
-    """The frontend ends the client's response on a stream's End: the sooner it has it, the
-    sooner its work for that request is done (before the client's next request, not during it)."""
+def test_an_answer_to_a_client_ends_at_once_and_the_frontends_own_waits(quiet_pass_only):
+    """The frontend ends the client's request on its End (the completion line, the connection back
+    to the main loop): the sooner it has it, the sooner its work for that request is done (before
+    the client's next request, not during it)."""
     async def scenario(conn, read):
-        conn.expect_stream("s")  # a streamed answer (its body goes to the client's socket)
-        await conn.send(End(id="s", body_bytes=5))
+        await conn.send(End(id="s", body_bytes=5, code=200, outcome="completed"))  # rank 0 wrote the answer
         at_once = read()
         await conn.send(End(id="w"))  # a whole answer's, after its body: the quiet pass sends it
         held = read()
@@ -137,7 +137,7 @@ def test_a_streams_end_leaves_at_once_and_a_whole_answers_waits(quiet_pass_only)
         return at_once, held, read()
 
     at_once, held, later = run(scenario)
-    assert at_once == [[End(id="s", body_bytes=5)]]
+    assert at_once == [[End(id="s", body_bytes=5, code=200, outcome="completed")]]
     assert held == []
     assert later == [[End(id="w")]]
 
