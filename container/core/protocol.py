@@ -148,7 +148,8 @@ def progress(id: str, torn: bool = False) -> Chunk:
 class End(msgspec.Struct, tag="end", frozen=True, omit_defaults=True):
     """The answer is complete. For a hand-off, rank 0 has written all it will to the client and let
     go of its socket: ``code`` is the status it wrote (0: none, the connection must close),
-    ``outcome`` how the answer ended (``completed``, ``error``, ``timeout``, ``client_gone``),
+    ``outcome`` how the answer ended (``completed``, ``error``, ``timeout``, ``client_gone``,
+    ``refused``: a copy of a poison request, its 422 written),
     ``close`` whether the connection closes now."""
 
     id: str
@@ -176,8 +177,11 @@ class Attach(msgspec.Struct, tag="attach", frozen=True, omit_defaults=True):
     """Where a streamed answer's body goes, once the frontend has sent its HTTP headers: the
     client's socket (sent with it on the descriptor channel; framed as HTTP/1.1 chunks when
     ``chunked``), or, ``direct=False``, the frontend (as Chunks). With ``head`` (a hand-off): the
-    client's connection, whose next request the frontend has not read; rank 0 reads it (a body of
-    at most ``max_body`` bytes) and answers it on that connection (``Taken``, ``Head.written``).
+    client's connection, whose next request the frontend has not read but ``prefix`` (what it
+    read of it: a head that came in pieces, or bytes gunicorn read ahead); rank 0 reads the rest (a
+    body of at most ``max_body`` bytes) and answers it on that connection (``Taken``,
+    ``Head.written``), refusing it (422, ``End.outcome`` ``refused``) where its fingerprint is one
+    of ``refused`` (sent while copies of some request are refused, when the frontend did not see it whole).
     On the group's connection, for such a request: its answer, which opens or closes a session,
     goes to the client's socket rank 0 holds (the frontend's routing knows the session now)."""
 
@@ -188,6 +192,8 @@ class Attach(msgspec.Struct, tag="attach", frozen=True, omit_defaults=True):
     max_body: int = 0
     seen: bool = False  # a hand-off whose whole request the frontend saw (its fingerprint): no Taken
     trace: dict[str, str] = {}  # a hand-off's: the frontend span's W3C headers (tracing on), the worker's parent
+    prefix: bytes = b""  # a hand-off's: what the frontend read of the request (its start)
+    refused: dict[str, float] = {}  # a hand-off's: poison requests' fingerprints, the seconds each stays refused
 
 
 class Taken(msgspec.Struct, tag="taken", frozen=True):
@@ -332,6 +338,13 @@ def send_with_fd(sock: socket.socket, message: Attach, fd: int) -> None:
 
 
 _FD_SPACE = socket.CMSG_SPACE(array.array("i").itemsize)
+# A descriptor-channel message is one datagram: the sender asks for a send buffer this large (the
+# kernel caps it at net.core.wmem_max, 425,952 bytes a message at its default) and the receiver
+# takes one this large. An Attach's prefix (MAX_PREFIX_BYTES) and refused fingerprints (at most
+# MAX_REFUSED_SENT) fit the default with room for the rest.
+CHANNEL_MESSAGE_BYTES = 1 << 20
+MAX_PREFIX_BYTES = 1 << 18
+MAX_REFUSED_SENT = 1000
 
 
 def receive_with_fd(sock: socket.socket) -> tuple[Message, int | None] | None:
@@ -339,7 +352,7 @@ def receive_with_fd(sock: socket.socket) -> tuple[Message, int | None] | None:
     owns it and must close it); ``None`` once the peer has closed the channel. Raises
     ``BlockingIOError`` when nothing is waiting, ``ProtocolError`` for bad bytes (the
     descriptor is closed then)."""
-    data, ancillary, _flags, _address = sock.recvmsg(1 << 16, _FD_SPACE)
+    data, ancillary, _flags, _address = sock.recvmsg(CHANNEL_MESSAGE_BYTES, _FD_SPACE)
     fds = array.array("i")
     for level, kind, payload in ancillary:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:

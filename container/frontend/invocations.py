@@ -32,6 +32,7 @@ from container.core.errors import (
     ClientClosedRequest,
     GatewayTimeout,
     QueueFull,
+    RequestStoppedEngine,
     ServingError,
     describe,
     envelope_for,
@@ -48,7 +49,6 @@ from container.frontend.client import CLIENT_CHECK_INTERVAL, ClientSink, client_
 from container.frontend.completion import INFERENCE_ID, Answer, Completion, Exchange, RequestLog
 from container.frontend.group_client import GroupClient
 from container.frontend.pending import PendingRequest, WorkerFailed
-from container.frontend.poison import RequestStoppedEngine
 from container.frontend.router import Router
 
 log = logging.getLogger("sagelmi.frontend")
