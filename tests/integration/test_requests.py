@@ -674,9 +674,9 @@ def test_heads_the_frontend_read_and_requests_gunicorn_read_ahead_are_answered_b
             sock.sendall(slow[start:stop])
             time.sleep(0.1)
         answers += _read_responses(sock, 1)
-        for first in (b"GET /ping HTTP/1.1\r\nHost: test\r\n\r\n", b"GET /models HTTP/1.1\r\nHost: test\r\n\r\n"):
-            name = "read-after-" + first.split(b" ")[1].decode().strip("/")
-            sock.sendall(first + _post({"inputs": name}, name))
+        for path in ("ping", "models"):  # answered by a thread; gunicorn reads the next request ahead
+            name = f"read-after-{path}"
+            sock.sendall(f"GET /{path} HTTP/1.1\r\nHost: test\r\n\r\n".encode() + _post({"inputs": name}, name))
             answers += _read_responses(sock, 2)
         return answers
 
