@@ -86,6 +86,13 @@ class PayloadTooLarge(ServingError):
     message = "payload too large"
 
 
+class HeadTooLarge(ServingError):
+    """A request head on a handler's route larger than rank 0 is handed (``protocol.MAX_PREFIX_BYTES``)."""
+
+    status = 431
+    message = "request header fields too large"
+
+
 class TooManySessions(ServingError):
     """``option.max_sessions`` stateful sessions are open in the worker group already:
     a new one waits for one to be closed or to expire (counted on ``/metrics``)."""
@@ -129,6 +136,23 @@ class OutOfMemory(ServingError):
 
     status = 507
     message = "out of memory"
+
+
+class RequestStoppedEngine(ServingError):
+    """A copy of a request that stopped a worker group twice (``container.frontend.poison``): refused
+    by the frontend, or by rank 0 where the frontend did not see the request whole."""
+
+    status = 422
+    message = "request stopped the engine"
+
+
+def stopped_engine(seconds: float) -> RequestStoppedEngine:
+    """The refusal of a poison request's copy, refused for ``seconds`` more."""
+    return RequestStoppedEngine(
+        f"this request stopped the model's engine twice (the worker group serving it died with it "
+        f"in flight); copies of it are refused for {seconds:.0f} more seconds. Change the request, "
+        f"or see the server's log for why the engine died"
+    )
 
 
 class ServiceUnavailable(ServingError):

@@ -33,11 +33,12 @@ log = logging.getLogger("sagelmi.http")
 INFERENCE_ID = "X-Amzn-SageMaker-Inference-Id"  # the request's id: the client's, else a new one; echoed
 GROUP_HEADER = "X-Sagelmi-Group"  # which worker group answered (sticky sessions can be checked with it)
 CUSTOM_ATTRIBUTES = "X-Amzn-SageMaker-Custom-Attributes"
-PEEK_BYTES = 1 << 16  # what is looked at without reading it: a larger head goes through the frontend
+PEEK_BYTES = 1 << 16  # what is looked at without reading it: a larger head is read, and handed over with it
 # gunicorn's limits (its defaults, which the frontend keeps): a head past one is gunicorn's to refuse
 MAX_LINE_BYTES = 4094  # limit_request_line: the request line, without its CRLF
 MAX_FIELDS = 100  # limit_request_fields: headers kept (one whose name has "_" is dropped, uncounted)
 MAX_FIELD_BYTES = 8190  # limit_request_field_size: a header's line with its CRLF
+MAX_HEAD_BYTES = MAX_LINE_BYTES + MAX_FIELDS * (MAX_FIELD_BYTES + 2)  # the head gunicorn buffers at most
 _VALUE = re.compile(rb"[\t\x20-\x7e\x80-\xff]*")  # what gunicorn takes in a value: no control byte but tab
 _TARGET = re.compile(rb"(?=/|[\x21-\x7e]*://)[\x21-\x7e]+")  # origin or absolute form, printable ASCII
 _VERSION = re.compile(rb"HTTP/1\.[01]")
@@ -145,12 +146,12 @@ class _Fields:
 
 
 def parse_head(data: bytes) -> RequestHead | None:
-    """The head at the start of ``data`` if it is whole, within ``PEEK_BYTES``, and one gunicorn
+    """The head at the start of ``data`` if it is whole, within ``MAX_HEAD_BYTES``, and one gunicorn
     takes; ``None`` if not. An upgrade it asks for is not made (as gunicorn, without HTTP/2, does
     not): it is answered in HTTP/1.1. Left to gunicorn: what httptools does not parse plainly (a
     method it does not know, HTTP/1.2, a ``Content-Length`` past 2**64, ``OPTIONS *``, a chunked
     body with an upgrade) and what gunicorn reads differently from a trusted proxy (``_headers``)."""
-    end = data.find(HEAD_END, 0, PEEK_BYTES)
+    end = data.find(HEAD_END, 0, MAX_HEAD_BYTES)
     if end < 0:
         return None
     head = data[: end + 4]

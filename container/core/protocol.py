@@ -148,7 +148,8 @@ def progress(id: str, torn: bool = False) -> Chunk:
 class End(msgspec.Struct, tag="end", frozen=True, omit_defaults=True):
     """The answer is complete. For a hand-off, rank 0 has written all it will to the client and let
     go of its socket: ``code`` is the status it wrote (0: none, the connection must close),
-    ``outcome`` how the answer ended (``completed``, ``error``, ``timeout``, ``client_gone``),
+    ``outcome`` how the answer ended (``completed``, ``error``, ``timeout``, ``client_gone``,
+    ``refused``: a copy of a poison request, its 422 written),
     ``close`` whether the connection closes now."""
 
     id: str
@@ -174,16 +175,21 @@ class ResponseHead(msgspec.Struct, frozen=True):
 
 class Attach(msgspec.Struct, tag="attach", frozen=True, omit_defaults=True):
     """A client's connection, with ``head`` on the descriptor channel (a hand-off): its next
-    request, which the frontend has not read, is rank 0's to read (a body of at most ``max_body``
-    bytes) and answer on that connection (``Taken``, ``Head.written``). On the group's connection,
-    for such a request: its answer, which opens or closes a session, goes to the client now (the
-    frontend's routing knows the session)."""
+    request, which the frontend has not read but ``prefix`` (what it read of it: a head that came
+    in pieces or past 64 KiB, bytes gunicorn read ahead), is rank 0's to read (a body of at most
+    ``max_body`` bytes) and answer on that connection (``Taken``, ``Head.written``), refusing it
+    (422, ``End.outcome`` ``refused``) where its fingerprint is one of ``refused`` (sent while
+    copies of some request are refused, when the frontend did not see it whole). On the group's
+    connection, for such a request: its answer, which opens or closes a session, goes to the
+    client now (the frontend's routing knows the session)."""
 
     id: str
     head: ResponseHead | None = None
     max_body: int = 0
     seen: bool = False  # a hand-off whose whole request the frontend saw (its fingerprint): no Taken
     trace: dict[str, str] = {}  # a hand-off's: the frontend span's W3C headers (tracing on), the worker's parent
+    prefix: bytes = b""  # a hand-off's: what the frontend read of the request (its start)
+    refused: dict[str, float] = {}  # a hand-off's: poison requests' fingerprints, the seconds each stays refused
 
 
 class Taken(msgspec.Struct, tag="taken", frozen=True):
@@ -327,6 +333,13 @@ def send_with_fd(sock: socket.socket, message: Attach, fd: int) -> None:
 
 
 _FD_SPACE = socket.CMSG_SPACE(array.array("i").itemsize)
+# A descriptor-channel message is one datagram: the sender asks for a send buffer this large (the
+# kernel caps it at net.core.wmem_max, 425,952 bytes a message at its default) and the receiver
+# takes one this large. An Attach's prefix (MAX_PREFIX_BYTES) and refused fingerprints (at most
+# MAX_REFUSED_SENT) fit the default with room for the rest.
+CHANNEL_MESSAGE_BYTES = 1 << 20
+MAX_PREFIX_BYTES = 1 << 18
+MAX_REFUSED_SENT = 1000
 
 
 def receive_with_fd(sock: socket.socket) -> tuple[Message, int | None] | None:
@@ -334,7 +347,7 @@ def receive_with_fd(sock: socket.socket) -> tuple[Message, int | None] | None:
     owns it and must close it); ``None`` once the peer has closed the channel. Raises
     ``BlockingIOError`` when nothing is waiting, ``ProtocolError`` for bad bytes (the
     descriptor is closed then)."""
-    data, ancillary, _flags, _address = sock.recvmsg(1 << 16, _FD_SPACE)
+    data, ancillary, _flags, _address = sock.recvmsg(CHANNEL_MESSAGE_BYTES, _FD_SPACE)
     fds = array.array("i")
     for level, kind, payload in ancillary:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:

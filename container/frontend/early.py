@@ -4,11 +4,13 @@ answers it itself (``container.worker.handoff``); no request thread takes part.
 
 A connection goes so once its next request's head is whole, one gunicorn takes
 (``ingress.parse_head``: HTTP/1.0 or 1.1, a body by ``Content-Length`` or chunked), on one of the
-routes with its method. Admission (``Router.admit``) and routing (a stateful session's group, else
-the least busy) must take it; what they refuse, a copy of a request refused as poisonous, and
-everything while the server drains, the main loop answers itself (``_refuse``: the route's error).
-A head gunicorn takes that ``parse_head`` does not (HTTP/1.2, an unknown method ...) reaches Flask,
-which refuses it (400).
+routes with its method; what the frontend read of it (a head read whole, bytes gunicorn read
+ahead) goes with it (``Attach.prefix``). Admission (``Router.admit``) and routing (a stateful
+session's group, else the least busy) must take it; what they refuse, a copy of a poison request
+the frontend saw whole, and everything while the server drains, the main loop answers itself
+(``_refuse``: the route's error); a copy it did not see whole rank 0 refuses (the ``Attach``
+carries the refused fingerprints). A head gunicorn takes that ``parse_head`` does not (HTTP/1.2,
+an unknown method ...) reaches Flask, which refuses it (400).
 
 The reader thread of the group's connection follows it (``HandedOff``): ``Taken`` (rank 0 read
 the request: its fingerprint, for the poison guard, unless the frontend's look saw it whole), the
@@ -35,7 +37,16 @@ from typing import Any, Protocol
 from gunicorn import SERVER
 from werkzeug.datastructures import Headers as WerkzeugHeaders
 
-from container.core.errors import QueueFull, ServiceUnavailable, ServingError, describe, error_body, in_band_error
+from container.core.errors import (
+    HeadTooLarge,
+    QueueFull,
+    RequestStoppedEngine,
+    ServiceUnavailable,
+    ServingError,
+    describe,
+    error_body,
+    in_band_error,
+)
 from container.core.ingress import (
     END_OF_CHUNKS,
     GROUP_HEADER,
@@ -48,11 +59,10 @@ from container.core.ingress import (
     response_head,
 )
 from container.core.launch import FrontendLaunch
-from container.core.protocol import Chunk, End, Fail, Head, ResponseHead, Taken
+from container.core.protocol import MAX_PREFIX_BYTES, MAX_REFUSED_SENT, Chunk, End, Fail, Head, ResponseHead, Taken
 from container.core.sessions import SESSION_ID, changes_sessions
 from container.frontend.completion import Answer, Exchange, RequestLog
-from container.frontend.main_loop import json_answer
-from container.frontend.poison import RequestStoppedEngine
+from container.frontend.main_loop import json_answer, read_ahead
 from container.frontend.router import Router
 
 log = logging.getLogger("sagelmi.frontend")
@@ -173,9 +183,10 @@ class EarlyRequests:
         return head if head is not None and ROUTES.get(head.path) == head.method else None
 
     def send(self, conn: Any, close: bool, data: bytes) -> bool:
-        """gthread's main loop, a connection whose next request's head is there (``data``, peeked):
-        hand it to a group unread if that request may be (True: the connection is this module's
-        until it gives it back). ``close``: gunicorn would close the connection after the answer."""
+        """gthread's main loop, a connection whose next request's head is there (``data``: what
+        gunicorn read of it, then what a peek sees): hand it to a group with the rest unread if that
+        request may be (True: the connection is this module's until it gives it back; gunicorn's
+        read bytes go with it). ``close``: gunicorn would close the connection after the answer."""
         router = self.router
         if self.connections is None:
             return False
@@ -184,25 +195,34 @@ class EarlyRequests:
         head = self._takeable(data)
         if head is None:
             return False
+        ahead = read_ahead(conn)
         end = head.size + (head.length or 0)
         whole = len(data) >= end and not head.chunked  # (a chunked body: rank 0 decodes it)
         print_ = fingerprint(f"{head.path}?{head.query}", data[head.size : end]) if whole else None
-        if router.poison.refusing and router.poison.refused and print_ is None:
-            return False  # copies of some request are refused: a request thread reads this one to compare
+        refused = router.poison.refusals() if print_ is None and router.poison.refusing else {}
+        if len(refused) > MAX_REFUSED_SENT:  # what the descriptor channel carries: the latest refused
+            refused = dict(list(refused.items())[-MAX_REFUSED_SENT:])
         exchange = self.requests.begin(WerkzeugHeaders(head.headers), head.method, head.path, head.path, bind=False)
+        if len(ahead) > MAX_PREFIX_BYTES:  # a head larger than the descriptor channel carries
+            too_large = HeadTooLarge(
+                f"the request head is larger than {MAX_PREFIX_BYTES // 1024} KiB, this route's limit"
+            )
+            self._refuse(conn, True, head, exchange, too_large)
+            return True
         asked = head.header(SESSION_ID)
+        close_after_refusal = close or print_ is None or bool(ahead)  # kept only when read off here, whole
         try:
             if print_ is not None and router.poison.refusing:
                 router.poison.check(print_)  # a copy of a refused request: 422
             router.admit()
         except ServingError as exc:
-            self._refuse(conn, close or router.draining or print_ is None, head, exchange, exc)
+            self._refuse(conn, close_after_refusal or router.draining, head, exchange, exc)
             return True
         try:
             group = router.pick_for(asked)  # a stateful session's group, else the least busy
         except ServingError as exc:
             router.release()
-            self._refuse(conn, close or print_ is None, head, exchange, exc)
+            self._refuse(conn, close_after_refusal, head, exchange, exc)
             return True
         request_id = exchange.request_id
         record = HandedOff(self, group, conn, exchange, asked)
@@ -215,11 +235,15 @@ class EarlyRequests:
         version = f"HTTP/{head.version}"
         given = ResponseHead(version, SERVER, close, {GROUP_HEADER: group.name, INFERENCE_ID: request_id})
         conn.sock.setblocking(True)  # the mode a request thread serves it in, which rank 0's writes keep
+        if ahead:
+            conn.parser.unreader.take_buffered()  # rank 0 has those bytes now (the prefix)
         try:
-            group.hand_off(conn.sock, given, self.launch.max_payload_bytes, record, record.tag is not None, trace)
+            group.hand_off(
+                conn.sock, given, self.launch.max_payload_bytes, record, record.tag is not None, trace, ahead, refused
+            )
         except ServingError as exc:
             router.release()
-            self._refuse(conn, close or print_ is None, head, exchange, exc)
+            self._refuse(conn, close_after_refusal, head, exchange, exc)
             return True
         self.metrics.read_early.inc()
         return True
@@ -228,7 +252,7 @@ class EarlyRequests:
         """Answer a request the server refuses before any group has it (the server drains, the queue
         is full, no group is ready, its session cannot be served, a copy of a poison request): the
         route's error, written here. The connection stays open when its whole request was peeked
-        (it is read off now) and nothing asks for a close."""
+        (it is read off now), gunicorn held none of it and nothing asks for a close."""
         count_refusal(self.metrics, error)
         status = describe(error)[0]
         body = error_body(head.path, error)
@@ -250,6 +274,8 @@ class EarlyRequests:
     def finish(self, record: HandedOff, end: End) -> None:
         """The reader thread: rank 0 ended the answer and let go of the connection."""
         outcome = end.outcome or "completed"
+        if outcome == "refused":  # rank 0 refused a copy of a poison request (422)
+            self.metrics.poison_refused.inc()
         self._done(record, end.code or (499 if outcome == "client_gone" else 400), outcome, end)
 
     def lost(self, record: HandedOff, error: ServingError) -> None:

@@ -32,6 +32,7 @@ from typing import Protocol, cast
 
 from container.core.errors import GatewayTimeout, ServiceUnavailable, ServingError
 from container.core.protocol import (
+    CHANNEL_MESSAGE_BYTES,
     METRICS_PATH,
     Attach,
     Cancel,
@@ -141,14 +142,25 @@ class GroupClient:
         answered: Answered,
         seen: bool = False,
         trace: dict[str, str] | None = None,
+        prefix: bytes = b"",
+        refused: dict[str, float] | None = None,
     ) -> None:
         """Hand a client's connection to the group with its next request unread (an ``Attach`` with
         ``head``): rank 0 reads the request and answers it on that connection; ``answered`` learns
         what rank 0 says of it. Raises ``ServiceUnavailable`` if the group is not ready or its
         descriptor channel did not take it. ``seen``: the frontend saw the whole request (no ``Taken``);
-        ``trace``: its span's W3C headers (tracing on)."""
+        ``trace``: its span's W3C headers (tracing on); ``prefix``: what the frontend read of the
+        request; ``refused``: poison fingerprints rank 0 refuses (``PoisonRequests.refusals``)."""
         self._register(answered, require_ready=True)
-        attach = Attach(id=answered.id, head=head, max_body=max_body, seen=seen, trace=trace or {})
+        attach = Attach(
+            id=answered.id,
+            head=head,
+            max_body=max_body,
+            seen=seen,
+            trace=trace or {},
+            prefix=prefix,
+            refused=refused or {},
+        )
         if not self._hand_over(attach, client):
             self._pending.pop(answered.id, None)
             raise ServiceUnavailable(f"worker group {self.name}'s descriptor channel is not available")
@@ -219,6 +231,7 @@ class GroupClient:
             channel = self._channel
             if channel is None and self._sock is not None:
                 channel = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                channel.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, CHANNEL_MESSAGE_BYTES)  # an Attach's prefix
                 channel.settimeout(CHANNEL_TIMEOUT)
                 try:
                     channel.connect(fd_channel_path(self.socket_path))

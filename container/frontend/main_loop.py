@@ -13,9 +13,10 @@ without waiting on the client. Until then it costs a socket and nothing else:
   the route's envelope and closes the connection (one that sent nothing is closed silently);
 - what is there is peeked, not read (``MSG_PEEK``), so that a request the early hand-off may take
   (``container.frontend.early``) is still on the socket when it is whole; the kernel wakes the
-  loop only once more came (``SO_RCVLOWAT``). A head that comes in pieces is read off the socket
-  into a buffer instead (a peek would see the same bytes at every wake-up), which gunicorn then
-  reads first;
+  loop only once more came (``SO_RCVLOWAT``). A head that comes in many pieces, or past
+  ``PEEK_BYTES``, is read off the socket into a buffer instead (a peek would see the same bytes at
+  every wake-up), which goes with the connection: gunicorn reads it first, or the hand-off gives it
+  to rank 0 (as it does bytes gunicorn read ahead after an answer);
 - idle kept-alive connections wait here too, as in gthread; with the connections waiting for a
   head they are counted per client address (``WaitingConnections``): past
   ``max_connections_per_client`` the address's oldest waiting one is closed, and at the
@@ -95,9 +96,9 @@ def client_waiting(sock: socket.socket) -> bool | None:
         return False
 
 
-def _nothing_read_ahead(conn: Any) -> bool:
-    """Whether gunicorn holds nothing of a connection's next request (the socket has it all)."""
-    return not conn.initialized or (not conn.is_http2 and not conn.parser.unreader.buf.getvalue())
+def read_ahead(conn: Any) -> bytes:
+    """What gunicorn read of a connection's next request (its parser's buffer; the socket has the rest)."""
+    return conn.parser.unreader.buf.getvalue() if conn.initialized and not conn.is_http2 else b""
 
 
 def _writable(sock: socket.socket) -> bool:
@@ -165,11 +166,11 @@ class HeadWaitingWorker(ThreadWorker):
 
     def serve(self, conn, head: bytes) -> None:
         """A connection whose next request's head is whole, ``head`` being what the client sent
-        (as far as a peek sees it): to /ping's threads, to its worker group unread
-        (``container.frontend.early``), or to the request threads."""
+        (what gunicorn read of it, then what a peek sees): to /ping's threads, to its worker group
+        with the rest unread (``container.frontend.early``), or to the request threads."""
         if is_bare_ping(head):
             self._ping(conn)
-        elif not (self.early is not None and _nothing_read_ahead(conn) and self.early.send(conn, self._closes(), head)):
+        elif not (self.early is not None and self.early.send(conn, self._closes(), head)):
             self.to_thread(conn)
 
     def _closes(self) -> bool:
@@ -187,15 +188,15 @@ class HeadWaitingWorker(ThreadWorker):
 
     def peek_for(self, conn, seen: bytes) -> bool:
         """Whether a head that came in part (``seen``) is peeked at again (up to ``PEEKS`` times)
-        rather than read off the socket: the start of a request the hand-off may take, which must
-        be on the socket when it is whole."""
-        return self.early is not None and _nothing_read_ahead(conn) and self.early.may_take(seen)
+        rather than read off the socket: the start of a request the hand-off may take, which then
+        goes to rank 0 without bytes read here."""
+        return self.early is not None and self.early.may_take(seen)
 
     def look(self, conn) -> tuple[bytes, int] | None:
         """What the client sent of its next request, without reading it: what gunicorn read
         ahead, then what the socket holds (peeked), and how many of those bytes the socket holds.
         ``None``: the client closed the connection before a whole head, or it broke."""
-        buffered = conn.parser.unreader.buf.getvalue() if conn.initialized and not conn.is_http2 else b""
+        buffered = read_ahead(conn)
         if type(conn.sock) is not socket.socket:
             return buffered, 0  # TLS: no peek past gunicorn
         try:
@@ -212,13 +213,14 @@ class HeadWaitingWorker(ThreadWorker):
         """For a request thread after an answer on a kept-alive connection: True when the whole
         head of the client's next request is there, False when the client closed the connection,
         None when neither (the main loop waits for it), or when that request is one the main loop
-        hands to rank 0 (``early.takes``)."""
+        hands to rank 0 (``early.takes``; gthread's ``finish_request`` gives it to the main loop at
+        once when gunicorn read some of it)."""
         look = self.look(conn)
         if look is None:
             return False
         if not head_ready(look[0]):
             return None
-        if self.early is not None and _nothing_read_ahead(conn) and self.early.takes(look[0]):
+        if self.early is not None and self.early.takes(look[0]):
             return None
         return True
 
@@ -257,11 +259,8 @@ class HeadWaitingWorker(ThreadWorker):
         head, conn.head = bytes(conn.head), None  # (past max_head: gunicorn refuses it, 431)
         self._head_came(conn)
         conn.init()
-        conn.parser.unreader.unread(head)  # gunicorn reads it first
-        if is_bare_ping(head):
-            self._ping(conn)
-        else:
-            self.to_thread(conn)
+        conn.parser.unreader.unread(head)  # gunicorn reads it first, or rank 0 (early.send)
+        self.serve(conn, head)
 
     def _head_came(self, conn) -> None:
         if getattr(conn, "waiting_head", False):

@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Iterable
 
-from container.core.errors import ServingError
+from container.core.errors import stopped_engine
 
 log = logging.getLogger("sagelmi.frontend")
 
@@ -24,13 +24,6 @@ DEATHS_TO_REFUSE = 2
 WINDOW = 600.0  # deaths further apart than this are not counted together
 REFUSE_FOR = 600.0
 MAX_REMEMBERED = 10_000  # fingerprints kept at most (the oldest are forgotten first)
-
-
-class RequestStoppedEngine(ServingError):
-    """A copy of a request that stopped a worker group twice."""
-
-    status = 422
-    message = "request stopped the engine"
 
 
 class PoisonRequests:
@@ -43,17 +36,13 @@ class PoisonRequests:
         self.refusing = False  # some request was refused lately (``refused`` says whether still): a look without a call
 
     def check(self, print_: str, now: float | None = None) -> None:
-        """Raise ``RequestStoppedEngine`` if copies of this request are refused now."""
+        """Raise ``errors.RequestStoppedEngine`` if copies of this request are refused now."""
         until = self._refused_until.get(print_)
         if until is None:
             return
         now = time.monotonic() if now is None else now
         if now < until:
-            raise RequestStoppedEngine(
-                f"this request stopped the model's engine twice (the worker group serving it died with it "
-                f"in flight); copies of it are refused for {until - now:.0f} more seconds. Change the request, "
-                f"or see the server's log for why the engine died"
-            )
+            raise stopped_engine(until - now)
         with self._lock:
             self._refused_until.pop(print_, None)
 
@@ -85,6 +74,14 @@ class PoisonRequests:
             for table in (self._deaths, self._refused_until):
                 while len(table) > MAX_REMEMBERED:
                     del table[next(iter(table))]
+
+    def refusals(self) -> dict[str, float]:
+        """The fingerprints refused now, each with the seconds it stays refused (rank 0 checks a
+        request the frontend did not see whole against them: ``protocol.Attach.refused``)."""
+        now = time.monotonic()
+        refused = {print_: until - now for print_, until in list(self._refused_until.items()) if until > now}
+        self.refusing = bool(refused)
+        return refused
 
     @property
     def refused(self) -> int:

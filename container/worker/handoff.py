@@ -1,14 +1,16 @@
 """Rank 0's side of HTTP: requests it reads and answers itself, and the bodies it writes to
 clients' sockets.
 
-The frontend hands rank 0 a client's connection unread (an ``Attach`` with a ``head``, on the
-descriptor channel) once its next request has a head gunicorn would take (``ingress.parse_head``)
-on a handler route: every request of the handler's goes this way. ``Handoffs`` reads the request
-(its body within ``body_read_timeout``, at most ``max_body`` bytes), tells the frontend what it
-read (``Taken``, unless it saw it whole) and starts it as an ``Invoke``; ``Connection.open_client``
-writes its head (any status), ``end`` its end: the route's error where the handler failed (in band
-once a stream began), 504 where it was silent for ``predict_timeout`` and nothing where the client
-left (``sweep``), then one ``End``. A request's state here is one ``ClientRequest`` in one ``Phase``.
+The frontend hands rank 0 a client's connection (an ``Attach`` with a ``head`` and what it read of
+the request, ``prefix``, on the descriptor channel) once its next request has a head gunicorn takes
+(``ingress.parse_head``) on a handler route: every request of the handler's goes this way.
+``Handoffs`` reads the rest (its body within ``body_read_timeout``, at most ``max_body`` bytes),
+tells the frontend what it read (``Taken``, unless it saw it whole; a copy of a poison request
+among ``Attach.refused`` is refused, 422) and starts it as an ``Invoke``;
+``Connection.open_client`` writes its head (any status), ``end`` its end: the route's error where
+the handler failed (in band once a stream began), 504 where it was silent for ``predict_timeout``
+and nothing where the client left (``sweep``), then one ``End``. A request's state here is one
+``ClientRequest`` in one ``Phase``.
 
 ``DirectBody`` is one answer's body on the client's socket: written without blocking on the loop's
 passes (what the client has not taken waits for the socket to be writable; past
@@ -33,12 +35,14 @@ import msgspec
 from container.core.errors import (
     ClientClosedRequest,
     GatewayTimeout,
+    RequestStoppedEngine,
     ServingError,
     body_cut,
     body_late,
     describe,
     error_body,
     in_band_error,
+    stopped_engine,
     too_large,
 )
 from container.core.ingress import (
@@ -64,6 +68,7 @@ SWEEP_INTERVAL = 0.5  # how often requests read here are looked at (predict_time
 WRITE_HIGH_WATER = 1 << 16  # bytes not yet taken by the client before the stream waits (vLLM merges deltas)
 PROGRESS_INTERVAL = 1.0  # seconds between two progress messages (empty Chunks) of a body written directly
 READ_BYTES = 1 << 16
+_OUTCOMES = ((ClientClosedRequest, "client_gone"), (GatewayTimeout, "timeout"), (RequestStoppedEngine, "refused"))
 
 
 class ClientGone(ClientClosedRequest):
@@ -235,7 +240,6 @@ class ClientRequest:
         ours, close = {**given.headers, INFERENCE_ID: self.request_id}, given.close or not head.keep_alive
         self.answer_head = ResponseHead(given.version, given.server, close, ours)
         self.phase = Phase.READING
-        self.seen = attach.seen  # the frontend knows the request's fingerprint
         self.code = 0  # the status written
         self.content_type = ""
         self.chunked = False
@@ -288,51 +292,49 @@ class Handoffs:
             os.close(fd)
             return
         sock = socket.socket(fileno=fd)
-        try:
-            head = parse_head(sock.recv(PEEK_BYTES, socket.MSG_PEEK | socket.MSG_DONTWAIT))
-        except OSError:  # nothing there (the client left already), or the connection broke
-            head = None
+        try:  # the request goes on from what the frontend read of it (the prefix)
+            peeked = sock.recv(PEEK_BYTES, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except OSError:  # nothing there but the prefix (or the client left already), or the connection broke
+            peeked = b""
+        head = parse_head(message.prefix + peeked)
         if head is None:
             sock.close()
             conn.queue_end_unanswered(message.id)
             return
         request = ClientRequest(message, message.head, sock, head)
         conn.add_client(request)
-        self.loop.create_task(self._read(conn, request, head, message.max_body))
+        self.loop.create_task(self._read(conn, request, head, message))
 
     def _connection(self, pid: int) -> Connection | None:
         """The connection from process ``pid`` (of two at once, any: an old one closes soon)."""
         found = [c for c in self.connections if pid and c.peer_pid == pid and not c.writer.is_closing()]
         return found[-1] if found else None
 
-    async def _read(self, conn: Connection, request: ClientRequest, head: RequestHead, max_body: int) -> None:
+    async def _read(self, conn: Connection, request: ClientRequest, head: RequestHead, attach: Attach) -> None:
+        started = monotonic()
         try:
-            body = await self._body(request, head, max_body)
-        except (ServingError, OSError) as exc:  # (OSError: the connection broke)
+            body = await self._body(request, head, attach.max_body, attach.prefix)
+        except (ServingError, OSError) as exc:  # (OSError: the connection broke, the client is gone)
             request.must_close()
-            gone = ClientClosedRequest("the client closed the connection")
-            await conn.end_client(request.id, exc if isinstance(exc, ServingError) else gone)
+            await conn.end_client(request.id, exc if isinstance(exc, ServingError) else ClientClosedRequest())
             return
+        if not attach.seen:  # what the frontend must know before the handler can stop the group
+            print_ = fingerprint(f"{head.path}?{head.query}", body)
+            if (refused_for := attach.refused.get(print_, 0.0) - (monotonic() - started)) > 0:
+                await conn.end_client(request.id, stopped_engine(refused_for))  # a poison request's copy: 422
+                return
+            conn.queue(Taken(request.id, request.request_id, head.path, print_))
         request.phase = Phase.SERVING
         request.produced_at = monotonic()
-        if not request.seen:  # what the frontend must know before the handler can stop the group
-            print_ = fingerprint(f"{head.path}?{head.query}", body)
-            conn.queue(Taken(request.id, request.request_id, head.path, print_))
-        invoke = Invoke(
-            id=request.id,
-            properties=request_properties(head.headers, request.request_id, request.trace),
-            body=body,
-            path=head.path,
-            query=head.query,
-        )
-        self.start(conn, invoke)
+        properties = request_properties(head.headers, request.request_id, request.trace)
+        self.start(conn, Invoke(id=request.id, properties=properties, body=body, path=head.path, query=head.query))
 
-    async def _body(self, request: ClientRequest, head: RequestHead, max_body: int) -> bytes:
-        """The request's body, read off the socket with its head (which was peeked); raises the
-        error the client gets for a body too large (413: a length past ``max_body`` unread, a
-        chunked body as it passes it), late (408), cut short or with malformed chunks (400). A
-        chunked body read past its end (a request sent before the answer) closes the connection
-        after the answer: those bytes are gone."""
+    async def _body(self, request: ClientRequest, head: RequestHead, max_body: int, prefix: bytes) -> bytes:
+        """The request's body, read off the socket after ``prefix`` (what the frontend read of the
+        request) with the rest of its head (which was peeked); raises the error the client gets for
+        a body too large (413: a length past ``max_body`` unread, a chunked body as it passes it),
+        late (408), cut short or with malformed chunks (400). Bytes read past the request's end (a
+        request sent before the answer) close the connection after the answer: they are gone."""
         sock = request.sock
         assert sock is not None  # READING
         length = head.length or 0
@@ -340,8 +342,9 @@ class Handoffs:
             raise too_large(length, max_body)
         chunks = ChunkedBody(max_body) if head.chunked else None  # its decoder finds a chunked body's end
         announced, wanted = (None, 0) if chunks else (length, head.size + length)
-        data, received = bytearray(), 0
+        data, received = bytearray(), len(prefix)
         take = data.extend if chunks is None else chunks.feed
+        take(prefix)
         deadline = monotonic() + self.body_read_timeout
         waits = head.version == "1.1" and (head.header("Expect") or "").lower() == "100-continue"
         while received < wanted or (chunks is not None and not chunks.complete):
@@ -358,9 +361,9 @@ class Handoffs:
                 raise body_cut(chunks.size if chunks else max(received - head.size, 0), announced)
             received += len(part)
             take(part)
-        if chunks is not None and chunks.beyond:
+        if chunks.beyond if chunks is not None else received > wanted:
             request.must_close()
-        return bytes(data[head.size :]) if chunks is None else chunks.body()
+        return bytes(data[head.size : wanted]) if chunks is None else chunks.body()
 
     async def _readable(self, sock: socket.socket, deadline: float) -> bool:
         """Wait until ``sock`` has something to read (or its client closed it); False past ``deadline``."""
@@ -385,8 +388,8 @@ async def end(
     outcome = "completed"
     error = error or request.stopped  # a handler that answered once stopped (vLLM's servers may) is still stopped
     if error is not None:
-        gone = isinstance(error, ClientClosedRequest)
-        outcome = "client_gone" if gone else "timeout" if isinstance(error, GatewayTimeout) else "error"
+        outcome = next((name for kind, name in _OUTCOMES if isinstance(error, kind)), "error")
+        gone = outcome == "client_gone"
         if request.phase is Phase.WRITING:
             await _in_band(conn, request, error)
         elif gone or request.sock is None:

@@ -2,7 +2,9 @@
 (tests/model_dirs/crashes) and one that cannot load again (tests/model_dirs/fails_to_reload),
 with real processes."""
 
+import json
 import re
+import socket
 import time
 
 import requests
@@ -33,9 +35,16 @@ def test_a_request_that_stopped_the_engine_twice_is_refused_and_others_are_serve
         for i in range(5):
             assert server.invoke({"n": i}).json()["echo"] == {"n": i}
         assert server.invoke(POISON).status_code == 422
+        handed = metric(server, "sagelmi_requests_read_early_total")
+        late = _copy_whose_body_comes_after_its_head(server)  # the frontend cannot see it whole: rank 0 refuses it
+        assert metric(server, "sagelmi_requests_read_early_total") - handed == 1  # no request thread read it
+        assert late.startswith(b"HTTP/1.1 422 ") and b"Connection: keep-alive" in late
+        lmi = json.loads(late.partition(b"\r\n\r\n")[2])
+        assert lmi["code"] == 422 and lmi["message"] == "request stopped the engine"
+        assert "stopped the model's engine twice" in lmi["error"]
         assert server.group_pids() == [group]  # the refused copies never reached the group
         assert requests.get(server.url("/ping"), timeout=2).status_code == 200
-        assert metric(server, "sagelmi_poison_requests_refused_total") == 2
+        assert metric(server, "sagelmi_poison_requests_refused_total") == 3
         log = server.log()
         refusals = [line for line in log.splitlines() if "copies of it are refused" in line]
         assert len(refusals) == 1 and "poison-1" in refusals[0] and "ERROR" in refusals[0]
@@ -49,6 +58,25 @@ def test_a_request_that_stopped_the_engine_twice_is_refused_and_others_are_serve
         "other requests meanwhile": "200"},
         note="tests/model_dirs/crashes: `{\"exit\": 5}` ends the handler's process. The request is known by a "
              "hash of its route and body; the log names its request id, never its body.")
+
+
+def _copy_whose_body_comes_after_its_head(server) -> bytes:
+    """A copy of POISON sent in two writes, its body 0.3 s after its head: the answer."""
+    body = json.dumps(POISON).encode()
+    head = f"POST /invocations HTTP/1.1\r\nHost: test\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(head)
+        time.sleep(0.3)
+        sock.sendall(body)
+        answer = b""
+        while b"\r\n\r\n" not in answer or len(answer.partition(b"\r\n\r\n")[2]) < _length(answer):
+            answer += sock.recv(65536)
+    return answer
+
+
+def _length(answer: bytes) -> int:
+    found = re.search(rb"\r\ncontent-length: (\d+)\r\n", answer.partition(b"\r\n\r\n")[0], re.I)
+    return int(found.group(1)) if found else 0
 
 
 def _restart_delays(log: str) -> list[float]:

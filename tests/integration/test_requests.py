@@ -655,6 +655,41 @@ def test_a_connection_handed_to_the_worker_unread_is_served_there_whatever_its_h
         assert "-> 200" in _completion_line(server, name)
 
 
+def test_heads_the_frontend_read_and_requests_gunicorn_read_ahead_are_answered_by_rank_0(server):
+    """The main loop reads a head off the socket when it is past 64 KiB or comes in more than a few
+    pieces, and gunicorn reads ahead a request pipelined after one a thread answers (GET /ping,
+    GET /models): each still goes to rank 0 (with what was read: Attach.prefix) and is answered
+    on the same connection."""
+    many = b"".join(f"X-F{i}: {'v' * 7000}\r\n".encode() for i in range(11))
+    big = _post({"inputs": "big"}, "read-big").replace(b"Host: test\r\n", b"Host: test\r\n" + many)
+    assert len(big) > 70 * 1024
+    slow = _post({"inputs": "pieces"}, "read-pieces")
+    head_end = slow.index(b"\r\n\r\n") + 4
+    cuts = [head_end * i // 6 for i in range(6)] + [len(slow)]
+
+    def send(sock):
+        sock.sendall(big)
+        answers = _read_responses(sock, 1)
+        for start, stop in zip(cuts, cuts[1:]):  # the head in 6 pieces, the body with the last
+            sock.sendall(slow[start:stop])
+            time.sleep(0.1)
+        answers += _read_responses(sock, 1)
+        for path in ("ping", "models"):  # answered by a thread; gunicorn reads the next request ahead
+            name = f"read-after-{path}"
+            sock.sendall(f"GET /{path} HTTP/1.1\r\nHost: test\r\n\r\n".encode() + _post({"inputs": name}, name))
+            answers += _read_responses(sock, 2)
+        return answers
+
+    answers, taken = _taken_by_rank_0(server, send)
+    assert [status for status, _, _ in answers] == [200] * 6
+    echoed = [json.loads(body)["echo"] for status, _, body in answers if b'"echo"' in body]
+    assert echoed == [{"inputs": x} for x in ("big", "pieces", "read-after-ping", "read-after-models")]
+    assert taken == 4  # all four handler requests read by rank 0, no request thread
+    assert json.loads(answers[0][2])["properties"]["X-F10"] == "v" * 7000
+    for name in ("read-big", "read-pieces", "read-after-ping", "read-after-models"):
+        assert "-> 200" in _completion_line(server, name)
+
+
 MAX_PAYLOAD = 6 * 1024 * 1024  # the default max_payload_in_mb (6)
 
 

@@ -34,7 +34,7 @@ def chunked(chunks: tuple[bytes, ...] = (BODY[:10], BODY[10:]), extra: bytes = b
 
 def run(scenario, max_body: int = 1 << 20):
     """``scenario(hand, client, server, frames, started, conn)``: ``hand(pid=ours)`` hands the
-    server side of a TCP connection to rank 0; ``client`` is its other end; ``frames()`` what
+    server side of a TCP connection to rank 0 (``prefix``: what the frontend read off it first); ``client`` is its other end; ``frames()`` what
     reached the frontend; ``started`` the Invokes rank 0 started, with their connection."""
 
     async def main():
@@ -52,9 +52,10 @@ def run(scenario, max_body: int = 1 << 20):
         server.setblocking(True)  # as the frontend hands it over
         buffer = FrameBuffer()
 
-        def hand(pid: int = os.getpid()) -> None:
+        def hand(pid: int = os.getpid(), prefix: bytes = b"", refused: dict[str, float] | None = None) -> None:
             head = ResponseHead("HTTP/1.1", "gunicorn", False, {"X-Sagelmi-Group": "0", "X-Amzn-SageMaker-Inference-Id": "rid-1"})
-            handoffs.receive(Attach(id="w1", head=head, max_body=max_body), os.dup(server.fileno()), pid)
+            attach = Attach(id="w1", head=head, max_body=max_body, prefix=prefix, refused=refused or {})
+            handoffs.receive(attach, os.dup(server.fileno()), pid)
 
         async def frames(wait: float = 0.01) -> list:
             await asyncio.sleep(wait)  # the connection's coalescing pass
@@ -330,3 +331,67 @@ def test_a_chunked_body_too_large_late_cut_short_or_malformed_gets_the_routes_er
     assert head.startswith(b"HTTP/1.1 %d " % status) and b"Connection: close" in head
     assert json.loads(body)["code"] == status and says in json.loads(body)["error"] and started == []
     assert frames[-1].code == status and frames[-1].close
+
+
+@pytest.mark.parametrize(
+    ("data", "read", "rest", "closes"),
+    [
+        (request() + b"POST /next", 30, b"POST /next", False),  # part of the head read by the frontend
+        (request(), len(request()) - 5, b"", False),  # the head and part of the body
+        (request() + b"POST /next", len(request()) + 4, b" /next", True),  # and some of the next request: gone
+        (chunked() + b"POST /next", 60, b"", True),  # a chunked body read on after the prefix (and past its end)
+    ],
+)
+def test_a_request_whose_start_the_frontend_read_is_read_on_after_it(data, read, rest, closes):
+    """The frontend hands over what it read of the request (a head read whole, bytes gunicorn read
+    ahead) with the connection (``Attach.prefix``): rank 0 parses the head from it and what it
+    peeks, and reads the rest after it; bytes of a next request in it close the connection after
+    the answer."""
+
+    async def scenario(hand, client, server, frames, started, conn):
+        client.sendall(data)
+        await asyncio.sleep(0.05)
+        prefix = server.recv(read)
+        hand(prefix=prefix)
+        await asyncio.sleep(0.05)
+        ((_, invoke),) = started
+        assert (invoke.path, invoke.query, invoke.body) == ("/invocations", "x=1", BODY)
+        assert await frames() == [Taken("w1", "rid-1", "/invocations", fingerprint("/invocations?x=1", BODY))]
+        return waiting(server), conn.clients["w1"].close
+
+    assert run(scenario) == (rest, closes)
+
+
+def test_a_copy_of_a_poison_request_the_frontend_did_not_see_whole_is_refused_by_rank_0_with_the_frontends_422():
+    """While copies of some request are refused, the Attach carries the refused fingerprints with
+    the seconds each stays refused: rank 0 answers a copy with the error the frontend gives one it
+    saw whole (the route's envelope, 422) instead of starting it, says so in the End (outcome
+    ``refused``: the frontend counts it) and keeps the connection; other requests are served."""
+    refused = {fingerprint("/invocations?x=1", BODY): 30.0}
+
+    async def copy(hand, client, server, frames, started, conn):
+        client.sendall(request()[:-5])
+        await asyncio.sleep(0.05)
+        hand(refused=refused)
+        await asyncio.sleep(0.05)
+        client.sendall(request()[-5:])  # the body's end after the head: the frontend could not see it whole
+        await asyncio.sleep(0.05)
+        head, body = answer(client)
+        return head, body, started, await frames(0.05)
+
+    head, body, started, got = run(copy)
+    assert head.startswith(b"HTTP/1.1 422 ") and b"Connection: keep-alive" in head and started == []
+    error = json.loads(body)
+    assert error["code"] == 422 and error["message"] == "request stopped the engine"
+    assert "copies of it are refused for 30 more seconds" in error["error"]
+    assert [type(m) for m in got] == [Head, End]  # no Taken: it never ran
+    assert got[-1] == End(id="w1", code=422, outcome="refused", body_bytes=len(body))
+
+    async def other(hand, client, server, frames, started, conn):
+        client.sendall(request(b'{"inputs": "other"}'))
+        await asyncio.sleep(0.05)
+        hand(refused=refused)
+        await asyncio.sleep(0.05)
+        return [invoke.body for _, invoke in started]
+
+    assert run(other) == [b'{"inputs": "other"}']

@@ -194,6 +194,7 @@ HEADS = {
     "HTTP/0.9": line(version=b"HTTP/0.9") + b"\r\n",
     "HTTP/2.0": line(version=b"HTTP/2.0") + b"\r\n",
     "two empty lines before": b"\r\n\r\n" + POST + b"\r\n",
+    "a head past PEEK_BYTES": POST + long_field(8190) * 8 + b"\r\n",  # the main loop reads it: rank 0 gets it whole
 }
 # What gunicorn takes that a request thread still reads (parse_head's docstring says why)
 GUNICORNS_ONLY = {
@@ -202,7 +203,6 @@ GUNICORNS_ONLY = {
     "a length past 2**64": POST + b"Content-Length: 99999999999999999999999\r\n\r\n",
     "OPTIONS *": line(b"OPTIONS", b"*") + b"\r\n",
     "an upgrade of a chunked body": POST + b"Connection: Upgrade\r\nUpgrade: h2c\r\nTransfer-Encoding: chunked\r\n\r\n",
-    "a head past PEEK_BYTES": POST + long_field(8190) * 8 + b"\r\n",
 }
 
 

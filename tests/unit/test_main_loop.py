@@ -14,7 +14,8 @@ import pytest
 from gunicorn.config import Config
 from gunicorn.workers.gthread import TConn
 
-from container.frontend.main_loop import HeadWaitingWorker
+from container.core.ingress import PEEK_BYTES
+from container.frontend.main_loop import PEEKS, HeadWaitingWorker, read_ahead
 from container.frontend.waiting import WaitingConnections
 
 
@@ -69,6 +70,26 @@ class Loop:
         for client in self.clients:
             client.close()
         self.listener.close()
+
+
+class Early:
+    """The hand-off to rank 0 (container/frontend/early.py): takes a POST /invocations, noting what
+    it was shown and what gunicorn had read of it (the Attach's prefix)."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[bytes, bytes]] = []
+
+    def may_take(self, start: bytes) -> bool:
+        return b"POST /invocations".startswith(start[:17])
+
+    def takes(self, data: bytes) -> bool:
+        return data.startswith(b"POST /invocations")
+
+    def send(self, conn, close: bool, data: bytes) -> bool:
+        if not self.takes(data):
+            return False
+        self.sent.append((data, read_ahead(conn)))
+        return True
 
 
 @pytest.fixture
@@ -193,3 +214,43 @@ def test_waiting_connections_name_the_oldest_of_a_client_past_its_cap():
     assert waits.expired(7.0) == ["a3"]
     waits.done("a3")
     assert waits.next_deadline() is None and not waits.waiting_for_head("a2") and "a2" in waits
+
+
+POST = b"POST /invocations HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}"
+
+
+def test_a_head_read_off_the_socket_goes_to_rank_0_with_what_was_read(loop):
+    """A head past PEEK_BYTES, or one that came in more than PEEKS pieces, is read off the socket,
+    and still handed to rank 0: with what was read (the Attach's prefix), no request thread."""
+    loop.worker.early = early = Early()
+    big = POST.replace(b"Host: x\r\n", b"".join(b"X-F%d: %s\r\n" % (i, b"v" * 7000) for i in range(10)))
+    assert len(big) > PEEK_BYTES
+    client, conn = loop.connect(big[:PEEK_BYTES + 10])
+    loop.turn()
+    client.sendall(big[PEEK_BYTES + 10 :])
+    loop.turn()
+    pieces = [POST[i : i + 8] for i in range(0, len(POST), 8)]
+    assert len(pieces) > PEEKS + 1
+    slow, slow_conn = loop.connect(pieces[0])
+    for piece in pieces[1:]:
+        loop.turn(0.05)
+        slow.sendall(piece)
+    loop.turn()
+    assert loop.threads == [] and [data for data, _ in early.sent] == [big, POST]
+    assert all(data == ahead for data, ahead in early.sent)  # all of it was read here: the prefix
+    assert conn not in loop.worker.waits and slow_conn not in loop.worker.waits
+
+
+def test_a_request_gunicorn_read_ahead_after_an_answer_goes_to_rank_0_with_it(loop):
+    """A handler's request pipelined after a request a thread served (GET /models): gunicorn read it
+    ahead; the thread leaves it to the main loop (next_head_here), which hands it to rank 0 with
+    those bytes."""
+    loop.worker.early = early = Early()
+    _, conn = loop.connect(b"GET /models HTTP/1.1\r\nHost: x\r\n\r\n" + POST)
+    assert loop.threads == [conn] and early.sent == []
+    conn.init()
+    request = next(conn.parser)  # the thread's gunicorn reads the first request, and the next ahead
+    assert request.path == "/models" and read_ahead(conn) == POST
+    assert loop.worker.next_head_here(conn) is None  # rank 0's: the main loop hands it over
+    loop.worker.enqueue_req(conn)  # (gthread's finish_request, seeing bytes read ahead)
+    assert early.sent == [(POST, POST)] and loop.threads == [conn]

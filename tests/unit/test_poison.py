@@ -4,7 +4,8 @@ import pytest
 
 from container.core.ingress import fingerprint
 from container.frontend import poison
-from container.frontend.poison import PoisonRequests, RequestStoppedEngine
+from container.core.errors import RequestStoppedEngine
+from container.frontend.poison import PoisonRequests
 
 A = fingerprint("/invocations?", b'{"inputs": "a"}')
 B = fingerprint("/invocations?", b'{"inputs": "b"}')
