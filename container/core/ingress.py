@@ -202,7 +202,7 @@ def _headers(fields: list[tuple[bytes, bytes]]) -> dict[bytes, bytes] | None:
     gunicorn refuses the head (a value with a control byte, more than ``MAX_FIELDS`` kept, a
     repeated Host, Content-Type or Content-Length, an ``Expect`` but ``100-continue``) or reads it
     differently from a trusted proxy (``SCRIPT_NAME`` or ``PATH_INFO``, secure-scheme headers
-    that disagree): a request thread reads those."""
+    that disagree): Flask refuses those on the handler's routes (400)."""
     kept: dict[bytes, bytes] = {}
     count = 0
     schemes: set[bool] = set()

@@ -1,5 +1,5 @@
 """The client side of the wire protocol: one connection to one worker group
-(its rank 0), shared by many request threads.
+(its rank 0), shared by the frontend's threads.
 
 ``GroupClient`` owns a background thread that (re)connects to the group's Unix
 socket and reads every message from it. Status messages update ``state``;
