@@ -7,38 +7,22 @@ a frame: a 4-byte big-endian payload length, then the payload. The struct's tag
 travels inside the payload, so the receiver picks the right type without
 guessing.
 
-Conversation, per request id:
-
-    frontend -> rank 0   Invoke            start a request
-    rank 0 -> frontend   Head              status code and headers (exactly once)
-    rank 0 -> frontend   Chunk*            body bytes, in order
-    rank 0 -> frontend   End               the body is complete
-                    or   Fail              the request failed (before or after Head)
-    frontend -> rank 0   Cancel            abandon it (client gone, timeout)
-
-A streamed answer (``Head.stream``) holds its body until the frontend, having sent the
-HTTP headers, says where it goes (exactly once):
-
-    frontend -> rank 0   Attach            on the descriptor channel, with the client's
-                                           socket: rank 0 writes the body to it itself,
-                                           sends an empty Chunk (``progress``) at most once
-                                           a second meanwhile (at once when a send left part
-                                           of an HTTP chunk on the socket: ``torn``),
-                                           lets go of the socket, then sends End / Fail
-                    or   Attach            on the socket, ``direct=False``: the body comes
-                                           as Chunks
-
-A connection whose next request is for the handler goes to rank 0 before anything of it is
-read (a hand-off); rank 0 reads the request and writes its whole answer itself:
+Every request on the handler's routes goes to rank 0 before anything of it is read (a
+hand-off); rank 0 reads the request and writes its whole answer to the client itself:
 
     frontend -> rank 0   Attach            ``head``: on the descriptor channel, with the client's
-                                           socket, unread, and the frontend's part of the
-                                           answer's HTTP head (``ResponseHead``)
+                                           socket, unread but ``prefix``, and the frontend's part
+                                           of the answer's HTTP head (``ResponseHead``)
     rank 0 -> frontend   Taken             the request is read (its id, route, fingerprint), unless
                                            the frontend saw it whole (``Attach.seen``)
     rank 0 -> frontend   Head              ``written``: sent before the first byte of the answer
                                            goes to the client
-    rank 0 -> frontend   Chunk*            empty (``progress``, ``torn``), as after an Attach
+    frontend -> rank 0   Attach            without a descriptor, on the socket: the Head opened or
+                                           closed a session, which the frontend's routing now
+                                           knows; rank 0 held the answer until then
+    rank 0 -> frontend   Chunk*            empty (``progress``): the body is being written, at most
+                                           once a second, and at once when a send left part of an
+                                           HTTP chunk on the socket or the rest went out (``torn``)
     rank 0 -> frontend   End               rank 0 let go of the socket: the status written, how
                                            the answer ended, whether the connection closes
 
@@ -47,8 +31,9 @@ other end). The descriptor channel is a second Unix socket beside rank 0's
 (``fd_channel_path``), of ``SOCK_SEQPACKET`` messages, each an ``Attach`` payload with one file
 descriptor (``SCM_RIGHTS``; ``send_with_fd`` / ``receive_with_fd``).
 
-An ``Invoke`` for ``METRICS_PATH`` is answered by rank 0 itself (Head, Chunk,
-End) with the Prometheus text of its process, including the engine's metrics.
+The frontend's own request, an ``Invoke`` for ``METRICS_PATH``, is answered by rank 0 itself
+(Head, Chunk, End, or Fail) with the Prometheus text of its process, including the engine's
+metrics.
 
     rank 0 -> frontend   Status            health: sent on connect and on every change
 
@@ -62,7 +47,8 @@ connection, so a restarted group gets them before any request):
 
 Between the ranks of an MPI group (rank 0 is the leader, the others follow):
 
-    leader -> follower   Invoke, Cancel    every request and cancel, in rank 0's order
+    leader -> follower   Invoke, Cancel    every request and its stop (a timeout, the client
+                                           gone), in rank 0's order
     follower -> leader   Status            the follower's own health (loading, ready, failed)
     leader -> follower   Invoke(METRICS_PATH)   asks for the follower's metrics ...
     follower -> leader   Chunk                  ... its Prometheus text, which rank 0 serves

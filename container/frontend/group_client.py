@@ -35,7 +35,6 @@ from container.core.protocol import (
     CHANNEL_MESSAGE_BYTES,
     METRICS_PATH,
     Attach,
-    Cancel,
     Chunk,
     End,
     Fail,
@@ -203,19 +202,6 @@ class GroupClient:
             return error is None  # a connection that dropped meanwhile: the replay covers it
         finally:
             self._pending.pop(message.id, None)
-
-    def cancel(self, request_id: str, confirm: bool = False) -> None:
-        """Abandon a request: the group cancels it; late answers are dropped, but with
-        ``confirm`` its last word (the Fail of a body it wrote itself) is still delivered."""
-        pending = self._pending.get(request_id) if confirm else self._pending.pop(request_id, None)
-        sock = self._sock
-        if pending is None or sock is None:
-            return
-        self._send(sock, encode(Cancel(id=request_id)))
-
-    def forget(self, request_id: str) -> None:
-        """Drop what is still expected for a request (after ``cancel(confirm=True)``)."""
-        self._pending.pop(request_id, None)
 
     def routed(self, request_id: str) -> None:
         """Tell rank 0 the routing knows the session a hand-off's answer opens or closes: it

@@ -690,6 +690,23 @@ def test_heads_the_frontend_read_and_requests_gunicorn_read_ahead_are_answered_b
         assert "-> 200" in _completion_line(server, name)
 
 
+def test_a_head_larger_than_rank_0_is_handed_is_431_in_the_routes_envelope(server):
+    """gunicorn takes heads of up to 100 fields of 8 KiB; the hand-off carries 256 KiB of what the
+    frontend read (protocol.MAX_PREFIX_BYTES): past it the main loop refuses the request itself."""
+    many = b"".join(f"X-F{i}: {'v' * 8000}\r\n".encode() for i in range(40))
+    request = _post({"inputs": "huge"}, "huge-head").replace(b"Host: test\r\n", b"Host: test\r\n" + many)
+    assert 256 * 1024 < len(request) < 100 * 8190
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(request)
+        data = b""
+        while chunk := sock.recv(65536):  # closed after the answer
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 431 ") and b"Connection: close" in head, head
+    assert "larger than 256 KiB" in json.loads(body)["error"]
+    assert " 431 " in _completion_line(server, "huge-head")
+
+
 MAX_PAYLOAD = 6 * 1024 * 1024  # the default max_payload_in_mb (6)
 
 
