@@ -112,6 +112,9 @@ class Head(msgspec.Struct, tag="head", frozen=True, omit_defaults=True):
     """Rank 0 writes this answer's HTTP head and body to the client itself (a hand-off): sent
     before the first byte goes to the client, so the frontend knows the client's connection
     carries an answer."""
+    held: bool = False
+    """The answer opens or closes a stateful session: rank 0 holds it until the frontend's
+    routing knows (an ``Attach`` without a descriptor)."""
 
 
 class Chunk(msgspec.Struct, tag="chunk", frozen=True, omit_defaults=True):

@@ -60,7 +60,7 @@ from container.core.ingress import (
 )
 from container.core.launch import FrontendLaunch
 from container.core.protocol import MAX_PREFIX_BYTES, MAX_REFUSED_SENT, Chunk, End, Fail, Head, ResponseHead, Taken
-from container.core.sessions import SESSION_ID, changes_sessions
+from container.core.sessions import SESSION_ID
 from container.frontend.completion import Answer, Exchange, RequestLog
 from container.frontend.main_loop import json_answer, read_ahead
 from container.frontend.router import Router
@@ -139,7 +139,7 @@ class HandedOff:
                 self.stage = Stage.READ
             elif isinstance(message, Head):
                 self.head, self.head_at, self.stage = message, time.monotonic(), Stage.ANSWERING
-                if changes_sessions(message.headers):  # rank 0 holds the answer until the routing knows
+                if message.held:  # it opens or closes a session: rank 0 holds it until the routing knows
                     self.owner.router.sessions.observe(
                         self.asked, self.group, self.incarnation, message.code, message.headers
                     )

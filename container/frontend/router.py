@@ -68,7 +68,7 @@ class Router:
     # -- routing
     def pick_for(self, session_id: str | None) -> GroupClient:
         """The group holding session ``session_id`` (``SessionRoutes.route``), else ``pick()``."""
-        return self.sessions.route(session_id) or self.pick()
+        return (session_id and self.sessions.route(session_id)) or self.pick()
 
     def pick(self) -> GroupClient:
         """The ready worker group with the fewest requests in flight."""

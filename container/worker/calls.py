@@ -179,7 +179,10 @@ class Calls:
                 raise stopped  # rank 0 stopped it (a timeout, its client gone): the handler's late answer is not sent
             headers = conn.answer_headers(rid, output.code, headers)
         body = b"" if streaming else output.body()
-        head = Head(id=rid, code=output.code, headers=headers, stream=streaming, started=started, written=client)
+        held = client and conn.held(rid)  # an answer opening or closing a session waits for the routing
+        head = Head(
+            id=rid, code=output.code, headers=headers, stream=streaming, started=started, written=client, held=held
+        )
         await conn.send(head)
         if client:
             await conn.delivered(rid)

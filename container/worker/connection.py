@@ -220,14 +220,18 @@ class Connection:
     def answer_headers(self, request_id: str, code: int, headers: dict[str, str]) -> dict[str, str]:
         """The headers of an answer written here, with SageMaker's session headers where the
         handler opened or closed a session in LMI's or DJL's form only (as the frontend completes
-        them; it learns the session from the ``Head``). An answer that opens or closes one waits
-        in ``delivered`` for the frontend's routing to know it."""
-        if self.sessions_expiration is not None and code < 300:
-            if any(name.lower() in SESSION_HEADERS for name in headers):
+        them; it learns the session from the ``Head``). An answer that opens or closes one is
+        ``held``: it waits in ``delivered`` for the frontend's routing to know it."""
+        if any(name.lower() in SESSION_HEADERS for name in headers):
+            if self.sessions_expiration is not None and code < 300:
                 headers = answer_sessions(self.clients[request_id].session, headers, self.sessions_expiration)[0]
-        if changes_sessions(headers):
-            self._routing[request_id] = self._loop.create_future()
+            if changes_sessions(headers):
+                self._routing[request_id] = self._loop.create_future()
         return headers
+
+    def held(self, request_id: str) -> bool:
+        """Whether the answer of request ``request_id`` waits for the frontend's routing (``answer_headers``)."""
+        return request_id in self._routing
 
     def open_client(self, request_id: str, code: int, headers: Mapping[str, str], length: int | None) -> None:
         """Start writing the answer of request ``request_id``, read here: its HTTP head (``code``, the

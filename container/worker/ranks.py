@@ -343,6 +343,9 @@ class DroppedAnswers:
     def stopped(self, request_id: str) -> Exception | None:
         return None
 
+    def held(self, request_id: str) -> bool:
+        return False
+
     async def delivered(self, request_id: str) -> None:
         pass
 

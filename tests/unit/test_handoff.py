@@ -215,14 +215,15 @@ def test_an_answer_opening_a_session_waits_for_the_frontends_routing_and_others_
         hand()
         await asyncio.sleep(0.01)
         headers = conn.answer_headers("w1", 200, {"X-Amzn-SageMaker-Session-Id": "s-1"})  # LMI's form: it opens s-1
-        assert headers["X-Amzn-SageMaker-New-Session-Id"].startswith("s-1; Expires=")
-        await conn.send(Head(id="w1", code=200, headers=headers, stream=False, written=True))
+        assert headers["X-Amzn-SageMaker-New-Session-Id"].startswith("s-1; Expires=") and conn.held("w1")
+        await conn.send(Head(id="w1", code=200, headers=headers, stream=False, written=True, held=True))
         held = asyncio.ensure_future(conn.delivered("w1"))
         await asyncio.sleep(0.1)
         waited = not held.done()  # the Head left, but the frontend's routing has not said it knows s-1
         conn.attach(Attach(id="w1"))  # it has (GroupClient.routed)
         await asyncio.wait_for(held, 1)
         plain = conn.answer_headers("w1", 200, {"Content-Type": "text/plain"})
+        assert not conn.held("w1")
         await asyncio.wait_for(conn.delivered("w1"), 1)  # nothing said of sessions: only the Head's leaving
         await conn.end_client("w1")
         return waited, plain
