@@ -235,10 +235,10 @@ def _framing(headers: dict[bytes, bytes], version: str) -> tuple[int | None, boo
     if codings is None:
         return (int(length) if length is not None else None), False  # httptools checked its digits
     chunked = False
-    for coding in codings.split(b","):
-        if chunked or coding.strip(b" \t").lower() not in _CODINGS:
+    for coding in (coding.strip(b" \t").lower() for coding in codings.split(b",")):
+        if chunked or coding not in _CODINGS:
             return None
-        chunked = coding.strip(b" \t").lower() == b"chunked"
+        chunked = coding == b"chunked"
     if not chunked or version == "1.0" or length is not None:
         return None
     return None, True

@@ -199,9 +199,8 @@ class EarlyRequests:
         end = head.size + (head.length or 0)
         whole = len(data) >= end and not head.chunked  # (a chunked body: rank 0 decodes it)
         print_ = fingerprint(f"{head.path}?{head.query}", data[head.size : end]) if whole else None
-        refused = router.poison.refusals() if print_ is None and router.poison.refusing else {}
-        if len(refused) > MAX_REFUSED_SENT:  # what the descriptor channel carries: the latest refused
-            refused = dict(list(refused.items())[-MAX_REFUSED_SENT:])
+        # (at most what the descriptor channel carries: the latest refused)
+        refused = router.poison.refusals(MAX_REFUSED_SENT) if print_ is None and router.poison.refusing else {}
         exchange = self.requests.begin(WerkzeugHeaders(head.headers), head.method, head.path, head.path, bind=False)
         if len(ahead) > MAX_PREFIX_BYTES:  # a head larger than the descriptor channel carries
             too_large = HeadTooLarge(
@@ -285,8 +284,8 @@ class EarlyRequests:
         head = record.head
         sock = record.conn.sock
         if head is None:
-            data = json_answer(record.path, *describe(error))
-            code = describe(error)[0]
+            described = describe(error)
+            data, code = json_answer(record.path, *described), described[0]
         elif head.stream and not record.torn and record.chunked:
             content_type = next((v for k, v in head.headers.items() if k.lower() == "content-type"), "")
             data = chunk(in_band_error(record.path, content_type, error)) + END_OF_CHUNKS

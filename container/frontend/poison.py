@@ -75,13 +75,14 @@ class PoisonRequests:
                 while len(table) > MAX_REMEMBERED:
                     del table[next(iter(table))]
 
-    def refusals(self) -> dict[str, float]:
-        """The fingerprints refused now, each with the seconds it stays refused (rank 0 checks a
-        request the frontend did not see whole against them: ``protocol.Attach.refused``)."""
+    def refusals(self, limit: int) -> dict[str, float]:
+        """The fingerprints refused now, each with the seconds it stays refused, the latest ``limit``
+        of them (rank 0 checks a request the frontend did not see whole against them:
+        ``protocol.Attach.refused``)."""
         now = time.monotonic()
-        refused = {print_: until - now for print_, until in list(self._refused_until.items()) if until > now}
+        refused = [(print_, until - now) for print_, until in list(self._refused_until.items()) if until > now]
         self.refusing = bool(refused)
-        return refused
+        return dict(refused[-limit:])
 
     @property
     def refused(self) -> int:

@@ -72,14 +72,11 @@ class Connection:
     (``delivered``, ``open_client``), its ``End`` once the socket is let go (``end_client``). The
     answers of the frontend's own requests (``/metrics``) go to it as Chunks."""
 
-    def __init__(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, channel: DescriptorChannel | None = None
-    ) -> None:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader = reader
         self.writer = writer
         self.tasks: dict[str, asyncio.Task] = {}
         self._loop = asyncio.get_running_loop()
-        self._channel = channel  # where the frontend hands clients' sockets over
         self.clients: dict[str, ClientRequest] = {}  # requests read here, answered here (handoff)
         self._routing: dict[str, asyncio.Future] = {}  # answers opening or closing a session: the frontend's go
         self.predict_timeout = 0.0  # set by the worker: a handler silent this long has its request stopped
@@ -241,8 +238,10 @@ class Connection:
         content_type = next((v for k, v in headers.items() if k.lower() == "content-type"), "")
         request.code, request.content_type, request.phase = code, content_type, Phase.WRITING
         request.chunked = framing(request.answer_head, length is not None)[0]
-        self.bodies[request_id] = body = DirectBody(request_id, self._loop, self._torn)
-        body.open(request.take_fd(), request.chunked, response_head(request.answer_head, code, headers, length))
+        preamble = response_head(request.answer_head, code, headers, length)
+        self.bodies[request_id] = body = DirectBody(
+            request_id, self._loop, self._torn, request.take_fd(), request.chunked, preamble
+        )
         self._touch(body)
 
     async def end_client(

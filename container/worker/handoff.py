@@ -76,9 +76,19 @@ class ClientGone(ClientClosedRequest):
 
 
 class DirectBody:
-    """The body of one answer rank 0 writes to the client's socket, from ``open`` to ``close``."""
+    """The body of one answer rank 0 writes to the client's socket ``fd`` (a duplicate this body owns
+    until ``close``), ``preamble`` (its HTTP head) first, as HTTP/1.1 chunks when ``chunked``. The
+    socket's blocking mode is the frontend's too (one open file): sends never wait here."""
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, on_torn: Callable[[DirectBody], None]) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        loop: asyncio.AbstractEventLoop,
+        on_torn: Callable[[DirectBody], None],
+        fd: int,
+        chunked: bool,
+        preamble: bytes,
+    ) -> None:
         self.id = request_id
         self.loop = loop
         # Told, in the send's own call, when ``torn`` turns true and when it turns false again: the
@@ -87,22 +97,14 @@ class DirectBody:
         self.parts: list[bytes] = []  # body pieces not yet written
         self.pending = 0  # their bytes
         self.backlog = b""  # framed bytes the socket did not take yet
-        self.sock: socket.socket | None = None
-        self.preamble = b""  # the HTTP head, written here before the body (Head.written)
-        self.chunked = True
+        self.sock: socket.socket | None = socket.socket(fileno=fd)  # None once closed
+        self.preamble = preamble  # the HTTP head, written here before the body (Head.written)
+        self.chunked = chunked
         self.sent = 0  # body bytes written (without the chunk framing)
         self.gone = False
         self.last_progress = monotonic()
         self._polling = False  # waiting for the socket to take the backlog
         self._wake: asyncio.Future | None = None
-
-    def open(self, fd: int, chunked: bool, preamble: bytes) -> None:
-        """Write to the client's socket ``fd`` (a duplicate this body now owns) from now on,
-        ``preamble`` (an HTTP head) first. Its blocking mode is the frontend's too (one open
-        file): sends never wait here."""
-        self.sock = socket.socket(fileno=fd)
-        self.preamble = preamble
-        self.chunked = chunked
 
     def add(self, data: bytes) -> bool:
         """Hold or queue ``data``; True when the stream must ``wait_room`` before the next piece."""
@@ -137,7 +139,7 @@ class DirectBody:
         return True
 
     def _send(self, frame: bytes) -> None:
-        assert self.sock is not None  # open
+        assert self.sock is not None  # not closed
         try:
             taken = self.sock.send(frame, socket.MSG_DONTWAIT)
         except BlockingIOError:

@@ -321,7 +321,7 @@ class Worker:
 
     # -- requests
     async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        conn = Connection(reader, writer, self.channel)
+        conn = Connection(reader, writer)
         conn.predict_timeout = self.settings.predict_timeout
         conn.cancel = lambda request_id: self._dispatch(conn, Cancel(id=request_id))
         if self.settings.enable_stateful_sessions:

@@ -34,8 +34,9 @@ def chunked(chunks: tuple[bytes, ...] = (BODY[:10], BODY[10:]), extra: bytes = b
 
 def run(scenario, max_body: int = 1 << 20):
     """``scenario(hand, client, server, frames, started, conn)``: ``hand(pid=ours)`` hands the
-    server side of a TCP connection to rank 0 (``prefix``: what the frontend read off it first); ``client`` is its other end; ``frames()`` what
-    reached the frontend; ``started`` the Invokes rank 0 started, with their connection."""
+    server side of a TCP connection to rank 0 (``prefix``: what the frontend read off it first);
+    ``client`` is its other end; ``frames()`` what reached the frontend; ``started`` the Invokes
+    rank 0 started, with their connection."""
 
     async def main():
         ours, theirs = socket.socketpair()
@@ -77,6 +78,15 @@ def run(scenario, max_body: int = 1 << 20):
     return uvloop.run(main())
 
 
+async def handed(hand, client: socket.socket, data: bytes) -> None:
+    """The client sends ``data``, then the frontend hands its connection to rank 0, whose read
+    task has run by the return."""
+    client.sendall(data)
+    await asyncio.sleep(0.05)
+    hand()
+    await asyncio.sleep(0.01)
+
+
 def waiting(sock: socket.socket) -> bytes:
     try:
         return sock.recv(1 << 16, socket.MSG_PEEK | socket.MSG_DONTWAIT)
@@ -96,10 +106,7 @@ def answer(client: socket.socket) -> tuple[bytes, bytes]:
 
 def test_a_request_is_read_to_its_end_and_started_and_the_next_one_stays_on_the_socket():
     async def scenario(hand, client, server, frames, started, conn):
-        client.sendall(request() + b"POST /next")
-        await asyncio.sleep(0.05)
-        hand()
-        await asyncio.sleep(0.01)  # the read task
+        await handed(hand, client, request() + b"POST /next")
         ((on, invoke),) = started
         assert on is conn and (invoke.id, invoke.path, invoke.query, invoke.body) == ("w1", "/invocations", "x=1", BODY)
         assert invoke.properties["requestId"] == "rid-1" and invoke.properties["Host"] == "t"
@@ -113,10 +120,7 @@ def test_a_request_is_read_to_its_end_and_started_and_the_next_one_stays_on_the_
 
 def test_a_whole_answer_goes_to_the_client_with_its_length_after_the_frontend_heard_of_it():
     async def scenario(hand, client, server, frames, started, conn):
-        client.sendall(request())
-        await asyncio.sleep(0.05)
-        hand()
-        await asyncio.sleep(0.01)
+        await handed(hand, client, request())
         await conn.send(Head(id="w1", code=201, headers={"Content-Type": "text/plain"}, stream=False, written=True))
         heard = await frames(0)
         conn.open_client("w1", 201, {"Content-Type": "text/plain"}, 5)
@@ -135,10 +139,7 @@ def test_a_whole_answer_goes_to_the_client_with_its_length_after_the_frontend_he
 
 def test_a_handlers_error_mid_stream_ends_the_chunked_body_with_the_routes_error():
     async def scenario(hand, client, server, frames, started, conn):
-        client.sendall(request())
-        await asyncio.sleep(0.05)
-        hand()
-        await asyncio.sleep(0.01)
+        await handed(hand, client, request())
         headers = {"Content-Type": "application/jsonlines"}
         await conn.send(Head(id="w1", code=200, headers=headers, stream=True, written=True))
         conn.open_client("w1", 200, headers, None)
@@ -210,10 +211,7 @@ def test_an_unknown_process_gets_nothing_and_its_connection_is_closed_unread():
 def test_an_answer_opening_a_session_waits_for_the_frontends_routing_and_others_do_not():
     async def scenario(hand, client, server, frames, started, conn):
         conn.sessions_expiration = 60.0
-        client.sendall(request())
-        await asyncio.sleep(0.05)
-        hand()
-        await asyncio.sleep(0.01)
+        await handed(hand, client, request())
         headers = conn.answer_headers("w1", 200, {"X-Amzn-SageMaker-Session-Id": "s-1"})  # LMI's form: it opens s-1
         assert headers["X-Amzn-SageMaker-New-Session-Id"].startswith("s-1; Expires=") and conn.held("w1")
         await conn.send(Head(id="w1", code=200, headers=headers, stream=False, written=True, held=True))
@@ -234,10 +232,7 @@ def test_an_answer_opening_a_session_waits_for_the_frontends_routing_and_others_
 
 def test_an_answer_held_for_its_sessions_routing_fails_when_the_frontends_connection_closes():
     async def scenario(hand, client, server, frames, started, conn):
-        client.sendall(request())
-        await asyncio.sleep(0.05)
-        hand()
-        await asyncio.sleep(0.01)
+        await handed(hand, client, request())
         conn.answer_headers("w1", 200, {"X-Amzn-SageMaker-New-Session-Id": "s-2"})  # the handler's SageMaker form
         held = asyncio.ensure_future(conn.delivered("w1"))
         await asyncio.sleep(0.01)
