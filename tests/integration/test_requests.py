@@ -707,6 +707,18 @@ def test_a_head_larger_than_rank_0_is_handed_is_431_in_the_routes_envelope(serve
     assert " 431 " in _completion_line(server, "huge-head")
 
 
+def test_a_head_gunicorn_takes_and_rank_0_does_not_read_is_400_naming_what_to_send(server):
+    """HTTP/1.2 (gunicorn takes 1.x; httptools does not parse it plainly) reaches Flask on a handler
+    route, which refuses it in the route's envelope instead of serving it some other way."""
+    body = b'{"inputs": "x"}'
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(b"POST /invocations HTTP/1.2\r\nHost: t\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        head, answer = _whole_answer(sock)
+    assert head.split(b" ")[1] == b"400", head
+    assert "send HTTP/1.1 (or 1.0)" in json.loads(answer)["error"]
+
+
 MAX_PAYLOAD = 6 * 1024 * 1024  # the default max_payload_in_mb (6)
 
 
